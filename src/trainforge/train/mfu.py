@@ -1,0 +1,71 @@
+"""Model-FLOPs utilisation: achieved training FLOP/s over the device's measured
+dense-matmul peak. The peak is measured once per (device, dtype, threads, torch
+version) and cached, because vendor peak numbers are meaningless on a shared
+CPU and the measurement costs about a second."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def _cache_file() -> Path:
+    root = Path(os.environ.get("TRAINFORGE_CACHE", Path.home() / ".cache" / "trainforge"))
+    return root / "peak_flops.json"
+
+
+def _device_key(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"cpu-{os.cpu_count()}cores-{torch.get_num_threads()}threads"
+    return f"{name}|{dtype}|torch-{torch.__version__}"
+
+
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,
+                        seconds: float = 0.5) -> float:
+    """Best observed FLOP/s of an n x n matmul over ~``seconds`` (best, not mean:
+    the peak is what the hardware can do when nothing else interferes)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    for _ in range(2):  # warm-up
+        a @ b
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) -> float:
+    """Cached ``measure_matmul_peak``."""
+    path = _cache_file()
+    key = _device_key(device, dtype)
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+    if key in cache:
+        return float(cache[key])
+    n = 4096 if device.type == "cuda" else 1024
+    peak = measure_matmul_peak(device, dtype, n=n)
+    cache[key] = peak
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=2))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+    return peak

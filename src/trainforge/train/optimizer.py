@@ -1,0 +1,28 @@
+"""AdamW with decoupled weight decay on matrices only (norm gains and biases are
+not decayed: decaying a gain pulls it towards 0 and hurts, per common practice)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _pick_implementation(requested: str, device: torch.device) -> dict[str, bool]:
+    if requested == "fused":
+        return {"fused": True}
+    if requested == "foreach":
+        return {"foreach": True}
+    if requested == "for-loop":
+        return {"foreach": False}
+    # auto: the fused kernel exists for CPU and CUDA in torch >= 2.4 and is the fastest on both.
+    return {"fused": device.type in ("cpu", "cuda")} if device.type in ("cpu", "cuda") else {"foreach": True}
+
+
+def build_optimizer(model: nn.Module, section, lr: float, device: torch.device) -> torch.optim.AdamW:
+    """``section`` is the ``[optimizer]`` config section; ``lr`` the peak learning rate."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": section.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(section.beta1, section.beta2), eps=section.eps,
+                             **_pick_implementation(section.implementation, device))

@@ -1,0 +1,277 @@
+"""The single-process training loop: gradient accumulation, AdamW, clipping,
+warmup + cosine LR, periodic validation, throughput and MFU, JSONL metrics,
+atomic checkpoints and bit-exact resume.
+
+Parallelism, precision policies and compression plug in from outside in later
+issues; the loop stays the same. The only way anything outside the loop stops
+training is ``request_stop`` (signals and callbacks use it): the loop then saves
+a checkpoint at the current step and returns, so nothing done is lost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainforge.config import Config, config_to_dict, config_to_toml
+from trainforge.data.dataset import TokenBatches, load_prepared
+from trainforge.data.prepare import default_data_dir
+from trainforge.errors import CheckpointError, ConfigError
+from trainforge.log import get_logger
+from trainforge.model import build_model, model_config_from_section
+from trainforge.train import checkpoint as ckpt
+from trainforge.train.lr_schedule import warmup_cosine_scheduler
+from trainforge.train.metrics import ConsoleReporter, JsonlSink
+from trainforge.train.mfu import matmul_peak_flops
+from trainforge.train.optimizer import build_optimizer
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.toml"
+
+
+class Callback(Protocol):
+    """Observes named training events; may only influence training via ``trainer.request_stop``."""
+
+    def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'training.device' = {name!r}: CUDA is not available here; use auto or cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Builds data, model, optimizer and schedule from ``cfg`` and trains into ``run_dir``.
+
+    ``resume=True`` continues from the newest checkpoint in ``run_dir``; the continued
+    run reproduces an uninterrupted one bit for bit (same device and thread count).
+    Nothing is written to ``run_dir`` until data, model and checkpoint all loaded."""
+
+    def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
+                 callbacks: list[Callback] | None = None, progress: bool = True):
+        self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks or [])
+        self.log = get_logger()
+        self.progress = progress
+        tcfg = cfg.training
+        self.device = pick_device(tcfg.device)
+        if tcfg.threads:
+            torch.set_num_threads(tcfg.threads)
+        ckpt_root = self.run_dir / "checkpoints"
+        resume_from = ckpt.resolve_checkpoint(self.run_dir) if resume else None
+        if not resume and ckpt.list_checkpoints(ckpt_root):
+            raise CheckpointError(f"run directory {self.run_dir} already has checkpoints; continue it with "
+                                  f"--resume {self.run_dir}, or pass a new --run_dir")
+        seed_everything(tcfg.seed)
+
+        data_path = Path(cfg.data.path) if cfg.data.path else default_data_dir(cfg.data.vocab_size,
+                                                                                 cfg.data.cache_dir)
+        self.data = load_prepared(data_path)
+        self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
+        self.model = build_model(self.model_config, self.device, seed=tcfg.seed)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, tcfg.lr, self.device)
+        self.scheduler = warmup_cosine_scheduler(self.optimizer, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
+        self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed)
+        val_stream = TokenBatches(self.data.splits["val"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
+                                  shuffle=False, name="val")
+        # A fixed validation set (the first batches, in order) so val_loss is comparable across steps.
+        self.val_set = [val_stream.next() for _ in range(min(tcfg.val_batches, val_stream.batches_per_epoch))]
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum_steps
+        self.flops_per_token = self.model_config.flops_per_token(tcfg.seq_len)
+        self.peak_flops = matmul_peak_flops(self.device)
+        self.step = 0
+        self.stop_reason: str | None = None
+        if resume_from is not None:
+            self._load(resume_from)
+
+        # Everything loaded: only now touch the run directory.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
+        if resume_from is not None:
+            JsonlSink.truncate_after(self.run_dir / METRICS_FILE, self.step)
+        self.metrics = JsonlSink(self.run_dir / METRICS_FILE)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.log.info(f"model {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, vocab {self.data.vocab_size}; "
+                      f"data {data_path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}")
+
+    # -- control -------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to stop after the current step (it checkpoints first)."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+
+    # -- checkpointing -----------------------------------------------------------------
+
+    def _train_state(self) -> dict[str, Any]:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "data": self.train_batches.state_dict(),
+                "rng": ckpt.capture_rng_state()}
+
+    def save(self) -> Path:
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self._train_state(),
+                                    config_to_dict(self.cfg), dataclasses.asdict(self.model_config),
+                                    self.data.tokenizer_path, self.cfg.checkpoint.keep_last)
+        self.metrics.write({"step": self.step, "checkpoint": str(path),
+                            "checkpoint_save_s": round(time.perf_counter() - t0, 4)})
+        return path
+
+    def _load(self, path: Path) -> None:
+        meta = ckpt.read_meta(path)
+        ckpt.check_model_compatible(meta, self.model_config, path)
+        tok_digest = meta["files"].get(ckpt.TOKENIZER_FILE)
+        if tok_digest is not None and tok_digest != self.data.manifest["tokenizer"]["sha256"]:
+            raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than {self.data.path}; "
+                                  "resume with the same data.path")
+        ckpt.load_model_weights(path, self.model)
+        state = ckpt.load_train_state(path, self.device)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{path / ckpt.STATE_FILE}: optimizer/scheduler state does not fit this run "
+                                  f"({e})") from None
+        self.train_batches.load_state_dict(state["data"])
+        ckpt.restore_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.log.info(f"resumed from {path} at step {self.step}")
+
+    # -- steps -----------------------------------------------------------------------
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(inputs)  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over ``grad_accum_steps`` micro-batches.
+        Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here."""
+        tcfg = self.cfg.training
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        for _ in range(tcfg.grad_accum_steps):
+            inputs, targets = self.train_batches.next()
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
+            loss.backward()
+            total += loss.detach()
+        max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return total, grad_norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
+        self.model.train()
+        return torch.stack(losses).mean().item()
+
+    # -- loop ----------------------------------------------------------------------------
+
+    def _install_signal_handlers(self) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            self.request_stop(f"received {name}")
+            if signum == signal.SIGINT:  # a second Ctrl-C stops at once
+                signal.signal(signal.SIGINT, previous[signal.SIGINT])
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, handler)
+        return previous
+
+    def fit(self) -> dict[str, Any]:
+        """Train to ``training.steps`` (or until ``request_stop``). Returns a summary."""
+        tcfg, ccfg = self.cfg.training, self.cfg.checkpoint
+        previous_handlers = self._install_signal_handlers()
+        reporter = ConsoleReporter(tcfg.steps, self.step, enabled=self.progress)
+        summary: dict[str, Any] = {"start_step": self.step}
+        try:
+            if self.step == 0:
+                val = self.evaluate()
+                summary["first_val_loss"] = val
+                self.metrics.write({"step": 0, "val_loss": val})
+                reporter.message(f"step 0 val_loss {val:.4f}")
+            pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
+            window_start, window_steps = time.perf_counter(), 0
+            last_saved = -1
+            while self.step < tcfg.steps and self.stop_reason is None:
+                lr = self.optimizer.param_groups[0]["lr"]
+                loss, grad_norm = self.train_step()
+                self.step += 1
+                window_steps += 1
+                pending.append((self.step, lr, loss, grad_norm))
+                last = self.step == tcfg.steps
+                do_val = last or (tcfg.val_interval and self.step % tcfg.val_interval == 0)
+                do_save = last or (ccfg.interval and self.step % ccfg.interval == 0)
+                for cb in self.callbacks:
+                    cb.on_step_end(self, self.step)
+                stopping = self.stop_reason is not None
+                if self.step % tcfg.log_interval == 0 or do_val or do_save or stopping:
+                    # The only host sync of the loop: one per logging interval.
+                    losses = torch.stack([p[2] for p in pending]).tolist()
+                    norms = torch.stack([p[3] for p in pending]).tolist()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
+                    mfu = tps * self.flops_per_token / self.peak_flops
+                    for (step, step_lr, _, _), loss_v, norm_v in zip(pending, losses, norms):
+                        record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
+                                  "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu}
+                        self.metrics.write(record)
+                    reporter.step(self.step, record)
+                    summary["final_loss"] = losses[-1]
+                    pending.clear()
+                    window_start, window_steps = time.perf_counter(), 0
+                else:
+                    reporter.advance(self.step)
+                if do_val:
+                    val = self.evaluate()
+                    summary["final_val_loss"] = val
+                    self.metrics.write({"step": self.step, "val_loss": val})
+                    reporter.message(f"step {self.step} val_loss {val:.4f}")
+                if do_save or stopping:
+                    summary["checkpoint"] = str(self.save())
+                    last_saved = self.step
+                    window_start = time.perf_counter()  # saving is not training throughput
+            if self.stop_reason is not None and last_saved != self.step:
+                summary["checkpoint"] = str(self.save())
+        finally:
+            reporter.close()
+            self.metrics.flush()
+            for sig, h in previous_handlers.items():
+                signal.signal(sig, h)
+        if self.stop_reason is not None:
+            self.log.info(f"stopped at step {self.step}: {self.stop_reason}; resume with --resume {self.run_dir}")
+        summary.update(step=self.step, stop_reason=self.stop_reason, run_dir=str(self.run_dir))
+        return summary
+
+    def close(self) -> None:
+        self.metrics.close()
