@@ -1,0 +1,46 @@
+"""Shared fixtures. The built-in corpus is prepared once per test session into a
+private cache (TRAINFORGE_CACHE), so tests never touch the user's ~/.cache."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from trainforge.config import load_config
+from trainforge.data.prepare import PrepareOptions, default_data_dir, prepare
+
+DEBUG_TRAIN = ["--model.flavor", "debug", "--training.batch_size", "8", "--training.seq_len", "64",
+               "--training.log_interval", "5", "--training.warmup_steps", "5", "--training.val_batches", "4",
+               "--sample.max_new_tokens", "0"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tf_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("tfcache")
+    os.environ["TRAINFORGE_CACHE"] = str(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def builtin_data(tf_cache) -> Path:
+    """The built-in corpus (Python stdlib sources), vocab 8192, prepared as `trainforge train` does."""
+    return default_data_dir(8192)
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory) -> Path:
+    """A small prepared set (a dozen stdlib modules, vocab 512): fast to prepare and train on."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / n) for n in ("argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py",
+                                       "inspect.py", "json/encoder.py", "json/decoder.py", "pathlib.py",
+                                       "random.py", "shutil.py", "textwrap.py", "typing.py")]
+    out = tmp_path_factory.mktemp("small") / "data"
+    prepare(files, out, PrepareOptions(vocab_size=512, val_fraction=0.1), log=lambda *_: None)
+    return out
+
+
+def debug_config(data: Path, *extra: str):
+    return load_config(None, [*DEBUG_TRAIN, "--data.path", str(data), *extra])

@@ -1,0 +1,125 @@
+"""Trainer behaviour a user notices: loss goes down, resume is exact, bad
+checkpoints and runs are refused with the file named."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import debug_config
+from trainforge.config import load_config
+from trainforge.errors import CheckpointError
+from trainforge.train.metrics import read_jsonl
+from trainforge.train.trainer import Trainer
+
+
+class StopAt:
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, trainer, step):
+        if step == self.step:
+            trainer.request_stop("test interruption")
+
+
+def run(cfg, run_dir, resume=False, callbacks=None):
+    t = Trainer(cfg, run_dir, resume=resume, callbacks=callbacks, progress=False)
+    try:
+        return t.fit()
+    finally:
+        t.close()
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"]) for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+
+
+def final_weights(run_dir, step):
+    return load_file(run_dir / "checkpoints" / f"step_{step:07d}" / "model.safetensors")
+
+
+def test_training_on_builtin_corpus_lowers_validation_loss(tmp_path, builtin_data):
+    cfg = load_config(None, ["--model.flavor", "debug", "--training.steps", "150", "--training.lr", "3e-3",
+                             "--training.batch_size", "8", "--training.seq_len", "64", "--training.warmup_steps", "10",
+                             "--training.val_interval", "50", "--sample.max_new_tokens", "0"])
+    assert cfg.data.path is None  # the built-in corpus
+    summary = run(cfg, tmp_path / "run")
+    vals = [r["val_loss"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "val_loss" in r]
+    assert len(vals) == 4  # step 0, 50, 100, 150
+    assert summary["first_val_loss"] > 8.5  # ~ln(8192) at init
+    assert vals[-1] < vals[0] - 2.0, vals
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 151))
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in records)
+
+
+@pytest.mark.parametrize("stop_at", [7, 10])  # between checkpoints, and exactly on one
+def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, small_data, stop_at):
+    extra = ["--training.steps", "20", "--checkpoint.interval", "10", "--training.val_interval", "10",
+             "--training.grad_accum_steps", "2"]
+    run(debug_config(small_data, *extra), tmp_path / "a")
+    part = run(debug_config(small_data, *extra), tmp_path / "b", callbacks=[StopAt(stop_at)])
+    assert part["step"] == stop_at and part["stop_reason"] == "test interruption"
+    run(debug_config(small_data, *extra), tmp_path / "b", resume=True)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")  # exact float equality, every step
+    a, b = final_weights(tmp_path / "a", 20), final_weights(tmp_path / "b", 20)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    vals = lambda d: [(r["step"], r["val_loss"]) for r in read_jsonl(d / "metrics.jsonl") if "val_loss" in r]
+    assert vals(tmp_path / "a") == vals(tmp_path / "b")
+
+
+def test_grad_accumulation_matches_one_big_batch(tmp_path, small_data):
+    one = Trainer(debug_config(small_data, "--training.batch_size", "8"), tmp_path / "one", progress=False)
+    two = Trainer(debug_config(small_data, "--training.batch_size", "4", "--training.grad_accum_steps", "2"),
+                  tmp_path / "two", progress=False)
+    l1, _ = one.train_step()
+    l2, _ = two.train_step()
+    torch.testing.assert_close(l1, l2, atol=1e-6, rtol=1e-6)
+    for p, q in zip(one.model.parameters(), two.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    one.close(), two.close()
+
+
+def test_keep_last_and_half_written_checkpoints(tmp_path, small_data):
+    run_dir = tmp_path / "run"
+    run(debug_config(small_data, "--training.steps", "12", "--checkpoint.interval", "3",
+                     "--checkpoint.keep_last", "2"), run_dir)
+    names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_0000009", "step_0000012"]
+    # A crash mid-save leaves only a hidden temp dir, never taken for a checkpoint.
+    (run_dir / "checkpoints" / ".step_0000015.tmp-x").mkdir()
+    t = Trainer(debug_config(small_data, "--training.steps", "14"), run_dir, resume=True, progress=False)
+    assert t.step == 12
+    t.close()
+
+
+def test_corrupt_checkpoint_is_refused_naming_the_file(tmp_path, small_data):
+    run_dir = tmp_path / "run"
+    run(debug_config(small_data, "--training.steps", "4"), run_dir)
+    weights = run_dir / "checkpoints" / "step_0000004" / "model.safetensors"
+    raw = bytearray(weights.read_bytes())
+    raw[-5] ^= 0x01
+    weights.write_bytes(bytes(raw))
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(CheckpointError, match="model.safetensors.*corrupt"):
+        Trainer(debug_config(small_data, "--training.steps", "8"), run_dir, resume=True, progress=False)
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before  # nothing lost or rewritten
+
+
+def test_incompatible_resume_and_reused_run_dir_are_refused(tmp_path, small_data):
+    run_dir = tmp_path / "run"
+    run(debug_config(small_data, "--training.steps", "2"), run_dir)
+    with pytest.raises(CheckpointError, match="n_layers"):
+        Trainer(debug_config(small_data, "--model.n_layers", "3"), run_dir, resume=True, progress=False)
+    with pytest.raises(CheckpointError, match="--resume"):
+        Trainer(debug_config(small_data), run_dir, progress=False)
+    shutil.rmtree(run_dir / "checkpoints")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        Trainer(debug_config(small_data), run_dir, resume=True, progress=False)
+
+
+def test_checkpoint_holds_no_pickled_code(tmp_path, small_data):
+    run(debug_config(small_data, "--training.steps", "2"), tmp_path / "run")
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "train_state.pt", weights_only=True)
+    assert state["step"] == 2 and set(state) == {"step", "optimizer", "scheduler", "data", "rng"}
