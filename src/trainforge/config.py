@@ -73,13 +73,13 @@ class DataSection:
 
 @dataclass
 class TrainingSection:
-    steps: int = _f(600, "optimizer steps to run")
+    steps: int = _f(300, "optimizer steps to run")
     batch_size: int = _f(16, "sequences per micro-batch")
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
     seq_len: int = _f(256, "tokens per sequence")
     lr: float = _f(1e-3, "peak learning rate, reached after warmup")
     min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
-    warmup_steps: int = _f(50, "linear warmup steps")
+    warmup_steps: int = _f(30, "linear warmup steps")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 = off")
     seed: int = _f(1234, "seed for weights, data order and sampling")
     val_interval: int = _f(100, "run validation every this many steps (and at the end); 0 = only at the end")
@@ -123,7 +123,7 @@ class OptimizerSection:
 
 @dataclass
 class CheckpointSection:
-    interval: int = _f(200, "save a checkpoint every this many steps (and always at the end); 0 = only at the end")
+    interval: int = _f(100, "save a checkpoint every this many steps (and always at the end); 0 = only at the end")
     keep_last: int = _f(3, "how many most recent checkpoints to keep")
 
     def validate(self) -> None:

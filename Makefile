@@ -1,0 +1,29 @@
+# Two commands: `make run` (install, prepare the built-in corpus, train `tiny`,
+# checkpoint, print a sample) and `make test` (install, run the whole suite).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch first, pinned: the CPU build lies on local disk; an unpinned torch pulls a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: install run test bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check $(TORCH)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+install: $(BIN)/.installed
+
+run: install
+	$(BIN)/trainforge train
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/train_throughput.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache
