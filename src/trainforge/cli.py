@@ -39,7 +39,7 @@ def _train(argv: list[str]) -> int:
     from trainforge.errors import ConfigError
 
     p = argparse.ArgumentParser(
-        prog="trainforge train", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="trainforge train", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
         description="Train a model. Any config key can be overridden as --section.key VALUE.",
         epilog="config keys:\n" + config_help())
     p.add_argument("--config", default=None, help="TOML config file")

@@ -74,7 +74,7 @@ class DataSection:
 @dataclass
 class TrainingSection:
     steps: int = _f(300, "optimizer steps to run")
-    batch_size: int = _f(16, "sequences per micro-batch")
+    batch_size: int = _f(8, "sequences per micro-batch")
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
     seq_len: int = _f(256, "tokens per sequence")
     lr: float = _f(1e-3, "peak learning rate, reached after warmup")
