@@ -123,3 +123,16 @@ def test_checkpoint_holds_no_pickled_code(tmp_path, small_data):
     run(debug_config(small_data, "--training.steps", "2"), tmp_path / "run")
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_0000002" / "train_state.pt", weights_only=True)
     assert state["step"] == 2 and set(state) == {"step", "optimizer", "scheduler", "data", "rng"}
+
+
+def test_extending_a_run_on_resume_follows_the_new_schedule(tmp_path, small_data):
+    run_dir = tmp_path / "run"
+    run(debug_config(small_data, "--training.steps", "10", "--training.warmup_steps", "2"), run_dir)
+    run(debug_config(small_data, "--training.steps", "20", "--training.warmup_steps", "2"), run_dir, resume=True)
+    lrs = {r["step"]: r["lr"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+    assert sorted(lrs) == list(range(1, 21))
+    # Cosine over 20 steps, not stuck at the floor the 10-step schedule had reached.
+    from trainforge.train.lr_schedule import WarmupCosine
+
+    want = WarmupCosine(2, 20, 0.1)
+    assert abs(lrs[11] - 1e-3 * want(10)) < 1e-12 and lrs[11] > 2e-4

@@ -9,7 +9,6 @@ never the whole ``Config``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import tomllib
 import types
@@ -285,6 +284,24 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
 
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # TOML basic string: escape quote, backslash and control characters; everything
+    # else literal (JSON's \ud800-style surrogate pairs are not valid TOML escapes).
+    out = []
+    for ch in str(value):
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
 def config_to_toml(cfg: Config) -> str:
     """TOML text of the resolved config (unset optional keys are omitted: TOML has no null)."""
     lines = ["# resolved trainforge config: `trainforge train --config` accepts this file", ""]
@@ -293,7 +310,7 @@ def config_to_toml(cfg: Config) -> str:
         for key, value in values.items():
             if value is None:
                 continue
-            lines.append(f"{key} = {json.dumps(value) if not isinstance(value, bool) else str(value).lower()}")
+            lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 

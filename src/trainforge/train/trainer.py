@@ -30,7 +30,7 @@ from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
 from trainforge.train import checkpoint as ckpt
-from trainforge.train.lr_schedule import warmup_cosine_scheduler
+from trainforge.train.lr_schedule import WarmupCosine, warmup_cosine_scheduler
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
 from trainforge.train.optimizer import build_optimizer
@@ -151,10 +151,31 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{path / ckpt.STATE_FILE}: optimizer/scheduler state does not fit this run "
                                   f"({e})") from None
+        self._keep_configured_schedule()
         self.train_batches.load_state_dict(state["data"])
         ckpt.restore_rng_state(state["rng"])
         self.step = int(state["step"])
         self.log.info(f"resumed from {path} at step {self.step}")
+
+    def _keep_configured_schedule(self) -> None:
+        """A resumed scheduler carries the schedule it was saved with. When the user
+        changed it on resume (e.g. ``--training.steps`` to extend a run, or a new
+        ``--training.lr``), follow the config from the current step on, and say so."""
+        tcfg = self.cfg.training
+        want = WarmupCosine(tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
+        have = self.scheduler.lr_lambdas[0]
+        base = [tcfg.lr] * len(self.optimizer.param_groups)
+        if vars(have) == vars(want) and self.scheduler.base_lrs == base:
+            return
+        self.log.info(f"LR schedule changed on resume: {vars(have)} lr {self.scheduler.base_lrs[0]} -> "
+                      f"{vars(want)} lr {tcfg.lr}")
+        self.scheduler.lr_lambdas[0] = want
+        self.scheduler.base_lrs = base
+        k = self.scheduler.last_epoch
+        for group, lr in zip(self.optimizer.param_groups, base):
+            group["initial_lr"] = lr
+            group["lr"] = lr * want(k)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     # -- steps -----------------------------------------------------------------------
 
