@@ -77,19 +77,22 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts come from the projections' output sizes (-1), not the config, so the
+        # same code runs when tensor parallelism leaves n_heads / tp heads on each rank.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        gqa = q.shape[1] != k.shape[1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
         S = k.shape[2]
         if S == T:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             # Decoding against a cache: query i sits at absolute position start_pos + i.
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -163,16 +166,20 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, vocab). ``start_pos`` is the absolute
-        position of tokens[:, 0] when decoding against caches set by ``setup_caches``."""
+        position of tokens[:, 0] when decoding against caches set by ``setup_caches``.
+
+        A pipeline stage sets ``tok_embeddings`` / ``norm`` / ``output`` to None when it
+        does not own them; it then takes and/or returns hidden states (B, T, dim)."""
         T = tokens.shape[1]
         if start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
         cos = self.rope_cos[start_pos:start_pos + T]
         sin = self.rope_sin[start_pos:start_pos + T]
-        h = self.tok_embeddings(tokens)  # (B, T, dim)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
         for layer in self.layers.values():
             h = layer(h, cos, sin, start_pos)
-        return self.output(self.norm(h))
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
 
     def setup_caches(self, batch_size: int, max_seq_len: int | None = None) -> None:
         """Allocate static KV caches for generation (``clear_caches`` removes them)."""
