@@ -45,7 +45,23 @@ def test_ranks_read_disjoint_slices():
 def test_mismatched_resume_and_too_little_data_fail_clearly():
     b = TokenBatches(_shards(), seq_len=16, batch_size=4, seed=1)
     state = b.state_dict()
-    with pytest.raises(DataError, match="training.batch_size"):
-        TokenBatches(_shards(), seq_len=16, batch_size=8, seed=1).load_state_dict(state)
+    with pytest.raises(DataError, match="training.batch_size = 2"):
+        TokenBatches(_shards(), seq_len=16, batch_size=8, seed=1, world_size=2).load_state_dict(state)
+    with pytest.raises(DataError, match="training.seq_len"):
+        TokenBatches(_shards(), seq_len=8, batch_size=4, seed=1).load_state_dict(state)
+
+
+def test_position_remaps_to_another_number_of_ranks_at_the_same_global_batch():
+    one = TokenBatches(_shards(), seq_len=16, batch_size=4, seed=5)
+    for _ in range(9):
+        one.next()
+    state = one.state_dict()
+    ref = one.next()[0]
+    halves = []
+    for rank in range(2):
+        b = TokenBatches(_shards(), seq_len=16, batch_size=2, seed=5, rank=rank, world_size=2)
+        b.load_state_dict(state)
+        halves.append(b.next()[0])
+    assert torch.equal(torch.cat(halves), ref)
     with pytest.raises(DataError, match="fewer than one global batch"):
         TokenBatches([np.arange(100, dtype=np.uint16)], seq_len=64, batch_size=4, seed=0)

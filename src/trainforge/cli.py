@@ -66,18 +66,25 @@ def _train(argv: list[str]) -> int:
 
     from trainforge.train.trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir, resume=bool(a.resume))
+    from trainforge.parallel.distributed import destroy_distributed
+
     try:
-        summary = trainer.fit()
+        trainer = Trainer(cfg, run_dir, resume=bool(a.resume))
+        try:
+            summary = trainer.fit()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        destroy_distributed()
+    if not trainer.is_main:
+        return 0 if summary.get("stop_reason") is None else 130
     print(f"run directory: {run_dir}")
     if "checkpoint" in summary:
         print(f"checkpoint: {summary['checkpoint']}")
     if "first_val_loss" in summary and "final_val_loss" in summary:
         print(f"val_loss: {summary['first_val_loss']:.4f} -> {summary['final_val_loss']:.4f}")
     s = cfg.sample
-    if summary.get("stop_reason") is None and s.max_new_tokens and not a.no_sample:
+    if summary.get("stop_reason") is None and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1:
         from trainforge.infer.generate import SamplingOptions, generate_text
 
         opts = SamplingOptions(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,

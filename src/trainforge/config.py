@@ -131,6 +131,38 @@ class CheckpointSection:
 
 
 @dataclass
+class ParallelSection:
+    dp_replicate: int = _f(1, "data-parallel replicas (DDP, or the replicate axis of HSDP: across nodes)")
+    dp_shard: int = _f(-1, "FSDP2 shards per replica; -1 = whatever the other axes leave of the world size")
+    tp: int = _f(1, "tensor-parallel degree (DTensor; keep within a node)")
+    pp: int = _f(1, "pipeline stages")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = _f(
+        "1f1b", "pipeline schedule")
+    microbatches: int = _f(0, "pipeline microbatches per step; 0 = 2 x the number of stages")
+    pp_split: str = _f("auto", "stage boundaries: auto (measured), even, or comma-separated first layer of "
+                               "each stage, e.g. 0,5,9")
+    sequence_parallel: bool = _f(True, "shard norms and residuals along the sequence between TP regions")
+    loss_parallel: bool = _f(True, "compute cross-entropy on vocab-sharded logits under TP")
+    activation_checkpointing: Literal["none", "full"] = _f("none", "recompute each block's activations "
+                                                                   "in backward")
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "tp", "pp"):
+            v = getattr(self, name)
+            _require(v >= 1, f"parallel.{name}", v, "an integer >= 1")
+        _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
+                 "an integer >= 1, or -1 to fill")
+        _require(self.microbatches >= 0, "parallel.microbatches", self.microbatches, "an integer >= 0 (0 = auto)")
+        if self.pp_split not in ("auto", "even"):
+            try:
+                bounds = [int(x) for x in self.pp_split.split(",")]
+            except ValueError:
+                bounds = []
+            _require(bool(bounds) and bounds[0] == 0 and bounds == sorted(set(bounds)), "parallel.pp_split",
+                     self.pp_split, "auto, even, or increasing comma-separated layer indices starting at 0")
+
+
+@dataclass
 class SampleSection:
     prompt: str = _f("def ", "prompt for the sample printed after training")
     max_new_tokens: int = _f(64, "tokens to sample after training; 0 = no sample")
@@ -150,6 +182,7 @@ class Config:
     training: TrainingSection = field(default_factory=TrainingSection)
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     sample: SampleSection = field(default_factory=SampleSection)
 
     def validate(self) -> "Config":

@@ -144,11 +144,21 @@ class TokenBatches:
                 "world_size": self.world_size, "batch_size": self.batch_size, "seq_len": self.seq_len}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        names = {"seed": "training.seed", "world_size": "the number of data-parallel ranks",
-                 "batch_size": "training.batch_size", "seq_len": "training.seq_len"}
-        for key, name in names.items():
+        """Restore a position. The number of data-parallel ranks may change as long as the
+        global batch (batch_size x ranks) stays the same: positions count global batches,
+        so the remapped run reads exactly the windows the old layout would have."""
+        for key, name in (("seed", "training.seed"), ("seq_len", "training.seq_len")):
             if int(state[key]) != getattr(self, key):
                 raise DataError(
                     f"the checkpoint's data position was saved with {name} = {state[key]}, this run has "
                     f"{getattr(self, key)}: resume with the same value, or start a new run")
+        saved_global = int(state["batch_size"]) * int(state["world_size"])
+        if saved_global != self.batch_size * self.world_size:
+            raise DataError(
+                f"the checkpoint was saved with a global batch of {state['batch_size']} (training.batch_size) x "
+                f"{state['world_size']} data-parallel ranks = {saved_global} sequences; this run has "
+                f"{self.batch_size} x {self.world_size} = {self.batch_size * self.world_size}. The data position "
+                f"can only be remapped at the same global batch: set training.batch_size = "
+                f"{saved_global // self.world_size if saved_global % self.world_size == 0 else '(not possible)'} "
+                "for this number of ranks")
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None

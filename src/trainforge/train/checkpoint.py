@@ -21,7 +21,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 
 from trainforge import __version__
 from trainforge.data.prepare import sha256_file
@@ -98,19 +97,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any],
-                    config: dict[str, Any], model_config: dict[str, Any], tokenizer_path: Path | None,
-                    keep_last: int) -> Path:
-    """Write checkpoint ``step`` atomically, then delete all but the newest ``keep_last``."""
+def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
+    """Create the hidden temporary directory a checkpoint is written into (rank 0 only;
+    its name is deterministic so every rank of a job writes its shards into the same one)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_root / f".{step_dir_name(step)}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a crash mid-save: never a valid checkpoint
+    tmp.mkdir()
+    return tmp
+
+
+def finalize_checkpoint(ckpt_root: Path, tmp: Path, step: int, train_state: dict[str, Any],
+                        config: dict[str, Any], model_config: dict[str, Any], tokenizer_path: Path | None,
+                        keep_last: int) -> Path:
+    """Add train state, tokenizer and meta.json (sha256 of every file) to ``tmp``, fsync,
+    rename it to ``step_NNNNNNN`` and delete all but the newest ``keep_last`` (rank 0 only)."""
     final = ckpt_root / step_dir_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=ckpt_root))
     try:
-        save_model(model, str(tmp / MODEL_FILE))
         torch.save(train_state, tmp / STATE_FILE)
         if tokenizer_path is not None:
             shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
-        files = sorted(p.name for p in tmp.iterdir())
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         for name in files:
             with open(tmp / name, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -127,7 +135,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, train_st
             json.dump(meta, fh, indent=2)
             fh.flush()
             os.fsync(fh.fileno())
-        tmp.chmod(0o755)
+        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
+            d.chmod(0o755)
         if final.exists():  # re-saving a step (e.g. after resume): swap, then drop the old one
             trash = ckpt_root / f".{final.name}.old-{os.getpid()}"
             os.replace(final, trash)
@@ -142,6 +151,19 @@ def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, train_st
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any],
+                    config: dict[str, Any], model_config: dict[str, Any], tokenizer_path: Path | None,
+                    keep_last: int) -> Path:
+    """Single-process checkpoint: full weights as safetensors, written atomically."""
+    tmp = begin_checkpoint(ckpt_root, step)
+    try:
+        save_model(model, str(tmp / MODEL_FILE))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return finalize_checkpoint(ckpt_root, tmp, step, train_state, config, model_config, tokenizer_path, keep_last)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -180,6 +202,21 @@ def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
                 raise CheckpointError(f"checkpoint file {f} is corrupt: its sha256 does not match {mpath}; "
                                       "use an earlier checkpoint")
     return meta
+
+
+def load_full_weights(ckpt: Path, tie_embeddings: bool) -> dict[str, torch.Tensor]:
+    """The full FQN-keyed weights of a single-process checkpoint (tied output restored)."""
+    f = ckpt / MODEL_FILE
+    try:
+        sd = load_file(str(f))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"checkpoint file {f} could not be read: {e}") from None
+    if tie_embeddings:  # save_model stores a tied matrix once, under one of its names
+        shared = sd.get("tok_embeddings.weight", sd.get("output.weight"))
+        if shared is not None:
+            sd.setdefault("tok_embeddings.weight", shared)
+            sd.setdefault("output.weight", shared)
+    return sd
 
 
 def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 
-def _pick_implementation(requested: str, device: torch.device) -> dict[str, bool]:
+def _pick_implementation(requested: str, device: torch.device, distributed: bool = False) -> dict[str, bool]:
     if requested == "fused":
         return {"fused": True}
     if requested == "foreach":
@@ -15,14 +15,19 @@ def _pick_implementation(requested: str, device: torch.device) -> dict[str, bool
     if requested == "for-loop":
         return {"foreach": False}
     # auto: the fused kernel exists for CPU and CUDA in torch >= 2.4 and is the fastest on both.
+    if distributed and device.type != "cuda":
+        return {"foreach": True}
     return {"fused": device.type in ("cpu", "cuda")} if device.type in ("cpu", "cuda") else {"foreach": True}
 
 
-def build_optimizer(model: nn.Module, section, lr: float, device: torch.device) -> torch.optim.AdamW:
-    """``section`` is the ``[optimizer]`` config section; ``lr`` the peak learning rate."""
+def build_optimizer(model: nn.Module, section, lr: float, device: torch.device,
+                    distributed: bool = False) -> torch.optim.AdamW:
+    """``section`` is the ``[optimizer]`` config section; ``lr`` the peak learning rate.
+    ``distributed``: parameters are DTensors, where auto picks foreach (the fused CPU
+    kernel does not take DTensors)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": section.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(section.beta1, section.beta2), eps=section.eps,
-                             **_pick_implementation(section.implementation, device))
+                             **_pick_implementation(section.implementation, device, distributed))

@@ -11,7 +11,6 @@ a checkpoint at the current step and returns, so nothing done is lost.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import signal
 import threading
@@ -23,13 +22,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from trainforge.config import Config, config_to_dict, config_to_toml
 from trainforge.data.dataset import TokenBatches, load_prepared
 from trainforge.data.prepare import default_data_dir
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
+from trainforge.parallel.apply import parallelize_module_stack
+from trainforge.parallel.data_parallel import data_parallel_kind
+from trainforge.parallel.dims import ParallelDims, dp_rank
+from trainforge.parallel.distributed import init_distributed
 from trainforge.train import checkpoint as ckpt
+from trainforge.train import dist_checkpoint as dckpt
 from trainforge.train.lr_schedule import WarmupCosine, warmup_cosine_scheduler
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
@@ -37,6 +44,19 @@ from trainforge.train.optimizer import build_optimizer
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
+
+
+class _NullSink:
+    """Metrics sink of non-zero ranks: rank 0 writes the run's files."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class Callback(Protocol):
@@ -76,6 +96,12 @@ class Trainer:
         self.device = pick_device(tcfg.device)
         if tcfg.threads:
             torch.set_num_threads(tcfg.threads)
+        self.dist = init_distributed(self.device.type)
+        if self.device.type == "cuda" and self.dist.world_size > 1:
+            self.device = torch.device("cuda", self.dist.local_rank)
+        self.is_main = self.dist.is_main
+        # Layout errors surface here, before any collective, identically on every rank.
+        self.dims = ParallelDims.resolve(cfg.parallel, self.dist.world_size)
         ckpt_root = self.run_dir / "checkpoints"
         resume_from = ckpt.resolve_checkpoint(self.run_dir) if resume else None
         if not resume and ckpt.list_checkpoints(ckpt_root):
@@ -87,31 +113,42 @@ class Trainer:
                                                                                  cfg.data.cache_dir)
         self.data = load_prepared(data_path)
         self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
-        self.model = build_model(self.model_config, self.device, seed=tcfg.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, tcfg.lr, self.device)
+        self.dims.check_model(self.model_config)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        # Every rank builds the full model from the same seed, then keeps its part:
+        # sharded/split results equal the single-process model's.
+        self.model = parallelize_module_stack(build_model(self.model_config, self.device, seed=tcfg.seed),
+                                              self.mesh, self.dims, cfg.parallel, self.device)
+        self.raw_model = getattr(self.model, "module", self.model)  # DDP wraps; state dicts use the raw FQNs
+        self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, tcfg.lr, self.device,
+                                         distributed=self.dims.world_size > 1)
         self.scheduler = warmup_cosine_scheduler(self.optimizer, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
-        self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed)
+        self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
+                                          rank=dp_rank(self.mesh), world_size=self.dims.dp)
         val_stream = TokenBatches(self.data.splits["val"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
                                   shuffle=False, name="val")
         # A fixed validation set (the first batches, in order) so val_loss is comparable across steps.
         self.val_set = [val_stream.next() for _ in range(min(tcfg.val_batches, val_stream.batches_per_epoch))]
-        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum_steps
+        self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum_steps * self.dims.dp
         self.flops_per_token = self.model_config.flops_per_token(tcfg.seq_len)
-        self.peak_flops = matmul_peak_flops(self.device)
+        # MFU is per device: achieved FLOP/s of the job over (peak of one device x devices).
+        self.peak_flops = matmul_peak_flops(self.device) * self.dims.world_size
         self.step = 0
         self.stop_reason: str | None = None
         if resume_from is not None:
             self._load(resume_from)
 
-        # Everything loaded: only now touch the run directory.
+        # Everything loaded: only now touch the run directory (rank 0 writes shared files).
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
-        if resume_from is not None:
-            JsonlSink.truncate_after(self.run_dir / METRICS_FILE, self.step)
-        self.metrics = JsonlSink(self.run_dir / METRICS_FILE)
-        n_params = sum(p.numel() for p in self.model.parameters())
+        if self.is_main:
+            (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
+            if resume_from is not None:
+                JsonlSink.truncate_after(self.run_dir / METRICS_FILE, self.step)
+        self.metrics = JsonlSink(self.run_dir / METRICS_FILE) if self.is_main else _NullSink()
+        n_params = self.model_config.num_params()
         self.log.info(f"model {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, vocab {self.data.vocab_size}; "
-                      f"data {data_path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}")
+                      f"data {data_path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
+                      f"layout {self.dims} ({data_parallel_kind(self.dims)})")
 
     # -- control -------------------------------------------------------------------
 
@@ -123,15 +160,33 @@ class Trainer:
     # -- checkpointing -----------------------------------------------------------------
 
     def _train_state(self) -> dict[str, Any]:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "data": self.train_batches.state_dict(),
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": self.train_batches.state_dict(),
                 "rng": ckpt.capture_rng_state()}
 
     def save(self) -> Path:
+        """Write a checkpoint (collective when distributed). Single process: full weights
+        as safetensors; several: DCP shards that any other layout can load."""
         t0 = time.perf_counter()
-        path = ckpt.save_checkpoint(self.run_dir / "checkpoints", self.step, self.model, self._train_state(),
-                                    config_to_dict(self.cfg), dataclasses.asdict(self.model_config),
-                                    self.data.tokenizer_path, self.cfg.checkpoint.keep_last)
+        root = self.run_dir / "checkpoints"
+        args = (config_to_dict(self.cfg), dataclasses.asdict(self.model_config), self.data.tokenizer_path,
+                self.cfg.checkpoint.keep_last)
+        if self.dims.world_size == 1:
+            state = self._train_state()
+            state["optimizer"] = dckpt.model_and_optim_state(self.raw_model, self.optimizer)["optim"]
+            path = ckpt.save_checkpoint(root, self.step, self.raw_model, state, *args)
+        else:
+            tmp = ckpt.begin_checkpoint(root, self.step) if self.is_main else root / f".{ckpt.step_dir_name(self.step)}.tmp"
+            dist.barrier()
+            dckpt.save_sharded(tmp, self.raw_model, self.optimizer)
+            (tmp / "rng").mkdir(exist_ok=True)
+            torch.save(ckpt.capture_rng_state(), tmp / "rng" / f"rank_{self.dist.rank:05d}.pt")
+            dist.barrier()
+            path = root / ckpt.step_dir_name(self.step)
+            if self.is_main:
+                state = self._train_state()
+                del state["rng"]  # per rank, under rng/
+                path = ckpt.finalize_checkpoint(root, tmp, self.step, state, *args)
+            dist.barrier()
         self.metrics.write({"step": self.step, "checkpoint": str(path),
                             "checkpoint_save_s": round(time.perf_counter() - t0, 4)})
         return path
@@ -143,17 +198,23 @@ class Trainer:
         if tok_digest is not None and tok_digest != self.data.manifest["tokenizer"]["sha256"]:
             raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than {self.data.path}; "
                                   "resume with the same data.path")
-        ckpt.load_model_weights(path, self.model)
         state = ckpt.load_train_state(path, self.device)
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if (path / dckpt.SHARDED_DIR).is_dir():
+                dckpt.load_sharded(path, self.raw_model, self.optimizer)
+            else:
+                weights = ckpt.load_full_weights(path, self.model_config.tie_embeddings)
+                dckpt.load_full(self.raw_model, self.optimizer, weights, state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
         except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{path / ckpt.STATE_FILE}: optimizer/scheduler state does not fit this run "
-                                  f"({e})") from None
+            raise CheckpointError(f"{path}: model/optimizer/scheduler state does not fit this run ({e})") from None
         self._keep_configured_schedule()
         self.train_batches.load_state_dict(state["data"])
-        ckpt.restore_rng_state(state["rng"])
+        rng_file = path / "rng" / f"rank_{self.dist.rank:05d}.pt"
+        if "rng" in state:
+            ckpt.restore_rng_state(state["rng"])
+        elif rng_file.is_file():  # same rank existed when saved; other layouts keep the seeded state
+            ckpt.restore_rng_state(torch.load(rng_file, weights_only=True))
         self.step = int(state["step"])
         self.log.info(f"resumed from {path} at step {self.step}")
 
@@ -196,12 +257,29 @@ class Trainer:
             loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
             loss.backward()
             total += loss.detach()
-        max_norm = tcfg.grad_clip if tcfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        grad_norm = self._clip_gradients(tcfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return total, grad_norm
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm over all ranks' shards, then clip (0 = measure only)."""
+        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):  # sharded grads: per-shard partial norms -> the full norm
+            norm = norm.full_tensor()
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.raw_model.parameters(), max_norm, norm, foreach=True)
+        return norm
+
+    def _mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
+        """Average per-rank values over the data-parallel ranks (logging only)."""
+        if self.mesh is None or self.dims.dp == 1:
+            return values
+        values = values.clone()
+        dist.all_reduce(values, group=self.mesh.dp.get_group())  # gloo has no AVG
+        return values / self.dims.dp
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -231,7 +309,7 @@ class Trainer:
         """Train to ``training.steps`` (or until ``request_stop``). Returns a summary."""
         tcfg, ccfg = self.cfg.training, self.cfg.checkpoint
         previous_handlers = self._install_signal_handlers()
-        reporter = ConsoleReporter(tcfg.steps, self.step, enabled=self.progress)
+        reporter = ConsoleReporter(tcfg.steps, self.step, enabled=self.progress and self.is_main)
         summary: dict[str, Any] = {"start_step": self.step}
         try:
             if self.step == 0:
@@ -256,7 +334,7 @@ class Trainer:
                 stopping = self.stop_reason is not None
                 if self.step % tcfg.log_interval == 0 or do_val or do_save or stopping:
                     # The only host sync of the loop: one per logging interval.
-                    losses = torch.stack([p[2] for p in pending]).tolist()
+                    losses = self._mean_over_dp(torch.stack([p[2] for p in pending])).tolist()
                     norms = torch.stack([p[3] for p in pending]).tolist()
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)

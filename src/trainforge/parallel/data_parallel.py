@@ -1,0 +1,58 @@
+"""Data parallelism: DDP, FSDP2 (``fully_shard``) or HSDP, chosen from the layout.
+
+- only ``dp_replicate`` > 1 (no TP/PP): DDP over the ``dp_replicate`` mesh;
+- ``dp_shard`` > 1 and/or combined with TP/PP: FSDP2 over ``dp_shard``, or HSDP over
+  the 2-D ``(dp_replicate, dp_shard)`` mesh when both are > 1 (shard within a node,
+  replicate across nodes, where bandwidth is scarce).
+
+Each transformer block is its own FSDP unit so only one block's full parameters are
+materialised at a time; the root call covers embeddings, final norm and output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainforge.parallel.dims import ParallelDims, ParallelMesh
+
+
+def data_parallel_kind(dims: ParallelDims) -> str:
+    if dims.dp == 1:
+        return "none"
+    if dims.dp_shard == 1 and dims.tp == 1 and dims.pp == 1:
+        return "ddp"
+    return "hsdp" if dims.dp_replicate > 1 else "fsdp"
+
+
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
+               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    if dims.dp_replicate > 1:
+        dp_mesh = mesh.world["dp_replicate", "dp_shard"]  # 2-D mesh: fully_shard does HSDP
+    else:
+        dp_mesh = mesh.world["dp_shard"]
+    kw = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them.
+        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
+    return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims,
+                        device: torch.device) -> nn.Module:
+    """Wrap or shard ``model`` in place; returns the module to call (DDP returns a wrapper)."""
+    kind = data_parallel_kind(dims)
+    if kind == "none" or mesh is None:
+        return model
+    if kind == "ddp":
+        return apply_ddp(model, mesh, device)
+    return apply_fsdp(model, mesh, dims)
