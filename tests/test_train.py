@@ -128,7 +128,12 @@ def test_checkpoint_holds_no_pickled_code(tmp_path, small_data):
 def test_extending_a_run_on_resume_follows_the_new_schedule(tmp_path, small_data):
     run_dir = tmp_path / "run"
     run(debug_config(small_data, "--training.steps", "10", "--training.warmup_steps", "2"), run_dir)
-    run(debug_config(small_data, "--training.steps", "20", "--training.warmup_steps", "2"), run_dir, resume=True)
+    t = Trainer(debug_config(small_data, "--training.steps", "20", "--training.warmup_steps", "2"), run_dir,
+                resume=True, progress=False)
+    assert len({g["lr"] for g in t.optimizer.param_groups}) == 1  # decayed and non-decayed groups alike
+    t.fit()
+    assert len({g["lr"] for g in t.optimizer.param_groups}) == 1
+    t.close()
     lrs = {r["step"]: r["lr"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
     assert sorted(lrs) == list(range(1, 21))
     # Cosine over 20 steps, not stuck at the floor the 10-step schedule had reached.

@@ -12,9 +12,13 @@ from pathlib import Path
 WORKERS = Path(__file__).parent / "workers"
 
 
+def torchrun_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout_s: float = 240.0,
                  check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = torchrun_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)

@@ -20,7 +20,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -35,6 +34,7 @@ from trainforge.parallel.apply import parallelize_module_stack
 from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
+from trainforge.parallel.tensor_parallel import cross_entropy_loss, loss_context
 from trainforge.train import checkpoint as ckpt
 from trainforge.train import dist_checkpoint as dckpt
 from trainforge.train.lr_schedule import WarmupCosine, warmup_cosine_scheduler
@@ -230,7 +230,7 @@ class Trainer:
             return
         self.log.info(f"LR schedule changed on resume: {vars(have)} lr {self.scheduler.base_lrs[0]} -> "
                       f"{vars(want)} lr {tcfg.lr}")
-        self.scheduler.lr_lambdas[0] = want
+        self.scheduler.lr_lambdas = [want] * len(self.optimizer.param_groups)  # every group (decay, no-decay)
         self.scheduler.base_lrs = base
         k = self.scheduler.last_epoch
         for group, lr in zip(self.optimizer.param_groups, base):
@@ -241,8 +241,13 @@ class Trainer:
     # -- steps -----------------------------------------------------------------------
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy in fp32. Under TP with loss parallel the logits are a
+        vocab-sharded DTensor and this must run (with its backward) in ``_loss_ctx``."""
         logits = self.model(inputs)  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return cross_entropy_loss(logits, targets)
+
+    def _loss_ctx(self):
+        return loss_context(self.dims.tp > 1 and self.cfg.parallel.loss_parallel)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` micro-batches.
@@ -254,8 +259,9 @@ class Trainer:
             inputs, targets = self.train_batches.next()
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
-            loss.backward()
+            with self._loss_ctx():
+                loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
+                loss.backward()
             total += loss.detach()
         grad_norm = self._clip_gradients(tcfg.grad_clip)
         self.optimizer.step()
@@ -284,7 +290,8 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
+        with self._loss_ctx():
+            losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
         self.model.train()
         return torch.stack(losses).mean().item()
 

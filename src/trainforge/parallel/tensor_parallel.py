@@ -1,0 +1,226 @@
+"""Tensor parallelism (Megatron-style) with sequence and loss parallelism, via DTensor.
+
+``apply_tensor_parallel`` rewrites a single-device ``Transformer`` in place with
+``torch.distributed.tensor.parallel.parallelize_module``, following torchtitan's Llama plan:
+
+- ``tok_embeddings``: RowwiseParallel (vocab rows sharded). Its partial sums are
+  reduce-scattered over the sequence (sequence parallel) or all-reduced (not).
+- per block: ``wq/wk/wv`` and ``w1/w3`` ColwiseParallel (each rank holds whole heads and
+  a slice of the FFN hidden dim), ``wo/w2`` RowwiseParallel; with sequence parallel the
+  norms are SequenceParallel, so between the blocks' matmuls the residual stream is
+  (B, T/tp, dim) on each rank and norms / residual adds run on a 1/tp slice of the tokens.
+  Without it the stream is the full (B, T, dim) on every rank and the norms run replicated.
+- ``norm``: as the block norms; ``output``: ColwiseParallel, vocab sharded. With loss
+  parallel the logits stay a Shard(-1) DTensor and the cross-entropy is computed on the
+  shards (never materialising (B, T, vocab) on one rank); otherwise they are all-gathered
+  into an ordinary replicated tensor.
+
+Nothing here is hand-written communication: every collective comes from DTensor. Every
+parameter becomes a DTensor (foreach ops reject a mix of Tensors and DTensors). Gradients
+do not always arrive in their parameter's placement: the norms' are Partial (the all-reduce
+runs lazily, in the first op that needs the value, e.g. clipping or the optimizer) and the
+embedding's is Replicate (each rank holds the full (vocab, dim) gradient); FSDP2 redistributes
+them itself, a plain optimizer pays the deferred reductions.
+
+Contract for callers (trainer, pipeline stages):
+
+- With sequence parallel the token count T must be divisible by ``tp`` (checked on the
+  model's forward), and activations passed *between pipeline stages* are the local
+  sequence shard (B, T/tp, dim): a stage without ``tok_embeddings`` takes, and one
+  without ``output`` returns, that shard as a plain tensor.
+- The loss is computed as ``with loss_context(lp): loss = cross_entropy_loss(logits,
+  targets); loss.backward()`` -- loss parallel needs the backward inside the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from trainforge.errors import ConfigError
+from trainforge.model.config import ModelConfig
+from trainforge.model.llama import Transformer
+from trainforge.parallel.dims import ParallelDims
+
+__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "cross_entropy_loss", "loss_context"]
+
+
+def check_tensor_parallel(model_config: ModelConfig, tp_degree: int) -> None:
+    """Raise ``ConfigError`` naming ``parallel.tp`` when the model cannot be split ``tp_degree``
+    ways (heads, KV heads and FFN hidden dim must divide). Pure: no collective, so a bad
+    layout fails on every rank with the same message."""
+    if tp_degree < 1:
+        raise ConfigError(f"config key 'parallel.tp' = {tp_degree}: must be >= 1")
+    # A one-stage, tp-only layout: check_model's TP conditions are the ones that apply.
+    ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=tp_degree, world_size=tp_degree).check_model(model_config)
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True,
+                          loss_parallel: bool = True) -> None:
+    """Shard ``model``'s parameters over the 1-D ``tp_mesh`` and install the input/output
+    redistribution hooks. Mutates ``model`` in place (parameters become DTensors).
+
+    Call on a model whose weights are identical on every TP rank (same seed): parameters
+    are scattered from TP rank 0. ``tok_embeddings`` / ``norm`` / ``output`` may be None
+    (pipeline stages); their parts of the plan are skipped. Tied embeddings are supported:
+    the embedding and output projection both shard the vocab dim (Shard(0)), so one DTensor
+    parameter serves both and the tie is restored after sharding.
+
+    With ``loss_parallel`` the model returns logits as a DTensor sharded on the vocab dim;
+    use ``loss_context`` / ``cross_entropy_loss``. Otherwise it returns a plain (B, T, vocab)
+    tensor, replicated over the TP ranks.
+    """
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tensor_parallel needs a 1-D mesh (mesh['tp']), got {tp_mesh.ndim} dims")
+    tp = tp_mesh.size()
+    check_tensor_parallel(model.cfg, tp)
+    tied = (model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
+
+    # Layout of the residual stream between the blocks' matmuls: (B, T/tp, dim) or (B, T, dim).
+    stream = Shard(1) if sequence_parallel else Replicate()
+
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if model.norm is not None:
+        # Returned as a plain tensor when this stage ends at the norm (no output projection).
+        top["norm"] = _norm_style(sequence_parallel, use_local_output=model.output is None)
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=stream,
+                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                        use_local_output=not loss_parallel)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+
+    # Block inputs: only x is a tensor to lay out; cos/sin (T, head_dim) stay plain
+    # replicated tensors and start_pos is an int. Redistributing x to Replicate once here
+    # (an all-gather with SP, a no-op otherwise) lets wq/wk/wv (w1/w3) share one DTensor
+    # input, so their input-gradients are summed locally and all-reduced/reduce-scattered once.
+    for block in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(input_layouts=(stream, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w3": ColwiseParallel(),
+            "attention_norm": _norm_style(sequence_parallel),
+            "ffn_norm": _norm_style(sequence_parallel),
+        }
+        parallelize_module(block, tp_mesh, plan)
+
+    if tied:
+        # parallelize_module registered a fresh Parameter on each module; both are the same
+        # Shard(0) split of the same rows, so re-share one of them.
+        model.output.weight = model.tok_embeddings.weight
+
+    if sequence_parallel and model.tok_embeddings is not None:
+        model.register_forward_pre_hook(_sequence_divisible_hook(tp))
+    elif sequence_parallel:
+        # A later pipeline stage receives its local sequence shard (B, T/tp, dim), but
+        # Transformer.forward slices the rope tables by the input's dim 1. Presenting the
+        # input as a Shard(1) DTensor makes that dim the global T; the blocks then get the
+        # plain local shard back, as they do after a sharded embedding.
+        model.register_forward_pre_hook(_wrap_sequence_shard(tp_mesh))
+        for block in model.layers.values():
+            block.register_forward_pre_hook(_unwrap_sequence_shard)
+
+
+def _norm_style(sequence_parallel: bool, use_local_output: bool = False) -> ParallelStyle:
+    if sequence_parallel:
+        return SequenceParallel(use_local_output=use_local_output)
+    return _ReplicateParallel(use_local_output=use_local_output)
+
+
+class _ReplicateParallel(ParallelStyle):
+    """A norm without sequence parallel: runs on the full, replicated (B, T, dim) input, but
+    its weight still becomes a Replicate DTensor. Left a plain tensor, it would make the
+    parameter list a mix of Tensors and DTensors, which foreach ops reject
+    (``clip_grad_norm_``: "got mixed torch.Tensor and DTensor"). torchtitan's ``NoParallel``."""
+
+    def __init__(self, *, use_local_output: bool = False):
+        super().__init__()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def input_fn(mod, inputs, mesh):
+            x, *rest = inputs
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+            return (x, *rest)
+
+        def output_fn(mod, output, mesh):
+            return output.to_local() if self.use_local_output else output
+
+        # No partition_fn: distribute_module replicates every parameter from rank 0.
+        return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
+
+
+def _wrap_sequence_shard(tp_mesh: DeviceMesh):
+    def hook(module, args):
+        h, *rest = args
+        if not isinstance(h, DTensor):
+            h = DTensor.from_local(h, tp_mesh, (Shard(1),), run_check=False)
+        return (h, *rest)
+    return hook
+
+
+def _unwrap_sequence_shard(module, args):
+    h, *rest = args
+    return (h.to_local() if isinstance(h, DTensor) else h, *rest)
+
+
+def _sequence_divisible_hook(tp: int):
+    def hook(module, args):
+        tokens = args[0]
+        if tokens.shape[1] % tp:
+            # Shard(1) activations are rebuilt from local shards assuming equal sizes, so an
+            # uneven split would silently give wrong shapes downstream.
+            raise ValueError(
+                f"sequence parallel needs the sequence length ({tokens.shape[1]} tokens) to be divisible by "
+                f"parallel.tp = {tp}; change training.seq_len, or apply tensor parallel with "
+                "sequence_parallel=False (e.g. for incremental decoding)")
+    return hook
+
+
+def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``enabled``, else a no-op.
+    Both the loss computation and its ``backward()`` must run inside it."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of logits (B, T, vocab) against targets (B, T), in fp32.
+
+    ``logits`` is either a plain tensor or, under ``loss_context(True)``, a DTensor sharded on
+    the vocab dim (Shard(-1)); then each rank reduces its own vocab slice and only (B*T,)
+    statistics cross ranks. ``targets`` is a plain tensor, identical on the TP ranks.
+    Returns a plain scalar tensor (the same value on every TP rank), still attached to the
+    graph, so callers can scale, accumulate and ``.item()`` it like any loss."""
+    # (B, T, V) -> (B*T, V): cross_entropy's class dim is 1, and the flattened logits stay
+    # sharded on the (now last) vocab dim.
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    if isinstance(loss, DTensor):
+        # Replicated scalar: the local value is the full loss; to_local's backward re-wraps
+        # the gradient as a replicated DTensor for the loss-parallel backward.
+        loss = loss.to_local()
+    return loss

@@ -1,0 +1,156 @@
+"""Data parallelism through the real CLI under torchrun (gloo, CPU): DDP, FSDP2 and
+HSDP each match single-process training at the same global batch and seed, and a
+checkpoint saved at one layout resumes at others."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.parallel.torchrun import torchrun_env
+from trainforge.errors import ConfigError
+from trainforge.model import FLAVORS, build_model
+from trainforge.parallel.dims import ParallelDims
+from trainforge.train import checkpoint as ckpt
+from trainforge.train import dist_checkpoint as dckpt
+from trainforge.train.metrics import read_jsonl
+
+GLOBAL_BATCH = 8
+COMMON = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.steps", "6",
+          "--training.warmup_steps", "2", "--training.log_interval", "1", "--training.val_interval", "3",
+          "--training.val_batches", "2", "--checkpoint.interval", "3", "--sample.max_new_tokens", "0",
+          "--training.threads", "1"]
+LOSS_RTOL = 1e-4
+WEIGHT_ATOL = 1e-5
+
+
+def train_cmd(nproc: int, run_dir, data, *extra: str) -> list[str]:
+    launcher = [sys.executable, "-m", "trainforge"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "trainforge"]
+    return [*launcher, "train", "--run_dir", str(run_dir), "--data.path", str(data), *COMMON, *extra]
+
+
+def run(cmd: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env())
+    assert r.returncode == expect_rc, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return r
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def weights(ckpt_dir) -> dict[str, torch.Tensor]:
+    """Full weights of any checkpoint (sharded ones resharded into one process)."""
+    if (ckpt_dir / dckpt.SHARDED_DIR).is_dir():
+        model = build_model(FLAVORS["debug"], seed=0)
+        dckpt.load_sharded(ckpt_dir, model, None)
+        return dict(model.state_dict())
+    return ckpt.load_full_weights(ckpt_dir, tie_embeddings=False)
+
+
+def assert_same_training(run_dir, ref_dir, steps=range(1, 7)):
+    got, want = losses(run_dir), losses(ref_dir)
+    assert sorted(got) == list(steps)
+    for s in steps:
+        assert abs(got[s] - want[s]) <= LOSS_RTOL * abs(want[s]), (s, got[s], want[s])
+    a = weights(run_dir / "checkpoints" / "step_0000006")
+    b = weights(ref_dir / "checkpoints" / "step_0000006")
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_data):
+    ref = tmp_path_factory.mktemp("ref") / "run"
+    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH)))
+    return ref
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]),  # DDP
+    (2, ["--parallel.dp_shard", "-1"]),  # FSDP2
+    (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),  # HSDP 2x2
+], ids=["ddp2", "fsdp2", "hsdp2x2"])
+def test_data_parallel_matches_single_process(tmp_path, small_data, reference, nproc, layout):
+    run_dir = tmp_path / "run"
+    r = run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // nproc), *layout))
+    kind = {"ddp2": "ddp", "fsdp2": "fsdp", "hsdp2x2": "hsdp"}
+    assert any(f"({k})" in r.stderr for k in kind.values())
+    assert_same_training(run_dir, reference)
+    assert (run_dir / "checkpoints" / "step_0000006" / dckpt.SHARDED_DIR).is_dir()
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_one_layout_resumes_at_others(tmp_path, small_data, reference):
+    """HSDP 2x2 on 4 processes, interrupted at step 3; resumed on 1 process and on
+    2 processes (FSDP2): both continue with the reference's losses and weights."""
+    base = tmp_path / "hsdp"
+    run(train_cmd(4, base, small_data, "--training.batch_size", "2", "--parallel.dp_replicate", "2",
+                  "--parallel.dp_shard", "2", "--training.steps", "3"))
+    import shutil
+
+    # The saved config holds the old layout; a resume at another layout overrides it.
+    other = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
+    for nproc, extra in ((1, ["--training.batch_size", "8", *other]), (2, ["--training.batch_size", "4", *other])):
+        run_dir = tmp_path / f"resume{nproc}"
+        shutil.copytree(base, run_dir)
+        launcher = [sys.executable, "-m", "trainforge"] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "trainforge"]
+        run([*launcher, "train", "--resume", str(run_dir), "--training.steps", "6", *extra])
+        # Full state at step 3 reshards identically into one process.
+        if nproc == 1:
+            w3 = weights(base / "checkpoints" / "step_0000003")
+            ref3 = weights(reference / "checkpoints" / "step_0000003")
+            for k in ref3:
+                torch.testing.assert_close(w3[k], ref3[k], atol=WEIGHT_ATOL, rtol=0)
+        assert_same_training(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_layout_not_matching_world_size_fails_before_any_work(tmp_path, small_data):
+    run_dir = tmp_path / "run"
+    r = run(train_cmd(2, run_dir, small_data, "--parallel.dp_replicate", "3", "--parallel.dp_shard", "1"),
+            expect_rc=1)
+    assert "world size is 2" in r.stderr and "parallel" in r.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("kw, world, needle", [
+    ({"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 1}, 4, "world size is 4"),
+    ({"dp_replicate": 3, "dp_shard": -1, "tp": 1, "pp": 1}, 4, "dp_shard = -1 cannot fill"),
+    ({"dp_replicate": 1, "dp_shard": 0, "tp": 1, "pp": 1}, 4, "parallel.dp_shard"),
+])
+def test_bad_layouts_name_the_setting(kw, world, needle):
+    with pytest.raises(ConfigError, match=needle):
+        ParallelDims.resolve(SimpleNamespace(**kw), world)
+
+
+def test_layout_must_fit_the_model():
+    dims = ParallelDims.resolve(SimpleNamespace(dp_replicate=1, dp_shard=1, tp=8, pp=1), 8)
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        dims.check_model(FLAVORS["debug"])  # 4 heads
+    dims = ParallelDims.resolve(SimpleNamespace(dp_replicate=1, dp_shard=1, tp=1, pp=4), 4)
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        dims.check_model(FLAVORS["debug"])  # 2 layers
+    dims = ParallelDims.resolve(SimpleNamespace(dp_replicate=2, dp_shard=-1, tp=2, pp=1), 8)
+    assert (dims.dp_shard, dims.dp) == (2, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, layout", [
+    (2, ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
+    (4, ["--parallel.tp", "2", "--parallel.dp_shard", "2"]),
+], ids=["tp2", "fsdp2xtp2"])
+def test_tensor_parallel_training_matches_single_process(tmp_path, small_data, reference, nproc, layout):
+    """TP through the trainer (sequence + loss parallel), alone and under FSDP2."""
+    run_dir = tmp_path / "run"
+    dp = nproc // 2
+    run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // dp), *layout))
+    assert_same_training(run_dir, reference)
