@@ -84,6 +84,8 @@ def test_data_parallel_matches_single_process(tmp_path, small_data, reference, n
     assert any(f"({k})" in r.stderr for k in kind.values())
     assert_same_training(run_dir, reference)
     assert (run_dir / "checkpoints" / "step_0000006" / dckpt.SHARDED_DIR).is_dir()
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert all(0 < r["comm_share"] <= 1 and r["peak_memory_bytes"] > 10 * 2**20 for r in records)
 
 
 @pytest.mark.slow

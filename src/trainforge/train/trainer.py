@@ -41,6 +41,7 @@ from trainforge.train.lr_schedule import WarmupCosine, warmup_cosine_scheduler
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
 from trainforge.train.optimizer import build_optimizer
+from trainforge.train.step_stats import CommShareProbe, peak_memory_bytes
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
@@ -133,6 +134,7 @@ class Trainer:
         self.flops_per_token = self.model_config.flops_per_token(tcfg.seq_len)
         # MFU is per device: achieved FLOP/s of the job over (peak of one device x devices).
         self.peak_flops = matmul_peak_flops(self.device) * self.dims.world_size
+        self.comm_probe = CommShareProbe(self.device)
         self.step = 0
         self.stop_reason: str | None = None
         if resume_from is not None:
@@ -287,6 +289,19 @@ class Trainer:
         dist.all_reduce(values, group=self.mesh.dp.get_group())  # gloo has no AVG
         return values / self.dims.dp
 
+    def _window_stats(self) -> dict[str, Any]:
+        """Peak memory (max over ranks) and, when distributed, the communication share."""
+        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.int64)
+        stats: dict[str, Any] = {}
+        if self.dims.world_size > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            if self.comm_probe.last_share is not None:
+                share = torch.tensor([self.comm_probe.last_share], dtype=torch.float64)
+                dist.all_reduce(share)  # mean over ranks
+                stats["comm_share"] = share.item() / self.dims.world_size
+        stats["peak_memory_bytes"] = int(peak.item())
+        return stats
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
@@ -329,7 +344,10 @@ class Trainer:
             last_saved = -1
             while self.step < tcfg.steps and self.stop_reason is None:
                 lr = self.optimizer.param_groups[0]["lr"]
-                loss, grad_norm = self.train_step()
+                # Profile the last step of each logging window when there are collectives to see.
+                profile_now = self.dims.world_size > 1 and (self.step + 1) % tcfg.log_interval == 0
+                with self.comm_probe.measure(profile_now):
+                    loss, grad_norm = self.train_step()
                 self.step += 1
                 window_steps += 1
                 pending.append((self.step, lr, loss, grad_norm))
@@ -348,9 +366,10 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
                     mfu = tps * self.flops_per_token / self.peak_flops
+                    extra = self._window_stats()
                     for (step, step_lr, _, _), loss_v, norm_v in zip(pending, losses, norms):
                         record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
-                                  "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu}
+                                  "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **extra}
                         self.metrics.write(record)
                     reporter.step(self.step, record)
                     summary["final_loss"] = losses[-1]

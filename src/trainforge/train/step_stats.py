@@ -1,0 +1,48 @@
+"""Per-step measurements of a distributed run: communication share and peak memory.
+
+Communication share = time spent in collectives / step time, for one profiled step
+per logging window (``torch.profiler``; the collectives of gloo and NCCL show up as
+``gloo:*`` / ``nccl:*`` events). Collectives that overlap compute still count, so
+this is the share of the step during which the network was busy, an upper bound on
+what communication costs. Only multi-process runs are profiled: a single process
+has nothing to measure and pays nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+COMM_EVENT_PREFIXES = ("gloo:", "nccl:")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes on CUDA; peak resident set size of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+class CommShareProbe:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last_share: float | None = None
+
+    @contextlib.contextmanager
+    def measure(self, enabled: bool):
+        if not enabled:
+            yield
+            return
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            yield
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed_us = (time.perf_counter() - t0) * 1e6
+        comm_us = sum(e.cpu_time_total for e in prof.events() if e.name.startswith(COMM_EVENT_PREFIXES))
+        self.last_share = min(1.0, comm_us / max(elapsed_us, 1.0))
