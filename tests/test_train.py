@@ -141,3 +141,15 @@ def test_extending_a_run_on_resume_follows_the_new_schedule(tmp_path, small_data
 
     want = WarmupCosine(2, 20, 0.1)
     assert abs(lrs[11] - 1e-3 * want(10)) < 1e-12 and lrs[11] > 2e-4
+
+
+def test_activation_checkpointing_matches_plain_training(tmp_path, small_data):
+    run(debug_config(small_data, "--training.steps", "4"), tmp_path / "plain")
+    run(debug_config(small_data, "--training.steps", "4", "--parallel.activation_checkpointing", "full"),
+        tmp_path / "ac")
+    a, b = dict(losses(tmp_path / "plain")), dict(losses(tmp_path / "ac"))
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) <= 1e-6 * abs(a[s]) for s in a)
+    wa, wb = final_weights(tmp_path / "plain", 4), final_weights(tmp_path / "ac", 4)
+    assert wa.keys() == wb.keys()  # same FQNs: checkpoints move between runs with and without it
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
