@@ -28,3 +28,50 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
                               loss_parallel=section.loss_parallel)
     apply_activation_checkpointing(model, section.activation_checkpointing)
     return apply_data_parallel(model, mesh, dims, device)
+
+
+def pipeline_boundaries(model: nn.Module, section, dims: ParallelDims, mesh: ParallelMesh, num_stages: int,
+                        batch_size: int, seq_len: int, microbatches: int, device: torch.device,
+                        log=None) -> list[int] | None:
+    """``parallel.pp_split``: explicit list, ``even`` (None), or ``auto``: every pipeline
+    rank profiles the full model on one microbatch, the timings are averaged over the
+    ``pp`` group (so all ranks choose the same split), and the slowest stage is minimised."""
+    if section.pp_split == "even":
+        return None
+    if section.pp_split != "auto":
+        return [int(x) for x in section.pp_split.split(",")]
+    from trainforge.parallel.stage_balance import average_layer_costs, plan_stages, profile_layer_costs
+
+    mb = max(1, batch_size // microbatches)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.cfg.vocab_size, (mb, seq_len + 1), generator=gen).to(device)
+    costs = profile_layer_costs(model, tokens[:, :-1], tokens[:, 1:], steps=3)
+    model.zero_grad(set_to_none=True)
+    costs = average_layer_costs(costs, mesh["pp"].get_group())
+    plan = plan_stages(costs, num_stages, log=False)
+    if log is not None:
+        ms = lambda ts: [round(1e3 * t, 1) for t in ts]  # noqa: E731
+        log(f"pipeline split auto: boundaries {plan.boundaries}, measured stage ms {ms(plan.stage_times_s)}; "
+            f"even {plan.even_boundaries}: {ms(plan.even_stage_times_s)} ({plan.predicted_speedup:.2f}x)")
+    return list(plan.boundaries)
+
+
+def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims, section, device: torch.device,
+                         batch_size: int, seq_len: int, loss_fn, log=None):
+    """Step 1 (pipeline split) then steps 2-5 on each stage. Returns (Pipeline, stage modules)."""
+    from trainforge.parallel.pipeline import build_pipeline, check_pipeline_config, split_model, stages_per_rank
+
+    schedule = section.pp_schedule
+    explicit = None if section.pp_split in ("auto", "even") else [int(x) for x in section.pp_split.split(",")]
+    num_stages = stages_per_rank(schedule, dims.pp, explicit) * dims.pp
+    microbatches = section.microbatches or 2 * num_stages
+    check_pipeline_config(model.cfg.n_layers, dims.pp, schedule, microbatches, explicit, batch_size,
+                          model.cfg.tie_embeddings)
+    boundaries = pipeline_boundaries(model, section, dims, mesh, num_stages, batch_size, seq_len, microbatches,
+                                     device, log)
+    pp_rank = mesh.local_rank("pp")
+    parts = split_model(model, pp_rank, dims.pp, boundaries, schedule)
+    parts = [parallelize_module_stack(p, mesh, dims, section, device) for p in parts]
+    pipeline = build_pipeline(parts, mesh["pp"], pp_rank, dims.pp, schedule, microbatches, loss_fn, device,
+                              batch_size)
+    return pipeline, parts

@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torch.distributed.tensor import DTensor, distribute_tensor
+
 from trainforge.errors import CheckpointError
 
 SHARDED_DIR = "sharded"
@@ -85,53 +87,90 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def model_and_optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                          full: bool = False) -> dict[str, Any]:
-    """FQN-keyed state (sharded DTensors unless ``full``; full states are gathered on every rank)."""
-    opts = StateDictOptions(full_state_dict=full)
-    return {"model": get_model_state_dict(model, options=opts),
-            "optim": get_optimizer_state_dict(model, optimizer, options=opts)}
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def model_and_optim_state(parts, optimizers, full: bool = False) -> dict[str, Any]:
+    """FQN-keyed state of one model or several pipeline parts (each with its optimizer).
+
+    Optimizer state is flattened per parameter (``state.<fqn>.exp_avg``,
+    ``param_groups.<fqn>.lr``), so it merges across parts and reshards across layouts.
+    Sharded DTensors unless ``full`` (then full tensors, gathered on every rank)."""
+    opts = StateDictOptions(full_state_dict=full, flatten_optimizer_state_dict=True)
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    for part, opt in zip(_as_list(parts), _as_list(optimizers)):
+        model.update(get_model_state_dict(part, options=opts))
+        optim.update(get_optimizer_state_dict(part, opt, options=opts))
+    return {"model": model, "optim": optim}
+
+
+def save_sharded(path: Path, parts, optimizers) -> None:
     """Collective: every rank writes its shards under ``path / sharded``."""
-    dcp.save(model_and_optim_state(model, optimizer), storage_writer=FileSystemWriter(str(path / SHARDED_DIR)))
+    dcp.save(model_and_optim_state(parts, optimizers), storage_writer=FileSystemWriter(str(path / SHARDED_DIR)))
 
 
-def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def load_sharded(path: Path, parts, optimizers) -> None:
     """Collective when distributed (also works in one process): reshard ``path / sharded``
-    into the current layout, in place."""
-    if optimizer is not None:
-        state = model_and_optim_state(model, optimizer)
+    into the current layout, in place. ``optimizers=None`` loads weights only."""
+    parts = _as_list(parts)
+    if optimizers is not None:
+        optimizers = _as_list(optimizers)
+        state = model_and_optim_state(parts, optimizers)
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": {k: v for p in parts for k, v in get_model_state_dict(p).items()}}
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(str(path / SHARDED_DIR)), planner=SafeLoadPlanner())
     except CheckpointError:
         raise
     except Exception as e:  # DCP wraps per-rank failures in its own exception types
         raise CheckpointError(f"sharded checkpoint {path / SHARDED_DIR} does not fit this model/layout: {e}") from None
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+    _set_state(parts, optimizers, state["model"], state.get("optim"))
 
 
-def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, torch.Tensor],
-              optim_sd: dict[str, Any] | None) -> None:
-    """Scatter full (unsharded) FQN-keyed state into a possibly sharded/split model.
-    Keys the local module does not hold (other pipeline stages) are dropped first."""
-    local_keys = set(get_model_state_dict(model).keys())
-    missing = local_keys - set(model_sd)
-    if missing:
-        raise CheckpointError(f"checkpoint lacks parameters {sorted(missing)[:5]}... for this model")
-    model_sd = {k: v for k, v in model_sd.items() if k in local_keys}
-    opts = StateDictOptions(full_state_dict=True, strict=True)
-    set_model_state_dict(model, model_sd, options=opts)
-    if optimizer is not None and optim_sd is not None:
-        optim_sd = {"state": {k: v for k, v in optim_sd["state"].items() if k in local_keys},
-                    "param_groups": [{**g, "params": [p for p in g["params"] if p in local_keys]}
-                                     for g in optim_sd["param_groups"]]}
-        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+def _set_state(parts, optimizers, model_sd, optim_sd) -> None:
+    """Load FQN-keyed state whose tensors already have the local layout."""
+    opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+    for i, part in enumerate(parts):
+        local = set(get_model_state_dict(part).keys())
+        missing = local - set(model_sd)
+        if missing:
+            raise CheckpointError(f"checkpoint lacks parameters {sorted(missing)[:5]} for this model")
+        set_model_state_dict(part, {k: v for k, v in model_sd.items() if k in local}, options=opts)
+        if optimizers is not None and optim_sd is not None:
+            set_optimizer_state_dict(part, optimizers[i], optim_sd, options=opts)
+
+
+def _localize(full: dict[str, Any], local: dict[str, Any], what: str) -> dict[str, Any]:
+    """Cut full tensors to this rank's layout: for each local DTensor, the matching full
+    tensor is sharded with the same mesh and placements (every rank holds the full
+    tensor, so no communication: ``src_data_rank=None``)."""
+    out = {}
+    for key, ref in local.items():
+        if key not in full:
+            raise CheckpointError(f"checkpoint {what} state lacks '{key}' needed by this model")
+        value = full[key]
+        if isinstance(ref, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            value = distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
+        elif isinstance(ref, torch.Tensor) and isinstance(value, torch.Tensor):
+            value = value.to(ref.device)
+        out[key] = value
+    return out
+
+
+def load_full(parts, optimizers, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None) -> None:
+    """Load full (unsharded) FQN-keyed state into a possibly sharded / split model.
+    Keys the local parts do not hold (other pipeline stages) are ignored."""
+    parts = _as_list(parts)
+    optimizers = None if optimizers is None else _as_list(optimizers)
+    if optimizers is not None and optim_sd is not None:
+        local = model_and_optim_state(parts, optimizers)
+        _set_state(parts, optimizers, _localize(model_sd, local["model"], "model"),
+                   _localize(optim_sd, local["optim"], "optimizer"))
+    else:
+        local = {k: v for p in parts for k, v in get_model_state_dict(p).items()}
+        _set_state(parts, None, _localize(model_sd, local, "model"), None)
 
 
 def barrier() -> None:

@@ -30,7 +30,7 @@ from trainforge.data.prepare import default_data_dir
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
-from trainforge.parallel.apply import parallelize_module_stack
+from trainforge.parallel.apply import build_pipeline_parts, parallelize_module_stack
 from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
@@ -118,12 +118,23 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type)
         # Every rank builds the full model from the same seed, then keeps its part:
         # sharded/split results equal the single-process model's.
-        self.model = parallelize_module_stack(build_model(self.model_config, self.device, seed=tcfg.seed),
-                                              self.mesh, self.dims, cfg.parallel, self.device)
-        self.raw_model = getattr(self.model, "module", self.model)  # DDP wraps; state dicts use the raw FQNs
-        self.optimizer = build_optimizer(self.raw_model, cfg.optimizer, tcfg.lr, self.device,
-                                         distributed=self.dims.world_size > 1)
-        self.scheduler = warmup_cosine_scheduler(self.optimizer, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
+        full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
+        self.pipeline = None
+        if self.dims.pp > 1:
+            # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
+            self.pipeline, self.model_parts = build_pipeline_parts(
+                full_model, self.mesh, self.dims, cfg.parallel, self.device, tcfg.batch_size, tcfg.seq_len,
+                self._pipeline_loss, log=self.log.info if self.is_main else None)
+            self.model = None
+        else:
+            self.model = parallelize_module_stack(full_model, self.mesh, self.dims, cfg.parallel, self.device)
+            self.model_parts = [getattr(self.model, "module", self.model)]  # DDP wraps; state dicts use raw FQNs
+        del full_model
+        # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
+        self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, self.device,
+                                           distributed=self.dims.world_size > 1) for part in self.model_parts]
+        self.schedulers = [warmup_cosine_scheduler(o, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
+                           for o in self.optimizers]
         self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
                                           rank=dp_rank(self.mesh), world_size=self.dims.dp)
         val_stream = TokenBatches(self.data.splits["val"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
@@ -162,7 +173,7 @@ class Trainer:
     # -- checkpointing -----------------------------------------------------------------
 
     def _train_state(self) -> dict[str, Any]:
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "data": self.train_batches.state_dict(),
+        return {"step": self.step, "scheduler": self.schedulers[0].state_dict(), "data": self.train_batches.state_dict(),
                 "rng": ckpt.capture_rng_state()}
 
     def save(self) -> Path:
@@ -174,12 +185,12 @@ class Trainer:
                 self.cfg.checkpoint.keep_last)
         if self.dims.world_size == 1:
             state = self._train_state()
-            state["optimizer"] = dckpt.model_and_optim_state(self.raw_model, self.optimizer)["optim"]
-            path = ckpt.save_checkpoint(root, self.step, self.raw_model, state, *args)
+            state["optimizer"] = dckpt.model_and_optim_state(self.model_parts, self.optimizers)["optim"]
+            path = ckpt.save_checkpoint(root, self.step, self.model_parts[0], state, *args)
         else:
             tmp = ckpt.begin_checkpoint(root, self.step) if self.is_main else root / f".{ckpt.step_dir_name(self.step)}.tmp"
             dist.barrier()
-            dckpt.save_sharded(tmp, self.raw_model, self.optimizer)
+            dckpt.save_sharded(tmp, self.model_parts, self.optimizers)
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(ckpt.capture_rng_state(), tmp / "rng" / f"rank_{self.dist.rank:05d}.pt")
             dist.barrier()
@@ -203,11 +214,12 @@ class Trainer:
         state = ckpt.load_train_state(path, self.device)
         try:
             if (path / dckpt.SHARDED_DIR).is_dir():
-                dckpt.load_sharded(path, self.raw_model, self.optimizer)
+                dckpt.load_sharded(path, self.model_parts, self.optimizers)
             else:
                 weights = ckpt.load_full_weights(path, self.model_config.tie_embeddings)
-                dckpt.load_full(self.raw_model, self.optimizer, weights, state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+                dckpt.load_full(self.model_parts, self.optimizers, weights, state["optimizer"])
+            for sched in self.schedulers:
+                sched.load_state_dict(state["scheduler"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{path}: model/optimizer/scheduler state does not fit this run ({e})") from None
         self._keep_configured_schedule()
@@ -226,19 +238,18 @@ class Trainer:
         ``--training.lr``), follow the config from the current step on, and say so."""
         tcfg = self.cfg.training
         want = WarmupCosine(tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
-        have = self.scheduler.lr_lambdas[0]
-        base = [tcfg.lr] * len(self.optimizer.param_groups)
-        if vars(have) == vars(want) and self.scheduler.base_lrs == base:
+        have = self.schedulers[0].lr_lambdas[0]
+        if vars(have) == vars(want) and self.schedulers[0].base_lrs[0] == tcfg.lr:
             return
-        self.log.info(f"LR schedule changed on resume: {vars(have)} lr {self.scheduler.base_lrs[0]} -> "
+        self.log.info(f"LR schedule changed on resume: {vars(have)} lr {self.schedulers[0].base_lrs[0]} -> "
                       f"{vars(want)} lr {tcfg.lr}")
-        self.scheduler.lr_lambdas = [want] * len(self.optimizer.param_groups)  # every group (decay, no-decay)
-        self.scheduler.base_lrs = base
-        k = self.scheduler.last_epoch
-        for group, lr in zip(self.optimizer.param_groups, base):
-            group["initial_lr"] = lr
-            group["lr"] = lr * want(k)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        for sched, opt in zip(self.schedulers, self.optimizers):
+            sched.lr_lambdas = [want] * len(opt.param_groups)  # every group (decay, no-decay)
+            sched.base_lrs = [tcfg.lr] * len(opt.param_groups)
+            for group in opt.param_groups:
+                group["initial_lr"] = tcfg.lr
+                group["lr"] = tcfg.lr * want(sched.last_epoch)
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
 
     # -- steps -----------------------------------------------------------------------
 
@@ -251,43 +262,94 @@ class Trainer:
     def _loss_ctx(self):
         return loss_context(self.dims.tp > 1 and self.cfg.parallel.loss_parallel)
 
+    def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # Each microbatch's mean, scaled so accumulated micro-batches sum to the mean.
+        return cross_entropy_loss(logits, targets) / self.cfg.training.grad_accum_steps
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.optimizers[0]
+
+    @property
+    def scheduler(self):
+        return self.schedulers[0]
+
+    @property
+    def raw_model(self) -> torch.nn.Module:
+        """The single-device model (single-process and non-pipelined runs)."""
+        return self.model_parts[0]
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` micro-batches.
         Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here."""
         tcfg = self.cfg.training
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         total = torch.zeros((), device=self.device)
         for _ in range(tcfg.grad_accum_steps):
             inputs, targets = self.train_batches.next()
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             with self._loss_ctx():
+                if self.pipeline is not None:
+                    # The schedule runs forward and backward; the loss exists on the last stage only.
+                    loss = self.pipeline.step(inputs, targets)
+                    if loss is not None:
+                        total += loss
+                    continue
                 loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
                 loss.backward()
             total += loss.detach()
         grad_norm = self._clip_gradients(tcfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        for opt, sched in zip(self.optimizers, self.schedulers):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
         return total, grad_norm
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all ranks' shards, then clip (0 = measure only)."""
-        grads = [p.grad for p in self.raw_model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        params = [p for part in self.model_parts for p in part.parameters()]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
         if isinstance(norm, DTensor):  # sharded grads: per-shard partial norms -> the full norm
             norm = norm.full_tensor()
+        if self.dims.pp > 1:  # each pipeline rank holds different layers: combine squared norms
+            sq = norm.pow(2)
+            dist.all_reduce(sq, group=self.mesh["pp"].get_group())
+            norm = sq.sqrt()
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.raw_model.parameters(), max_norm, norm, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
 
     def _mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
         """Average per-rank values over the data-parallel ranks (logging only)."""
-        if self.mesh is None or self.dims.dp == 1:
+        if self.mesh is None or (self.dims.dp == 1 and self.dims.pp == 1):
             return values
         values = values.clone()
+        if self.dims.pp > 1:  # the loss lives on the last stage; others hold zeros
+            dist.all_reduce(values, group=self.mesh["pp"].get_group())
         dist.all_reduce(values, group=self.mesh.dp.get_group())  # gloo has no AVG
         return values / self.dims.dp
+
+    def _evaluate_pipeline(self) -> float:
+        """Forward-only pipeline pass over the validation set; the mean loss is shared from
+        the last stage to every rank."""
+        for part in self.model_parts:
+            part.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        with self._loss_ctx():
+            for x, y in self.val_set:
+                losses: list[torch.Tensor] = []
+                self.pipeline.schedule.eval(x.to(self.device) if self.pipeline.has_first else None,
+                                            target=y.to(self.device) if self.pipeline.has_last else None,
+                                            losses=losses)
+                if self.pipeline.has_last:
+                    # _pipeline_loss divided by grad_accum_steps; undo for a plain mean.
+                    total += torch.stack(losses).double().mean().cpu() * self.cfg.training.grad_accum_steps
+        for part in self.model_parts:
+            part.train()
+        dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        return (total / len(self.val_set)).item()
 
     def _window_stats(self) -> dict[str, Any]:
         """Peak memory (max over ranks) and, when distributed, the communication share."""
@@ -304,6 +366,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        if self.pipeline is not None:
+            return self._evaluate_pipeline()
         self.model.eval()
         with self._loss_ctx():
             losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
