@@ -68,14 +68,14 @@ def _train(argv: list[str]) -> int:
 
     from trainforge.parallel.distributed import destroy_distributed
 
+    trainer = Trainer(cfg, run_dir, resume=bool(a.resume))
     try:
-        trainer = Trainer(cfg, run_dir, resume=bool(a.resume))
-        try:
-            summary = trainer.fit()
-        finally:
-            trainer.close()
+        summary = trainer.fit()
     finally:
-        destroy_distributed()
+        trainer.close()
+    # Only after success: a barrier after a failure would wait forever for the failed rank
+    # (torchrun then stops the others).
+    destroy_distributed()
     if not trainer.is_main:
         return 0 if summary.get("stop_reason") is None else 130
     print(f"run directory: {run_dir}")

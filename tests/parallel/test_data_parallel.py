@@ -13,7 +13,7 @@ import torch
 
 from tests.parallel.torchrun import torchrun_env
 from trainforge.errors import ConfigError
-from trainforge.model import FLAVORS, build_model
+from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.parallel.dims import ParallelDims
 from trainforge.train import checkpoint as ckpt
 from trainforge.train import dist_checkpoint as dckpt
@@ -47,7 +47,7 @@ def losses(run_dir) -> dict[int, float]:
 def weights(ckpt_dir) -> dict[str, torch.Tensor]:
     """Full weights of any checkpoint (sharded ones resharded into one process)."""
     if (ckpt_dir / dckpt.SHARDED_DIR).is_dir():
-        model = build_model(FLAVORS["debug"], seed=0)
+        model = build_model(ModelConfig(**ckpt.read_meta(ckpt_dir)["model_config"]), seed=0)
         dckpt.load_sharded(ckpt_dir, model, None)
         return dict(model.state_dict())
     return ckpt.load_full_weights(ckpt_dir, tie_embeddings=False)
@@ -58,6 +58,9 @@ def assert_same_training(run_dir, ref_dir, steps=range(1, 7)):
     assert sorted(got) == list(steps)
     for s in steps:
         assert abs(got[s] - want[s]) <= LOSS_RTOL * abs(want[s]), (s, got[s], want[s])
+    vals = lambda d: {r["step"]: r["val_loss"] for r in read_jsonl(d / "metrics.jsonl") if "val_loss" in r}  # noqa
+    got_v, want_v = vals(run_dir), vals(ref_dir)
+    assert got_v.keys() >= {3, 6} and all(abs(got_v[s] - want_v[s]) <= LOSS_RTOL * want_v[s] for s in got_v)
     a = weights(run_dir / "checkpoints" / "step_0000006")
     b = weights(ref_dir / "checkpoints" / "step_0000006")
     for k in b:

@@ -138,15 +138,16 @@ def test_profile_layer_costs_on_a_heavy_head():
     model = build_model(cfg, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tok = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
-    costs = profile_layer_costs(model, tok[:, :-1], tok[:, 1:], steps=3)
+    costs = profile_layer_costs(model, tok[:, :-1], tok[:, 1:], steps=7)  # median of 7: robust to a hiccup
     assert len(costs) == cfg.n_layers and all(c.time_s > 0 and c.activation_bytes > 0 for c in costs)
     block = sum(p.numel() for p in model.layers["1"].parameters()) * 4
     emb = cfg.vocab_size * cfg.dim * 4
     assert costs[1].param_bytes == block
     assert costs[0].param_bytes == block + emb                      # embedding folded into block 0
     assert costs[-1].param_bytes == block + emb + cfg.dim * 4       # output + norm into the last
-    # The output projection and loss over 8192 classes dwarf a 32-wide block.
-    assert costs[-1].time_s > 3 * statistics.median(c.time_s for c in costs[1:-1])
+    # The output projection and loss over 8192 classes dwarf a 32-wide block (~100x the
+    # FLOPs); 2x leaves room for a noisy shared machine.
+    assert costs[-1].time_s > 2 * statistics.median(c.time_s for c in costs[1:-1])
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)

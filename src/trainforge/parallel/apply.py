@@ -47,7 +47,9 @@ def pipeline_boundaries(model: nn.Module, section, dims: ParallelDims, mesh: Par
     tokens = torch.randint(0, model.cfg.vocab_size, (mb, seq_len + 1), generator=gen).to(device)
     costs = profile_layer_costs(model, tokens[:, :-1], tokens[:, 1:], steps=3)
     model.zero_grad(set_to_none=True)
-    costs = average_layer_costs(costs, mesh["pp"].get_group())
+    # Averaged over the whole world, not just this rank's pp group: TP and FSDP peers sit
+    # in other pp groups and must hold exactly the same layers.
+    costs = average_layer_costs(costs, None)
     plan = plan_stages(costs, num_stages, log=False)
     if log is not None:
         ms = lambda ts: [round(1e3 * t, 1) for t in ts]  # noqa: E731

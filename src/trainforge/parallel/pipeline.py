@@ -395,3 +395,40 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
     sched = cls(stages[0], microbatches, loss_fn=timed_loss) if v == 1 else cls(stages, microbatches,
                                                                                  loss_fn=timed_loss)
     return Pipeline(sched, stages, list(stage_modules), timer, schedule, microbatches, batch_size)
+
+
+@torch.no_grad()
+def forward_only_loss(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, pp_group,
+                      pp_rank: int, pp_size: int, act_shape: tuple[int, ...],
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    """Validation: run the whole batch through the stages in order, forward only.
+
+    Written out with point-to-point sends because ``schedule.eval`` fails for the
+    runtime (V-shaped) schedules in torch 2.13. ``act_shape`` is the activation passed
+    between stages, (B, T, dim) or (B, T/tp, dim) under sequence parallelism. Every rank
+    passes the same ``inputs``/``targets``; returns the loss on the last stage's rank."""
+    num_stages = len(pipeline.stages) * pp_size
+    owner = {}
+    for r in range(pp_size):
+        for sid in stage_ids_for_rank(r, pp_size, pipeline.schedule_name, num_stages):
+            owner[sid] = r
+    mine = {stage.stage_index: module for stage, module in zip(pipeline.stages, pipeline.stage_modules)}
+    device = pipeline.stages[0].device
+    h = None
+    loss = None
+    for sid in range(num_stages):
+        if owner[sid] != pp_rank:
+            continue
+        if sid == 0:
+            x = inputs.to(device)
+        elif owner[sid - 1] == pp_rank:
+            x = h
+        else:
+            x = torch.empty(act_shape, device=device)
+            dist.recv(x, group=pp_group, group_src=owner[sid - 1])
+        h = mine[sid](x)
+        if sid == num_stages - 1:
+            loss = loss_fn(h, targets.to(device))
+        elif owner[sid + 1] != pp_rank:
+            dist.send(h.contiguous(), group=pp_group, group_dst=owner[sid + 1])
+    return loss

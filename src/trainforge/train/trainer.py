@@ -138,8 +138,9 @@ class Trainer:
         self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
                                           rank=dp_rank(self.mesh), world_size=self.dims.dp)
         val_stream = TokenBatches(self.data.splits["val"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
-                                  shuffle=False, name="val")
-        # A fixed validation set (the first batches, in order) so val_loss is comparable across steps.
+                                  rank=dp_rank(self.mesh), world_size=self.dims.dp, shuffle=False, name="val")
+        # A fixed validation set (the first global batches, in order; each data-parallel rank
+        # holds its slice), so val_loss is comparable across steps and across layouts.
         self.val_set = [val_stream.next() for _ in range(min(tcfg.val_batches, val_stream.batches_per_epoch))]
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum_steps * self.dims.dp
         self.flops_per_token = self.model_config.flops_per_token(tcfg.seq_len)
@@ -322,7 +323,8 @@ class Trainer:
         return norm
 
     def _mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
-        """Average per-rank values over the data-parallel ranks (logging only)."""
+        """Average per-rank values over the data-parallel ranks (after summing over pipeline
+        stages, where only the last holds a loss). Logging and validation only."""
         if self.mesh is None or (self.dims.dp == 1 and self.dims.pp == 1):
             return values
         values = values.clone()
@@ -331,25 +333,26 @@ class Trainer:
         dist.all_reduce(values, group=self.mesh.dp.get_group())  # gloo has no AVG
         return values / self.dims.dp
 
-    def _evaluate_pipeline(self) -> float:
-        """Forward-only pipeline pass over the validation set; the mean loss is shared from
-        the last stage to every rank."""
+    def _evaluate_pipeline(self) -> torch.Tensor:
+        """Forward-only pass through the stages over the validation set; the mean loss is
+        shared from the last stage to every rank."""
+        from trainforge.parallel.pipeline import forward_only_loss
+
+        tcfg, par = self.cfg.training, self.cfg.parallel
+        seq = tcfg.seq_len // self.dims.tp if self.dims.tp > 1 and par.sequence_parallel else tcfg.seq_len
+        act_shape = (tcfg.batch_size, seq, self.model_config.dim)
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), dtype=torch.float64)
         with self._loss_ctx():
             for x, y in self.val_set:
-                losses: list[torch.Tensor] = []
-                self.pipeline.schedule.eval(x.to(self.device) if self.pipeline.has_first else None,
-                                            target=y.to(self.device) if self.pipeline.has_last else None,
-                                            losses=losses)
-                if self.pipeline.has_last:
-                    # _pipeline_loss divided by grad_accum_steps; undo for a plain mean.
-                    total += torch.stack(losses).double().mean().cpu() * self.cfg.training.grad_accum_steps
+                loss = forward_only_loss(self.pipeline, x, y, self.mesh["pp"].get_group(),
+                                         self.mesh.local_rank("pp"), self.dims.pp, act_shape, cross_entropy_loss)
+                if loss is not None:
+                    total += loss.double().cpu()
         for part in self.model_parts:
             part.train()
-        dist.all_reduce(total, group=self.mesh["pp"].get_group())
-        return (total / len(self.val_set)).item()
+        return total / len(self.val_set)  # zero except on the last stage; _mean_over_dp sums over pp
 
     def _window_stats(self) -> dict[str, Any]:
         """Peak memory (max over ranks) and, when distributed, the communication share."""
@@ -362,17 +365,24 @@ class Trainer:
                 dist.all_reduce(share)  # mean over ranks
                 stats["comm_share"] = share.item() / self.dims.world_size
         stats["peak_memory_bytes"] = int(peak.item())
+        if self.pipeline is not None:
+            bubble = torch.tensor([self.pipeline.last_step_stats().bubble_fraction], dtype=torch.float64)
+            dist.all_reduce(bubble, group=self.mesh["pp"].get_group())  # mean over stages
+            stats["bubble_fraction"] = bubble.item() / self.dims.pp
         return stats
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean validation loss over the global validation set (same on every rank)."""
         if self.pipeline is not None:
-            return self._evaluate_pipeline()
-        self.model.eval()
-        with self._loss_ctx():
-            losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
-        self.model.train()
-        return torch.stack(losses).mean().item()
+            local = self._evaluate_pipeline()
+        else:
+            self.model.eval()
+            with self._loss_ctx():
+                losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
+            self.model.train()
+            local = torch.stack(losses).mean()
+        return self._mean_over_dp(local.reshape(1).double()).item()
 
     # -- loop ----------------------------------------------------------------------------
 
