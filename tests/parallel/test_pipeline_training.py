@@ -37,11 +37,26 @@ def test_pipeline_schedule_matches_single_process(tmp_path, small_data, referenc
 
 
 @pytest.mark.slow
-def test_dp2_tp2_pp2_on_8_processes_matches_single_process(tmp_path, small_data, reference4):
+def test_dp2_tp2_pp2_on_8_processes_matches_single_process_and_reshards(tmp_path, small_data, reference4):
+    """The full 3D layout matches single-process training; its step-3 checkpoint then
+    resumes at two other layouts (pp2 x dp2 on 4 processes, and 1 process)."""
     run_dir = tmp_path / "run"
     run(train_cmd(8, run_dir, small_data, "--training.batch_size", "4", *LAYERS, "--parallel.pp", "2",
-                  "--parallel.tp", "2", "--parallel.dp_shard", "2", "--parallel.microbatches", "2"))
+                  "--parallel.tp", "2", "--parallel.dp_shard", "2", "--parallel.microbatches", "2",
+                  "--checkpoint.keep_last", "5"))
     assert_same_training(run_dir, reference4)
+    for nproc, layout in ((4, ["--parallel.pp", "2", "--parallel.tp", "1", "--parallel.dp_shard", "2",
+                               "--training.batch_size", "4"]),
+                          (1, ["--parallel.pp", "1", "--parallel.tp", "1", "--parallel.dp_shard", "1",
+                               "--training.batch_size", "8"])):
+        resumed = tmp_path / f"resume{nproc}"
+        shutil.copytree(run_dir, resumed)
+        shutil.rmtree(resumed / "checkpoints" / "step_0000006")
+        launcher = [sys.executable, "-m", "trainforge"] if nproc == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "trainforge"]
+        run([*launcher, "train", "--resume", str(resumed), *layout])
+        assert_same_training(resumed, reference4)
 
 
 @pytest.mark.slow
