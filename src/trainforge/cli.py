@@ -69,10 +69,16 @@ def _train(argv: list[str]) -> int:
     from trainforge.parallel.distributed import destroy_distributed
 
     trainer = Trainer(cfg, run_dir, resume=bool(a.resume))
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.close()
+    while True:
+        try:
+            summary = trainer.fit()
+        finally:
+            trainer.close()
+        if not str(summary.get("stop_reason") or "").startswith("rebalance"):
+            break
+        # Pipeline re-balance: the checkpoint just written is reloaded into a fresh split
+        # measured now (pp_split = auto); resume is exact, so training is unchanged.
+        trainer = Trainer(cfg, run_dir, resume=True)
     # Only after success: a barrier after a failure would wait forever for the failed rank
     # (torchrun then stops the others).
     destroy_distributed()

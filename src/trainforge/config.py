@@ -141,6 +141,12 @@ class ParallelSection:
     microbatches: int = _f(0, "pipeline microbatches per step; 0 = 2 x the number of stages")
     pp_split: str = _f("auto", "stage boundaries: auto (measured), even, or comma-separated first layer of "
                                "each stage, e.g. 0,5,9")
+    pp_memory_limit_mb: int = _f(0, "auto split: most memory one stage may use (weights, grads, AdamW state, "
+                                    "activations of in-flight microbatches); 0 = no limit")
+    rebalance_threshold: float = _f(0.0, "re-split the pipeline (checkpoint, re-measure, continue) when the "
+                                         "slowest stage's imbalance exceeds the planned one by this fraction; "
+                                         "0 = off; needs pp_split = auto")
+    rebalance_min_steps: int = _f(100, "steps between two pipeline re-balances")
     sequence_parallel: bool = _f(True, "shard norms and residuals along the sequence between TP regions")
     loss_parallel: bool = _f(True, "compute cross-entropy on vocab-sharded logits under TP")
     activation_checkpointing: Literal["none", "full"] = _f("none", "recompute each block's activations "
@@ -152,6 +158,12 @@ class ParallelSection:
             _require(v >= 1, f"parallel.{name}", v, "an integer >= 1")
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
                  "an integer >= 1, or -1 to fill")
+        _require(self.pp_memory_limit_mb >= 0, "parallel.pp_memory_limit_mb", self.pp_memory_limit_mb,
+                 "an integer >= 0 (0 = no limit)")
+        _require(self.rebalance_threshold >= 0, "parallel.rebalance_threshold", self.rebalance_threshold,
+                 "a number >= 0 (0 = off)")
+        _require(self.rebalance_min_steps >= 1, "parallel.rebalance_min_steps", self.rebalance_min_steps,
+                 "an integer >= 1")
         _require(self.microbatches >= 0, "parallel.microbatches", self.microbatches, "an integer >= 0 (0 = auto)")
         if self.pp_split not in ("auto", "even"):
             try:

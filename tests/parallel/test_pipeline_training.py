@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.parallel.test_data_parallel import assert_same_training, run, train_cmd
+from tests.parallel.torchrun import WORKERS
 from trainforge.train.metrics import read_jsonl
 
 LAYERS = ["--model.n_layers", "4"]  # interleaved / V schedules need 2 stages per rank
@@ -68,3 +69,23 @@ def test_pipelined_checkpoint_resumes_in_one_process(tmp_path, small_data, refer
     shutil.rmtree(base / "checkpoints" / "step_0000006")  # as if interrupted after step 3
     run([sys.executable, "-m", "trainforge", "train", "--resume", str(base), "--parallel.pp", "1"])
     assert_same_training(base, reference4)
+
+
+@pytest.mark.slow
+def test_drifted_pipeline_rebalances_and_training_is_unchanged(tmp_path, small_data, reference4):
+    """Drift forced (the worker's plan predicts perfect balance, so measured stage times
+    always drift): checkpoint, re-measure, re-split and continue every 2 steps; exact
+    resume keeps training equal to the reference."""
+    run_dir = tmp_path / "run"
+    cmd = train_cmd(2, run_dir, small_data, "--training.batch_size", "8", *LAYERS, "--parallel.pp", "2",
+                    "--parallel.dp_shard", "1", "--parallel.microbatches", "2",
+                    "--parallel.rebalance_threshold", "1e-6", "--parallel.rebalance_min_steps", "2",
+                    "--checkpoint.keep_last", "10")
+    i = cmd.index("-m", cmd.index("--nproc_per_node=2"))
+    cmd[i:i + 2] = [str(WORKERS / "pp_rebalance.py")]  # same CLI, patched plan
+    r = run(cmd)
+    assert r.stderr.count("rebalance: measured stage ms") == 2  # at steps 2 and 4
+    assert r.stderr.count("pipeline split auto") == 3  # measured at start and after each re-balance
+    assert_same_training(run_dir, reference4)
+    records = [x for x in read_jsonl(run_dir / "metrics.jsonl") if "loss" in x]
+    assert all(len(x["stage_compute_s"]) == 2 for x in records)

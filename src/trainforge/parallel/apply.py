@@ -32,14 +32,15 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
 
 def pipeline_boundaries(model: nn.Module, section, dims: ParallelDims, mesh: ParallelMesh, num_stages: int,
                         batch_size: int, seq_len: int, microbatches: int, device: torch.device,
-                        log=None) -> list[int] | None:
-    """``parallel.pp_split``: explicit list, ``even`` (None), or ``auto``: every pipeline
-    rank profiles the full model on one microbatch, the timings are averaged over the
-    ``pp`` group (so all ranks choose the same split), and the slowest stage is minimised."""
+                        log=None) -> tuple[list[int] | None, list[float] | None]:
+    """``parallel.pp_split``: explicit list, ``even`` (None), or ``auto``: every rank
+    profiles the full model on one microbatch, the timings are averaged over all ranks
+    (so every rank chooses the same split), and the slowest stage is minimised.
+    Returns (boundaries, predicted seconds per stage; None unless auto)."""
     if section.pp_split == "even":
-        return None
+        return None, None
     if section.pp_split != "auto":
-        return [int(x) for x in section.pp_split.split(",")]
+        return [int(x) for x in section.pp_split.split(",")], None
     from trainforge.parallel.stage_balance import average_layer_costs, plan_stages, profile_layer_costs
 
     mb = max(1, batch_size // microbatches)
@@ -50,17 +51,20 @@ def pipeline_boundaries(model: nn.Module, section, dims: ParallelDims, mesh: Par
     # Averaged over the whole world, not just this rank's pp group: TP and FSDP peers sit
     # in other pp groups and must hold exactly the same layers.
     costs = average_layer_costs(costs, None)
-    plan = plan_stages(costs, num_stages, log=False)
+    limit = section.pp_memory_limit_mb * 2**20 or None
+    plan = plan_stages(costs, num_stages, memory_limit_bytes=limit, in_flight_microbatches=min(microbatches, num_stages),
+                       log=False)
     if log is not None:
         ms = lambda ts: [round(1e3 * t, 1) for t in ts]  # noqa: E731
         log(f"pipeline split auto: boundaries {plan.boundaries}, measured stage ms {ms(plan.stage_times_s)}; "
             f"even {plan.even_boundaries}: {ms(plan.even_stage_times_s)} ({plan.predicted_speedup:.2f}x)")
-    return list(plan.boundaries)
+    return list(plan.boundaries), list(plan.stage_times_s)
 
 
 def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims, section, device: torch.device,
                          batch_size: int, seq_len: int, loss_fn, log=None):
-    """Step 1 (pipeline split) then steps 2-5 on each stage. Returns (Pipeline, stage modules)."""
+    """Step 1 (pipeline split) then steps 2-5 on each stage.
+    Returns (Pipeline, stage modules, predicted seconds per stage or None)."""
     from trainforge.parallel.pipeline import build_pipeline, check_pipeline_config, split_model, stages_per_rank
 
     schedule = section.pp_schedule
@@ -69,11 +73,11 @@ def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDim
     microbatches = section.microbatches or 2 * num_stages
     check_pipeline_config(model.cfg.n_layers, dims.pp, schedule, microbatches, explicit, batch_size,
                           model.cfg.tie_embeddings)
-    boundaries = pipeline_boundaries(model, section, dims, mesh, num_stages, batch_size, seq_len, microbatches,
+    boundaries, predicted = pipeline_boundaries(model, section, dims, mesh, num_stages, batch_size, seq_len, microbatches,
                                      device, log)
     pp_rank = mesh.local_rank("pp")
     parts = split_model(model, pp_rank, dims.pp, boundaries, schedule)
     parts = [parallelize_module_stack(p, mesh, dims, section, device) for p in parts]
     pipeline = build_pipeline(parts, mesh["pp"], pp_rank, dims.pp, schedule, microbatches, loss_fn, device,
                               batch_size)
-    return pipeline, parts
+    return pipeline, parts, predicted

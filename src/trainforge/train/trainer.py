@@ -120,9 +120,10 @@ class Trainer:
         # sharded/split results equal the single-process model's.
         full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
         self.pipeline = None
+        self.pp_predicted: list[float] | None = None
         if self.dims.pp > 1:
             # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
-            self.pipeline, self.model_parts = build_pipeline_parts(
+            self.pipeline, self.model_parts, self.pp_predicted = build_pipeline_parts(
                 full_model, self.mesh, self.dims, cfg.parallel, self.device, tcfg.batch_size, tcfg.seq_len,
                 self._pipeline_loss, log=self.log.info if self.is_main else None)
             self.model = None
@@ -148,6 +149,7 @@ class Trainer:
         self.peak_flops = matmul_peak_flops(self.device) * self.dims.world_size
         self.comm_probe = CommShareProbe(self.device)
         self.step = 0
+        self._last_balance_step = 0
         self.stop_reason: str | None = None
         if resume_from is not None:
             self._load(resume_from)
@@ -231,6 +233,7 @@ class Trainer:
         elif rng_file.is_file():  # same rank existed when saved; other layouts keep the seeded state
             ckpt.restore_rng_state(torch.load(rng_file, weights_only=True))
         self.step = int(state["step"])
+        self._last_balance_step = self.step
         self.log.info(f"resumed from {path} at step {self.step}")
 
     def _keep_configured_schedule(self) -> None:
@@ -366,10 +369,36 @@ class Trainer:
                 stats["comm_share"] = share.item() / self.dims.world_size
         stats["peak_memory_bytes"] = int(peak.item())
         if self.pipeline is not None:
-            bubble = torch.tensor([self.pipeline.last_step_stats().bubble_fraction], dtype=torch.float64)
+            last = self.pipeline.last_step_stats()
+            bubble = torch.tensor([last.bubble_fraction], dtype=torch.float64)
             dist.all_reduce(bubble, group=self.mesh["pp"].get_group())  # mean over stages
             stats["bubble_fraction"] = bubble.item() / self.dims.pp
+            # Per-stage compute seconds, averaged over the dp x tp ranks holding each stage:
+            # identical on every rank, so the re-balance decision is too.
+            n_stages = len(self.pipeline.stages) * self.dims.pp
+            times = torch.zeros(n_stages, dtype=torch.float64)
+            for sid, t in last.stage_compute_s.items():
+                times[sid] = t
+            dist.all_reduce(times)
+            stage_s = (times / (self.dims.world_size // self.dims.pp)).tolist()
+            stats["stage_compute_s"] = stage_s
+            self._maybe_rebalance(stage_s)
         return stats
+
+    def _maybe_rebalance(self, stage_s: list[float]) -> None:
+        """Ask to stop for a re-split when measured stage times drifted from the plan."""
+        par = self.cfg.parallel
+        if not par.rebalance_threshold or self.pp_predicted is None:
+            return
+        if self.step - self._last_balance_step < par.rebalance_min_steps or self.step >= self.cfg.training.steps:
+            return
+        from trainforge.parallel.stage_balance import should_rebalance
+
+        if should_rebalance(stage_s, par.rebalance_threshold, self.pp_predicted):
+            ms = [round(1e3 * t, 1) for t in stage_s]
+            planned = [round(1e3 * t, 2) for t in self.pp_predicted]
+            self.request_stop(f"rebalance: measured stage ms {ms} drifted more than "
+                              f"{par.rebalance_threshold:.0%} from the plan {planned}")
 
     @torch.no_grad()
     def evaluate(self) -> float:
