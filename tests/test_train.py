@@ -153,3 +153,17 @@ def test_activation_checkpointing_matches_plain_training(tmp_path, small_data):
     assert wa.keys() == wb.keys()  # same FQNs: checkpoints move between runs with and without it
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager_training(tmp_path, small_data):
+    """parallel.compile: same losses and weights as eager within float tolerance (compiled
+    kernels may fuse and reorder float ops). Slow: compiling costs tens of seconds on CPU."""
+    run(debug_config(small_data, "--training.steps", "3"), tmp_path / "eager")
+    run(debug_config(small_data, "--training.steps", "3", "--parallel.compile", "true"), tmp_path / "compiled")
+    a, b = dict(losses(tmp_path / "eager")), dict(losses(tmp_path / "compiled"))
+    assert a.keys() == b.keys() and all(abs(a[s] - b[s]) <= 1e-5 * abs(a[s]) for s in a)
+    wa, wb = final_weights(tmp_path / "eager", 3), final_weights(tmp_path / "compiled", 3)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0)
