@@ -51,7 +51,7 @@ def test_training_on_builtin_corpus_lowers_validation_loss(tmp_path, builtin_dat
     assert vals[-1] < vals[0] - 2.0, vals
     records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == list(range(1, 151))
-    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 for r in records)
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in records)  # no upper bound: the peak is measured, noisily
 
 
 @pytest.mark.parametrize("stop_at", [7, 10])  # between checkpoints, and exactly on one
