@@ -4,6 +4,7 @@ checkpoint saved at one layout resumes at others."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -98,8 +99,6 @@ def test_checkpoint_saved_at_one_layout_resumes_at_others(tmp_path, small_data, 
     base = tmp_path / "hsdp"
     run(train_cmd(4, base, small_data, "--training.batch_size", "2", "--parallel.dp_replicate", "2",
                   "--parallel.dp_shard", "2", "--training.steps", "3"))
-    import shutil
-
     # The saved config holds the old layout; a resume at another layout overrides it.
     other = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
     for nproc, extra in ((1, ["--training.batch_size", "8", *other]), (2, ["--training.batch_size", "4", *other])):
@@ -159,3 +158,20 @@ def test_tensor_parallel_training_matches_single_process(tmp_path, small_data, r
     dp = nproc // 2
     run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // dp), *layout))
     assert_same_training(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_distributed_resume_at_the_same_layout_is_bit_identical(tmp_path, small_data):
+    """FSDP2 x 2: a run resumed from its step-3 sharded checkpoint reproduces the
+    uninterrupted run exactly (losses and final weights), as single-process runs do."""
+    full = tmp_path / "full"
+    run(train_cmd(2, full, small_data, "--training.batch_size", "4", "--checkpoint.keep_last", "5"))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000006")
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
+         "train", "--resume", str(resumed)])
+    assert losses(resumed) == losses(full)
+    a = weights(full / "checkpoints" / "step_0000006")
+    b = weights(resumed / "checkpoints" / "step_0000006")
+    assert all(torch.equal(a[k], b[k]) for k in a)
