@@ -89,3 +89,12 @@ def test_drifted_pipeline_rebalances_and_training_is_unchanged(tmp_path, small_d
     assert_same_training(run_dir, reference4)
     records = [x for x in read_jsonl(run_dir / "metrics.jsonl") if "loss" in x]
     assert all(len(x["stage_compute_s"]) == 2 for x in records)
+
+
+@pytest.mark.slow
+def test_bad_pipeline_layout_fails_before_any_work(tmp_path, small_data):
+    run_dir = tmp_path / "run"
+    r = run(train_cmd(2, run_dir, small_data, "--parallel.pp", "2", "--parallel.dp_shard", "1",
+                      "--parallel.pp_schedule", "zbv"), expect_rc=1)  # 4 V stages, debug has 2 layers
+    assert "parallel.pp_schedule" in r.stderr and "model.n_layers = 2" in r.stderr
+    assert not run_dir.exists()

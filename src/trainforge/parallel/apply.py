@@ -66,18 +66,26 @@ def pipeline_boundaries(model: nn.Module, section, dims: ParallelDims, mesh: Par
     return list(plan.boundaries), list(plan.stage_times_s)
 
 
+def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size: int) -> tuple[int, int]:
+    """Validate the pipeline settings before any collective. Returns (stages, microbatches)."""
+    from trainforge.parallel.pipeline import check_pipeline_config, stages_per_rank
+
+    explicit = None if section.pp_split in ("auto", "even") else [int(x) for x in section.pp_split.split(",")]
+    num_stages = stages_per_rank(section.pp_schedule, dims.pp, explicit) * dims.pp
+    microbatches = section.microbatches or 2 * num_stages
+    check_pipeline_config(model_config.n_layers, dims.pp, section.pp_schedule, microbatches, explicit, batch_size,
+                          model_config.tie_embeddings)
+    return num_stages, microbatches
+
+
 def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims, section, device: torch.device,
                          batch_size: int, seq_len: int, loss_fn, log=None):
     """Step 1 (pipeline split) then steps 2-5 on each stage.
     Returns (Pipeline, stage modules, predicted seconds per stage or None)."""
-    from trainforge.parallel.pipeline import build_pipeline, check_pipeline_config, split_model, stages_per_rank
+    from trainforge.parallel.pipeline import build_pipeline, split_model
 
     schedule = section.pp_schedule
-    explicit = None if section.pp_split in ("auto", "even") else [int(x) for x in section.pp_split.split(",")]
-    num_stages = stages_per_rank(schedule, dims.pp, explicit) * dims.pp
-    microbatches = section.microbatches or 2 * num_stages
-    check_pipeline_config(model.cfg.n_layers, dims.pp, schedule, microbatches, explicit, batch_size,
-                          model.cfg.tie_embeddings)
+    num_stages, microbatches = check_pipeline_layout(model.cfg, dims, section, batch_size)
     boundaries, predicted = pipeline_boundaries(model, section, dims, mesh, num_stages, batch_size, seq_len, microbatches,
                                      device, log)
     pp_rank = mesh.local_rank("pp")

@@ -115,7 +115,11 @@ class Trainer:
         self.data = load_prepared(data_path)
         self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
         self.dims.check_model(self.model_config)
-        self.mesh = self.dims.build_mesh(self.device.type)
+        if self.dims.pp > 1:
+            from trainforge.parallel.apply import check_pipeline_layout
+
+            check_pipeline_layout(self.model_config, self.dims, cfg.parallel, tcfg.batch_size)
+        self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
         # Every rank builds the full model from the same seed, then keeps its part:
         # sharded/split results equal the single-process model's.
         full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
