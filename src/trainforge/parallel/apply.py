@@ -35,17 +35,20 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
     return apply_data_parallel(model, mesh, dims, device)
 
 
-def pipeline_boundaries(model: nn.Module, section, dims: ParallelDims, mesh: ParallelMesh, num_stages: int,
-                        batch_size: int, seq_len: int, microbatches: int, device: torch.device,
+def explicit_split(section) -> list[int] | None:
+    """``parallel.pp_split`` as a list of stage starts, or None for ``auto`` / ``even``."""
+    return None if section.pp_split in ("auto", "even") else [int(x) for x in section.pp_split.split(",")]
+
+
+def pipeline_boundaries(model: nn.Module, section, num_stages: int, batch_size: int, seq_len: int,
+                        microbatches: int, device: torch.device,
                         log=None) -> tuple[list[int] | None, list[float] | None]:
     """``parallel.pp_split``: explicit list, ``even`` (None), or ``auto``: every rank
     profiles the full model on one microbatch, the timings are averaged over all ranks
     (so every rank chooses the same split), and the slowest stage is minimised.
     Returns (boundaries, predicted seconds per stage; None unless auto)."""
-    if section.pp_split == "even":
-        return None, None
     if section.pp_split != "auto":
-        return [int(x) for x in section.pp_split.split(",")], None
+        return explicit_split(section), None
     from trainforge.parallel.stage_balance import average_layer_costs, plan_stages, profile_layer_costs
 
     mb = max(1, batch_size // microbatches)
@@ -57,8 +60,8 @@ def pipeline_boundaries(model: nn.Module, section, dims: ParallelDims, mesh: Par
     # in other pp groups and must hold exactly the same layers.
     costs = average_layer_costs(costs, None)
     limit = section.pp_memory_limit_mb * 2**20 or None
-    plan = plan_stages(costs, num_stages, memory_limit_bytes=limit, in_flight_microbatches=min(microbatches, num_stages),
-                       log=False)
+    plan = plan_stages(costs, num_stages, memory_limit_bytes=limit,
+                       in_flight_microbatches=min(microbatches, num_stages), log=False)
     if log is not None:
         ms = lambda ts: [round(1e3 * t, 1) for t in ts]  # noqa: E731
         log(f"pipeline split auto: boundaries {plan.boundaries}, measured stage ms {ms(plan.stage_times_s)}; "
@@ -70,7 +73,7 @@ def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size:
     """Validate the pipeline settings before any collective. Returns (stages, microbatches)."""
     from trainforge.parallel.pipeline import check_pipeline_config, stages_per_rank
 
-    explicit = None if section.pp_split in ("auto", "even") else [int(x) for x in section.pp_split.split(",")]
+    explicit = explicit_split(section)
     num_stages = stages_per_rank(section.pp_schedule, dims.pp, explicit) * dims.pp
     microbatches = section.microbatches or 2 * num_stages
     check_pipeline_config(model_config.n_layers, dims.pp, section.pp_schedule, microbatches, explicit, batch_size,
@@ -79,15 +82,16 @@ def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size:
 
 
 def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims, section, device: torch.device,
-                         batch_size: int, seq_len: int, loss_fn, log=None):
-    """Step 1 (pipeline split) then steps 2-5 on each stage.
+                         batch_size: int, seq_len: int, layout: tuple[int, int], loss_fn, log=None):
+    """Step 1 (pipeline split) then steps 2-5 on each stage. ``layout`` is
+    ``check_pipeline_layout``'s (stages, microbatches), validated before the mesh existed.
     Returns (Pipeline, stage modules, predicted seconds per stage or None)."""
     from trainforge.parallel.pipeline import build_pipeline, split_model
 
     schedule = section.pp_schedule
-    num_stages, microbatches = check_pipeline_layout(model.cfg, dims, section, batch_size)
-    boundaries, predicted = pipeline_boundaries(model, section, dims, mesh, num_stages, batch_size, seq_len, microbatches,
-                                     device, log)
+    num_stages, microbatches = layout
+    boundaries, predicted = pipeline_boundaries(model, section, num_stages, batch_size, seq_len, microbatches,
+                                                device, log)
     pp_rank = mesh.local_rank("pp")
     parts = split_model(model, pp_rank, dims.pp, boundaries, schedule)
     parts = [parallelize_module_stack(p, mesh, dims, section, device) for p in parts]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainforge.errors import ConfigError
@@ -70,10 +69,6 @@ class ParallelDims:
         """Data-parallel degree: ranks that read different data."""
         return self.dp_replicate * self.dp_shard
 
-    @property
-    def enabled(self) -> dict[str, bool]:
-        return {axis: getattr(self, axis) > 1 for axis in AXES}
-
     def build_mesh(self, device_type: str) -> "ParallelMesh | None":
         """The 4-D mesh named by ``AXES`` plus a flattened ``dp`` mesh; None for one process."""
         if self.world_size == 1:
@@ -102,6 +97,3 @@ class ParallelMesh:
 def dp_rank(mesh: "ParallelMesh | None") -> int:
     return 0 if mesh is None else mesh.dp.get_local_rank()
 
-
-def default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"

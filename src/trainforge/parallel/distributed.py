@@ -31,10 +31,6 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def init_distributed(device_type: str = "cpu", timeout_s: float = 300.0) -> DistInfo:
     """Join the job ``torchrun`` started (or do nothing in a plain single process).
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element  # DCP's own nested-dict setter
@@ -171,8 +170,3 @@ def load_full(parts, optimizers, model_sd: dict[str, torch.Tensor], optim_sd: di
     else:
         local = {k: v for p in parts for k, v in get_model_state_dict(p).items()}
         _set_state(parts, None, _localize(model_sd, local, "model"), None)
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()

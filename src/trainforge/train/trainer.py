@@ -20,7 +20,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
@@ -30,7 +29,7 @@ from trainforge.data.prepare import default_data_dir
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
-from trainforge.parallel.apply import build_pipeline_parts, parallelize_module_stack
+from trainforge.parallel.apply import build_pipeline_parts, check_pipeline_layout, parallelize_module_stack
 from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
@@ -115,10 +114,9 @@ class Trainer:
         self.data = load_prepared(data_path)
         self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
         self.dims.check_model(self.model_config)
+        pp_layout = None
         if self.dims.pp > 1:
-            from trainforge.parallel.apply import check_pipeline_layout
-
-            check_pipeline_layout(self.model_config, self.dims, cfg.parallel, tcfg.batch_size)
+            pp_layout = check_pipeline_layout(self.model_config, self.dims, cfg.parallel, tcfg.batch_size)
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
         # Every rank builds the full model from the same seed, then keeps its part:
         # sharded/split results equal the single-process model's.
@@ -129,7 +127,7 @@ class Trainer:
             # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
             self.pipeline, self.model_parts, self.pp_predicted = build_pipeline_parts(
                 full_model, self.mesh, self.dims, cfg.parallel, self.device, tcfg.batch_size, tcfg.seq_len,
-                self._pipeline_loss, log=self.log.info if self.is_main else None)
+                pp_layout, self._pipeline_loss, log=self.log.info if self.is_main else None)
             self.model = None
         else:
             self.model = parallelize_module_stack(full_model, self.mesh, self.dims, cfg.parallel, self.device)
