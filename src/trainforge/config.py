@@ -17,16 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainforge.compression.section import CompressionSection
+from trainforge.config_base import _f, _require
 from trainforge.errors import ConfigError
-
-
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"config key '{key}' = {value!r} is not allowed: {allowed}")
 
 
 @dataclass
@@ -198,6 +191,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     sample: SampleSection = field(default_factory=SampleSection)
+    compression: CompressionSection = field(default_factory=CompressionSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

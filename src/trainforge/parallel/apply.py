@@ -19,8 +19,9 @@ from trainforge.parallel.dims import ParallelDims, ParallelMesh
 
 
 def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims, section,
-                             device: torch.device) -> nn.Module:
-    """Steps 2-5 for one model or pipeline-stage module. Returns the module to call."""
+                             device: torch.device, compressor=None) -> nn.Module:
+    """Steps 2-5 for one model or pipeline-stage module. Returns the module to call.
+    ``compressor`` compresses gradients on the dp_replicate axis (step 5)."""
     if dims.tp > 1 and mesh is not None:
         from trainforge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -32,7 +33,7 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
         # FSDP's per-block hooks stay outside the compiled regions.
         for block in model.layers.values():
             block.compile()
-    return apply_data_parallel(model, mesh, dims, device)
+    return apply_data_parallel(model, mesh, dims, device, compressor)
 
 
 def explicit_split(section) -> list[int] | None:
@@ -82,7 +83,8 @@ def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size:
 
 
 def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims, section, device: torch.device,
-                         batch_size: int, seq_len: int, layout: tuple[int, int], loss_fn, log=None):
+                         batch_size: int, seq_len: int, layout: tuple[int, int], loss_fn, log=None,
+                         compressor=None):
     """Step 1 (pipeline split) then steps 2-5 on each stage. ``layout`` is
     ``check_pipeline_layout``'s (stages, microbatches), validated before the mesh existed.
     Returns (Pipeline, stage modules, predicted seconds per stage or None)."""
@@ -94,7 +96,7 @@ def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDim
                                                 device, log)
     pp_rank = mesh.local_rank("pp")
     parts = split_model(model, pp_rank, dims.pp, boundaries, schedule)
-    parts = [parallelize_module_stack(p, mesh, dims, section, device) for p in parts]
+    parts = [parallelize_module_stack(p, mesh, dims, section, device, compressor) for p in parts]
     pipeline = build_pipeline(parts, mesh["pp"], pp_rank, dims.pp, schedule, microbatches, loss_fn, device,
                               batch_size)
     return pipeline, parts, predicted

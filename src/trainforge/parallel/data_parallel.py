@@ -7,6 +7,11 @@
 
 Each transformer block is its own FSDP unit so only one block's full parameters are
 materialised at a time; the root call covers embeddings, final norm and output.
+
+With gradient compression (``[compression]``) the ``dp_replicate`` axis carries
+compressed gradients: DDP gets a communication hook, and HSDP becomes FSDP2 over
+``dp_shard`` alone plus an all-reduce hook per FSDP unit that averages over
+``dp_replicate`` (see ``compression/hooks.py``).
 """
 
 from __future__ import annotations
@@ -28,31 +33,52 @@ def data_parallel_kind(dims: ParallelDims) -> str:
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
-               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
-    if dims.dp_replicate > 1:
+               mp_policy: MixedPrecisionPolicy | None = None, compressor=None) -> nn.Module:
+    if dims.dp_replicate > 1 and compressor is None:
         dp_mesh = mesh.world["dp_replicate", "dp_shard"]  # 2-D mesh: fully_shard does HSDP
     else:
+        # Without compression: plain FSDP. With it: shard over dp_shard only; the
+        # replicate axis is averaged by the compressed all-reduce hooks below.
         dp_mesh = mesh.world["dp_shard"]
     kw = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
-    blocks = list(model.layers.values())
-    for i, block in enumerate(blocks):
+    blocks = list(model.layers.items())
+    for i, (_, block) in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.
         fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kw)
     fully_shard(model, **kw)
+    if compressor is not None:
+        from trainforge.compression.hooks import register_fsdp_hooks
+
+        first = blocks[0][0] if blocks else "root"
+        # The root unit's key names the stage too (its first block): pipeline stages
+        # on one rank each have a root unit.
+        register_fsdp_hooks([(f"layers.{name}", b) for name, b in blocks] + [(f"root@{first}", model)], compressor)
     return model
 
 
-def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device) -> nn.Module:
-    return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
-                                   device_ids=[device.index] if device.type == "cuda" else None)
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compressor=None) -> nn.Module:
+    kw = {}
+    if getattr(compressor, "needs_single_bucket", False):
+        # PowerSGD launches its second all-reduce from a future callback, which hangs
+        # on gloo once there is more than one bucket: give it one bucket.
+        n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        kw["bucket_cap_mb"] = n_bytes / 2**20 + 1
+    ddp = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
+                                  device_ids=[device.index] if device.type == "cuda" else None, **kw)
+    if compressor is not None:
+        from trainforge.compression.hooks import attach_to_ddp
+
+        attach_to_ddp(ddp, compressor, device)
+    return ddp
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims,
-                        device: torch.device) -> nn.Module:
-    """Wrap or shard ``model`` in place; returns the module to call (DDP returns a wrapper)."""
+                        device: torch.device, compressor=None) -> nn.Module:
+    """Wrap or shard ``model`` in place; returns the module to call (DDP returns a wrapper).
+    ``compressor`` (``compression.hooks.build_compressor``) compresses the dp_replicate axis."""
     kind = data_parallel_kind(dims)
     if kind == "none" or mesh is None:
         return model
     if kind == "ddp":
-        return apply_ddp(model, mesh, device)
-    return apply_fsdp(model, mesh, dims)
+        return apply_ddp(model, mesh, device, compressor)
+    return apply_fsdp(model, mesh, dims, compressor=compressor)

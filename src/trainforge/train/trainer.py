@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainforge.compression.hooks import build_compressor, check_compression
 from trainforge.config import Config, config_to_dict, config_to_toml
 from trainforge.data.dataset import TokenBatches, load_prepared
 from trainforge.data.prepare import default_data_dir
@@ -44,6 +45,7 @@ from trainforge.train.step_stats import CommShareProbe, peak_memory_bytes
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
+COMPRESSION_DIR = "compression"
 
 
 class _NullSink:
@@ -117,7 +119,13 @@ class Trainer:
         pp_layout = None
         if self.dims.pp > 1:
             pp_layout = check_pipeline_layout(self.model_config, self.dims, cfg.parallel, tcfg.batch_size)
+        warning = check_compression(cfg.compression, self.dims, data_parallel_kind(self.dims))
+        if warning and self.is_main:
+            self.log.warning(warning)
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
+        self.compressor = build_compressor(cfg.compression, self.dims,
+                                           self.mesh["dp_replicate"].get_group() if self.mesh else None,
+                                           self.device, tcfg.seed, log=self.log.info if self.is_main else None)
         # Every rank builds the full model from the same seed, then keeps its part:
         # sharded/split results equal the single-process model's.
         full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
@@ -127,10 +135,12 @@ class Trainer:
             # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
             self.pipeline, self.model_parts, self.pp_predicted = build_pipeline_parts(
                 full_model, self.mesh, self.dims, cfg.parallel, self.device, tcfg.batch_size, tcfg.seq_len,
-                pp_layout, self._pipeline_loss, log=self.log.info if self.is_main else None)
+                pp_layout, self._pipeline_loss, log=self.log.info if self.is_main else None,
+                compressor=self.compressor)
             self.model = None
         else:
-            self.model = parallelize_module_stack(full_model, self.mesh, self.dims, cfg.parallel, self.device)
+            self.model = parallelize_module_stack(full_model, self.mesh, self.dims, cfg.parallel, self.device,
+                                                  self.compressor)
             self.model_parts = [getattr(self.model, "module", self.model)]  # DDP wraps; state dicts use raw FQNs
         del full_model
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
@@ -198,6 +208,9 @@ class Trainer:
             dckpt.save_sharded(tmp, self.model_parts, self.optimizers)
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(ckpt.capture_rng_state(), tmp / "rng" / f"rank_{self.dist.rank:05d}.pt")
+            if self.compressor is not None:  # residuals differ per rank
+                (tmp / COMPRESSION_DIR).mkdir(exist_ok=True)
+                torch.save(self.compressor.state_dict(), tmp / COMPRESSION_DIR / f"rank_{self.dist.rank:05d}.pt")
             dist.barrier()
             path = root / ckpt.step_dir_name(self.step)
             if self.is_main:
@@ -234,9 +247,28 @@ class Trainer:
             ckpt.restore_rng_state(state["rng"])
         elif rng_file.is_file():  # same rank existed when saved; other layouts keep the seeded state
             ckpt.restore_rng_state(torch.load(rng_file, weights_only=True))
+        self._load_compression(path)
         self.step = int(state["step"])
         self._last_balance_step = self.step
         self.log.info(f"resumed from {path} at step {self.step}")
+
+    def _load_compression(self, path: Path) -> None:
+        """Error-feedback residuals, bit widths and warm-up count of this rank, if saved."""
+        if self.compressor is None:
+            return
+        f = path / COMPRESSION_DIR / f"rank_{self.dist.rank:05d}.pt"
+        if not f.is_file():
+            if self.is_main:
+                self.log.warning(f"{path} has no compression state for this layout: error-feedback residuals "
+                                 "start at zero and the warm-up restarts")
+            return
+        try:
+            warning = self.compressor.load_state_dict(torch.load(f, weights_only=True, map_location=self.device))
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{f}: compression state does not load ({e}); delete the compression/ "
+                                  "folder of that checkpoint to start residuals afresh") from None
+        if warning and self.is_main:
+            self.log.warning(warning)
 
     def _keep_configured_schedule(self) -> None:
         """A resumed scheduler carries the schedule it was saved with. When the user
@@ -311,6 +343,8 @@ class Trainer:
             opt.step()
             opt.zero_grad(set_to_none=True)
             sched.step()
+        if self.compressor is not None:
+            self.compressor.end_step()
         return total, grad_norm
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
@@ -370,6 +404,8 @@ class Trainer:
                 dist.all_reduce(share)  # mean over ranks
                 stats["comm_share"] = share.item() / self.dims.world_size
         stats["peak_memory_bytes"] = int(peak.item())
+        if self.compressor is not None:
+            stats.update(self.compressor.window_stats())
         if self.pipeline is not None:
             last = self.pipeline.last_step_stats()
             bubble = torch.tensor([last.bubble_fraction], dtype=torch.float64)

@@ -1,0 +1,153 @@
+"""Where compression meets the data-parallel wrappers.
+
+- DDP: ``register_ddp_hook`` installs a communication hook that replaces each
+  bucket's all-reduce with the compressed one.
+- HSDP: FSDP2 shards over ``dp_shard`` only (a 1-D mesh) and ``register_fsdp_hooks``
+  gives every FSDP unit an all-reduce hook that averages its reduce-scatter output
+  over ``dp_replicate`` compressed. Shards stay in fp32 within a node (fast links);
+  only the inter-node axis, where bandwidth is scarce, carries compressed bytes. It
+  composes with TP (the hook sees the local shard) and PP (each stage's units hook).
+- PowerSGD: PyTorch's own hook, as a baseline; DDP only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainforge.compression.collective import ring_all_reduce_bytes
+from trainforge.compression.compressor import GradientCompressor
+from trainforge.compression.section import CompressionSection
+from trainforge.errors import ConfigError
+
+
+def check_compression(section: CompressionSection, dims, kind: str) -> str | None:
+    """Validate ``[compression]`` against the layout before any collective.
+    ``kind``: the data-parallel kind (none, ddp, fsdp, hsdp). Returns a warning when
+    compression is configured but has nothing to compress."""
+    if section.codec == "none":
+        return None
+    if dims.dp_replicate == 1:
+        return (f"compression.codec = {section.codec!r} has no effect: it compresses the dp_replicate axis and "
+                "parallel.dp_replicate = 1 (set --parallel.dp_replicate N, e.g. one per node)")
+    if section.codec == "powersgd" and kind != "ddp":
+        raise ConfigError(f"config key 'compression.codec' = 'powersgd' works with plain DDP only (layout is "
+                          f"{kind}: parallel.dp_shard, tp and pp must be 1); use int4 or adaptive with "
+                          "FSDP/HSDP, TP or PP")
+    return None
+
+
+def build_compressor(section: CompressionSection, dims, group: dist.ProcessGroup | None, device: torch.device,
+                     seed: int, log=None):
+    """The compressor for the dp_replicate ``group`` (None when there is nothing to do)."""
+    if section.codec == "none" or dims.dp_replicate == 1 or group is None:
+        return None
+    if section.codec == "powersgd":
+        return PowerSGDBaseline(group, section.powersgd_rank, section.warmup_steps)
+    return GradientCompressor(section, group, device, seed=seed, log=log)
+
+
+def attach_to_ddp(model: DistributedDataParallel, compressor, device: torch.device) -> None:
+    if isinstance(compressor, PowerSGDBaseline):
+        model.register_comm_hook(None, compressor)
+        return
+    register_ddp_hook(model, compressor)
+    prime_ddp_buckets(model, compressor, device)
+
+
+def _ddp_hook(compressor, bucket):  # no annotations: DDP compares them to the real types, and
+    # ``from __future__ import annotations`` turns them into strings.
+    # The collective runs blocking here and the hook returns a finished future: gloo
+    # hangs when a second collective is launched from a future callback (>1 bucket).
+    out = compressor.all_reduce_mean(f"ddp.{bucket.index()}", bucket.buffer())
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(out)
+    return fut
+
+
+def register_ddp_hook(model: DistributedDataParallel, compressor: GradientCompressor) -> None:
+    model.register_comm_hook(compressor, _ddp_hook)
+
+
+def prime_ddp_buckets(model: DistributedDataParallel, compressor: GradientCompressor,
+                      device: torch.device) -> None:
+    """Run one forward/backward on a dummy batch without communicating, so DDP fixes its
+    bucket layout now. DDP re-buckets once, after its first backward, in gradient-ready
+    order; without priming a resumed run's first step would use the initial layout, and
+    residuals (keyed by bucket) and chunk boundaries would differ from the uninterrupted
+    run's. Weights, RNG and data position are untouched."""
+    compressor.bypass = True
+    try:
+        tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+        model(tokens).float().sum().backward()
+    finally:
+        compressor.bypass = False
+        model.zero_grad(set_to_none=True)
+
+
+def register_fsdp_hooks(modules: list[tuple[str, nn.Module]], compressor: GradientCompressor) -> None:
+    """``modules``: (name, FSDP unit) pairs; the name keys the unit's compression state."""
+    for name, module in modules:
+        key = f"fsdp.{name or 'root'}"
+
+        def hook(reduce_output: torch.Tensor, key: str = key) -> None:
+            reduce_output.copy_(compressor.all_reduce_mean(key, reduce_output))
+
+        module.set_all_reduce_hook(hook)
+
+
+class PowerSGDBaseline:
+    """PyTorch's ``powerSGD_hook`` with byte accounting (not re-implemented).
+
+    Bytes are counted from the algorithm: per bucket, the all-reduces of the P and Q
+    factors of each matrix (rank r: (rows + cols) x r values) and of the vectors it
+    leaves uncompressed, at ring all-reduce cost; the first ``warmup_steps`` send the
+    whole bucket. Its state is not checkpointed: a resumed run restarts its warm-up."""
+
+    needs_single_bucket = True  # it launches a collective from a future callback (gloo hangs otherwise)
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, warmup_steps: int):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        self._hook = psgd.powerSGD_hook
+        # start_powerSGD_iter >= 2: DDP re-buckets after the first step (PyTorch's note).
+        self.state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=max(2, warmup_steps), use_error_feedback=True,
+                                        warm_start=True)
+        self.group, self.rank = group, rank
+        self.step = 0
+        self._bytes, self._ref, self._steps = 0.0, 0.0, 0
+
+    def __call__(self, _state, bucket):  # unannotated: see _ddp_hook
+        n = self.group.size()
+        ref = ring_all_reduce_bytes(bucket.buffer().numel(), n)
+        if self.state.iter < self.state.start_powerSGD_iter:
+            sent = ref
+        else:
+            values = 0
+            for g in bucket.gradients():
+                values += (g.shape[0] + g[0].numel()) * self.rank if g.dim() > 1 else g.numel()
+            sent = ring_all_reduce_bytes(values, n)
+        self._bytes += sent
+        self._ref += ref
+        return self._hook(self.state, bucket)
+
+    def end_step(self) -> None:
+        self.step += 1
+        self._steps += 1
+
+    def window_stats(self) -> dict:
+        steps = max(1, self._steps)
+        stats = {"wire_bytes_per_step": self._bytes / steps,
+                 "wire_ratio_vs_fp32": self._bytes / self._ref if self._ref else 1.0}
+        self._bytes, self._ref, self._steps = 0.0, 0.0, 0
+        return stats
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> str | None:
+        return "powersgd state is not checkpointed: its warm-up restarts on resume"
+
