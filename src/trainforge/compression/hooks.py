@@ -51,7 +51,7 @@ def build_compressor(section: CompressionSection, dims, group: dist.ProcessGroup
 
 def attach_to_ddp(model: DistributedDataParallel, compressor, device: torch.device) -> None:
     if isinstance(compressor, PowerSGDBaseline):
-        model.register_comm_hook(None, compressor)
+        model.register_comm_hook(compressor, _powersgd_hook)
         return
     register_ddp_hook(model, compressor)
     prime_ddp_buckets(model, compressor, device)
@@ -65,6 +65,10 @@ def _ddp_hook(compressor, bucket):  # no annotations: DDP compares them to the r
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(out)
     return fut
+
+
+def _powersgd_hook(baseline, bucket):  # unannotated: see _ddp_hook
+    return baseline.reduce(bucket)
 
 
 def register_ddp_hook(model: DistributedDataParallel, compressor: GradientCompressor) -> None:
@@ -120,7 +124,7 @@ class PowerSGDBaseline:
         self.step = 0
         self._bytes, self._ref, self._steps = 0.0, 0.0, 0
 
-    def __call__(self, _state, bucket):  # unannotated: see _ddp_hook
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         n = self.group.size()
         ref = ring_all_reduce_bytes(bucket.buffer().numel(), n)
         if self.state.iter < self.state.start_powerSGD_iter:

@@ -1,0 +1,121 @@
+"""Compressed gradient communication under torchrun (gloo): the collective's accuracy
+and wire bytes, replicas in sync bit for bit through the real trainer (DDP, HSDP,
+PP), exact resume with error feedback, and the PowerSGD baseline."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.parallel.test_data_parallel import losses, run, train_cmd
+from tests.parallel.torchrun import run_torchrun
+from trainforge.train.metrics import read_jsonl
+
+WORKERS = Path(__file__).parent / "workers"
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_compressed_all_reduce_matches_the_fp32_mean_within_the_codec_bound(nproc):
+    r = run_torchrun(WORKERS / "allreduce.py", nproc, timeout_s=180)
+    rows = {d["codec"]: d for d in map(json.loads, (ln for ln in r.stdout.splitlines() if ln.startswith("{")))}
+    assert set(rows) == {"none", "int8", "int4", "topk", "topk+int4"}
+    for name, d in rows.items():
+        assert d["identical"], f"{name}: ranks decoded different results"
+        assert d["bytes_sent"] == d["expected_bytes"], name  # counted = what the two collectives move
+    assert rows["none"]["worst_over_bound"] < 1e-6
+    assert rows["int8"]["worst_over_bound"] <= 1.0 and rows["int4"]["worst_over_bound"] <= 1.0
+    # Wire bytes per rank stay ~2(n-1)/n x size x bits/32 for any n (not x n as an all-gather would).
+    assert rows["int8"]["ratio"] < 0.27 and rows["int4"]["ratio"] < 0.14
+    assert rows["topk+int4"]["ratio"] < rows["topk"]["ratio"] < rows["int4"]["ratio"]
+    assert rows["int8"]["rel_err"] < rows["int4"]["rel_err"]
+
+
+LAYOUTS = {
+    "ddp2-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4"]),
+    "hsdp2x2-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
+                             "--compression.codec", "adaptive"]),
+    "pp2-dp2-int4": (4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.pp_split", "even",
+                         "--compression.codec", "int4"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_replicas_stay_bit_identical_and_report_wire_bytes(layout, tmp_path, small_data):
+    nproc, extra = LAYOUTS[layout]
+    overrides = ["--data.path", str(small_data), "--model.flavor", "debug", "--training.seq_len", "32",
+                 "--training.steps", "8", "--training.log_interval", "4", "--training.val_interval", "0",
+                 "--training.val_batches", "2", "--sample.max_new_tokens", "0", "--training.threads", "1",
+                 "--compression.warmup_steps", "2", *extra]
+    r = run_torchrun(WORKERS / "sync_check.py", nproc, str(tmp_path / "run"), *overrides, timeout_s=240)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("SYNC"))
+    assert "mismatched=[]" in line and "checked=0" not in line, line
+    records = [rec for rec in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "wire_bytes_per_step" in rec]
+    assert records, "no wire accounting in the metrics"
+    last = records[-1]
+    # After warm-up every bucket is at 4 bits (int4, and adaptive on these smooth early gradients).
+    assert set(last["compression_bits"].values()) == {4}
+    assert 0.12 < last["wire_ratio_vs_fp32"] < 0.14
+    first = records[0]  # steps 1-4: two fp32 warm-up steps among them
+    assert first["wire_ratio_vs_fp32"] > 0.5
+
+
+RESUME_LAYOUTS = {
+    "ddp2-int4-ef": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
+                         "--compression.stochastic_rounding", "true"]),
+    "hsdp2x2-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
+                             "--compression.codec", "adaptive", "--compression.target_rel_error", "0.05"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_resume_with_error_feedback_is_bit_identical(layout, tmp_path, small_data):
+    nproc, extra = RESUME_LAYOUTS[layout]
+    extra = [*extra, "--compression.warmup_steps", "1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(train_cmd(nproc, straight, small_data, *extra))
+    run(train_cmd(nproc, resumed, small_data, *extra, "--training.steps", "3"))
+    assert (resumed / "checkpoints" / "step_0000003" / "compression" / "rank_00000.pt").is_file()
+    run(train_cmd(nproc, resumed, small_data, *extra) + ["--resume", str(resumed)])
+    assert losses(resumed) == losses(straight)  # exact: residuals, widths and RNG restored
+
+
+def test_resume_without_compression_state_differs(tmp_path, small_data):
+    """The control for the test above: residuals are what make resume exact."""
+    extra = ["--parallel.dp_replicate", "2", "--compression.codec", "int4", "--compression.warmup_steps", "1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(train_cmd(2, straight, small_data, *extra))
+    run(train_cmd(2, resumed, small_data, *extra, "--training.steps", "3"))
+    # Make it a checkpoint saved without compression state (as by a run that had none):
+    # drop the files and their entries in meta.json, which lists every file's sha256.
+    ckpt_dir = resumed / "checkpoints" / "step_0000003"
+    shutil.rmtree(ckpt_dir / "compression")
+    meta = json.loads((ckpt_dir / "meta.json").read_text())
+    meta["files"] = {k: v for k, v in meta["files"].items() if not k.startswith("compression/")}
+    (ckpt_dir / "meta.json").write_text(json.dumps(meta))
+    r = run(train_cmd(2, resumed, small_data, *extra) + ["--resume", str(resumed)])
+    assert "no compression state" in r.stdout + r.stderr
+    got, want = losses(resumed), losses(straight)
+    assert all(got[s] == want[s] for s in (1, 2, 3)) and got[6] != want[6]
+
+
+def test_powersgd_baseline_under_ddp_and_refused_with_fsdp(tmp_path, small_data):
+    extra = ["--compression.codec", "powersgd", "--compression.warmup_steps", "2"]
+    run(train_cmd(2, tmp_path / "ddp", small_data, "--parallel.dp_replicate", "2", *extra))
+    last = [rec for rec in read_jsonl(tmp_path / "ddp" / "metrics.jsonl") if "wire_ratio_vs_fp32" in rec][-1]
+    assert last["wire_ratio_vs_fp32"] < 0.9
+    r = run(train_cmd(4, tmp_path / "hsdp", small_data, "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
+                      *extra), expect_rc=1)  # torchrun: a worker exited 2
+    assert "compression.codec" in r.stderr and "plain DDP only" in r.stderr
+    assert not (tmp_path / "hsdp").exists()  # refused before anything was written
+
+
+def test_codec_without_a_replicate_axis_warns_and_trains(tmp_path, small_data):
+    r = run([sys.executable, "-m", "trainforge", "train", "--run_dir", str(tmp_path / "one"), "--data.path",
+             str(small_data), "--model.flavor", "debug", "--training.seq_len", "32", "--training.steps", "2",
+             "--sample.max_new_tokens", "0", "--compression.codec", "int4"])
+    assert "has no effect" in r.stdout + r.stderr and "dp_replicate" in r.stdout + r.stderr
