@@ -1,0 +1,189 @@
+"""Apply a ``PrecisionPolicy`` to a single-device model from outside: parameter storage
+casts plus per-module autocast rules. The model code is not touched.
+
+- The trainer runs the forward under ``runtime.autocast()``: ``torch.autocast`` in the
+  compute dtype (matmuls low, reductions and softmax-class ops fp32 by autocast's own
+  op lists), plus the saved-activation storage hooks where the policy asks for them.
+- Modules matched by the fp32 rules get a forward pre-hook that turns autocast off
+  and casts their floating inputs to fp32, and a forward hook (``always_call``, so it
+  also runs when forward raises) that restores the outer autocast state. Their
+  outputs stay fp32: autocast casts them at the next matmul, and casting back would
+  throw away what the rule bought (a loss, router logits fed to top-k).
+- Module groups of the dynamic policy get the same hook pair with a switchable dtype,
+  read at call time from ``runtime.compute_dtypes`` (a dict: no host sync); their
+  outputs are cast back to their inputs' dtype, so groups in different precisions
+  compose.
+- Rotary embeddings need no hook: their cos/sin tables are buffers, which are never
+  cast, and ``x * cos`` promotes to fp32. Softmax inside SDPA accumulates in fp32 in
+  torch's kernels for bf16/fp16 inputs.
+
+Call ``apply_precision`` first, before tensor parallel, activation checkpointing,
+compile and FSDP (``parallel/apply.py``): checkpointing and FSDP keep module hooks,
+and the master-weight copy must be taken from the unwrapped fp32 model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from trainforge.precision.activations import SavedActivations
+from trainforge.precision.hardware import DTYPES
+from trainforge.precision.master_weights import MasterWeights
+from trainforge.precision.policy import DEFAULT_GROUP, FP32, PrecisionPolicy, outermost_matches
+
+
+def autocast_context(dtype: torch.dtype, device_type: str):
+    """``torch.autocast`` in ``dtype``; a no-op context for fp32."""
+    if dtype == FP32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _first_float_dtype(obj: Any) -> torch.dtype | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype if obj.is_floating_point() else None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for o in items:
+        found = _first_float_dtype(o)
+        if found is not None:
+            return found
+    return None
+
+
+class _AutocastRule:
+    """Forward pre-hook + forward hook running one module in ``get_dtype()``.
+
+    ``restore_output_dtype`` (switchable groups): outputs are cast back to the dtype the
+    inputs had, so a bf16 group inside an fp32 model hands fp32 to modules that run with
+    autocast off (else: a float/bf16 mismatch in their Linear)."""
+
+    def __init__(self, device_type: str, get_dtype: Callable[[], torch.dtype], restore_output_dtype: bool):
+        self.device_type, self.get_dtype, self.restore = device_type, get_dtype, restore_output_dtype
+        # One entry per active call (re-entrancy, activation-checkpoint recompute).
+        self._stack: list[tuple[torch.autocast, torch.dtype | None]] = []
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict):
+        dtype = self.get_dtype()
+        in_dtype = _first_float_dtype((args, kwargs)) if self.restore else None
+        if dtype == FP32:
+            ctx = torch.autocast(self.device_type, enabled=False)
+            # With autocast off, fp32 weights next to bf16 inputs would be a dtype error.
+            args, kwargs = _cast_floats(args, FP32), _cast_floats(kwargs, FP32)
+        else:
+            ctx = torch.autocast(self.device_type, dtype=dtype)
+        ctx.__enter__()
+        self._stack.append((ctx, in_dtype))
+        return args, kwargs
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
+        if not self._stack:
+            return None
+        ctx, in_dtype = self._stack.pop()
+        ctx.__exit__(None, None, None)
+        return _cast_floats(output, in_dtype) if in_dtype is not None else None
+
+
+class PrecisionRuntime:
+    """What ``apply_precision`` installed. ``compute_dtypes`` maps each group ("model"
+    = everything not in a named group) to its current compute dtype."""
+
+    def __init__(self, model: nn.Module, policy: PrecisionPolicy, master: MasterWeights | None,
+                 activations: SavedActivations):
+        self.model, self.policy, self.master, self.activations = model, policy, master, activations
+        self.compute_dtypes: dict[str, torch.dtype] = {DEFAULT_GROUP: policy.compute_dtype}
+        self.compute_dtypes.update({name: policy.compute_dtype for name, _ in policy.groups})
+        self.fp32_modules: list[str] = []
+        self.group_modules: dict[str, list[str]] = {name: [] for name, _ in policy.groups}
+        self._handles: list[Any] = []
+
+    @contextlib.contextmanager
+    def autocast(self, track_activations: bool = False):
+        """Context for the training forward (and the loss, which ``cross_entropy_loss``
+        computes in fp32 whatever the logits' dtype). ``track_activations`` counts the
+        bytes saved for backward into ``self.activations.bytes_by_dtype``."""
+        with autocast_context(self.compute_dtypes[DEFAULT_GROUP], self.policy.device_type):
+            with self.activations.context(track=track_activations):
+                yield
+
+    def set_compute_dtype(self, group: str, dtype: torch.dtype | str) -> None:
+        """Switch a group between steps (the dynamic controller's decisions)."""
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if group not in self.compute_dtypes:
+            raise KeyError(f"unknown precision group {group!r}; groups are {sorted(self.compute_dtypes)}")
+        self.compute_dtypes[group] = dtype
+
+    def group_parameters(self) -> dict[str, list[nn.Parameter]]:
+        """Parameters per group, for per-group gradient norms (``StepSignals.group_grad_norms``);
+        "model" holds every parameter not in a named group."""
+        owner: dict[int, str] = {}
+        for name, fqns in self.group_modules.items():
+            for fqn in fqns:
+                for p in self.model.get_submodule(fqn).parameters():
+                    owner.setdefault(id(p), name)
+        out: dict[str, list[nn.Parameter]] = {g: [] for g in self.compute_dtypes}
+        for p in self.model.parameters():
+            out[owner.get(id(p), DEFAULT_GROUP)].append(p)
+        return out
+
+    def remove(self) -> None:
+        """Remove the hooks (parameter casts stay)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, module: nn.Module, get_dtype: Callable[[], torch.dtype], restore_output_dtype: bool) -> None:
+        rule = _AutocastRule(self.policy.device_type, get_dtype, restore_output_dtype)
+        self._handles.append(module.register_forward_pre_hook(rule.pre, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(rule.post, with_kwargs=True, always_call=True))
+
+
+def apply_precision(model: nn.Module, policy: PrecisionPolicy, sharded: bool = False) -> PrecisionRuntime:
+    """Mutates ``model``: parameters outside the fp32 rules are cast to
+    ``policy.param_dtype`` (buffers never), and hooks are registered. With master
+    weights, ``runtime.master`` holds the fp32 mirror taken before the cast.
+
+    ``sharded=True`` (FSDP2 follows): no cast and no mirror, FSDP2's
+    ``MixedPrecisionPolicy`` does both; the hooks are still installed. Then shard each
+    module of ``fsdp_fp32_modules`` with ``fsdp_fp32_policy`` before its block, or an
+    fp32 module holding a Linear fails with a float/bf16 dtype mismatch."""
+    fp32_mods = outermost_matches(model, policy.fp32_rules)
+    fp32_names = [f for f, _ in fp32_mods]
+
+    def inside_fp32(fqn: str) -> bool:
+        return any(fqn == f or fqn.startswith(f + ".") for f in fp32_names)
+
+    master = None
+    if not sharded and policy.param_dtype != FP32:
+        if policy.master_weights:
+            master = MasterWeights(model)
+        with torch.no_grad():
+            keep = {id(p) for _, m in fp32_mods for p in m.parameters()}
+            for p in model.parameters():  # tied weights are one Parameter: cast once
+                if id(p) not in keep:
+                    p.data = p.data.to(policy.param_dtype)
+    runtime = PrecisionRuntime(model, policy, master, SavedActivations(model, policy.activation_dtype))
+    for name, patterns in policy.groups:
+        for fqn, module in outermost_matches(model, patterns):
+            # fp32 rules win: a group module inside an fp32 module would re-enable autocast.
+            if not inside_fp32(fqn):
+                runtime._hook(module, lambda name=name: runtime.compute_dtypes[name], restore_output_dtype=True)
+                runtime.group_modules[name].append(fqn)
+    for fqn, module in fp32_mods:
+        runtime._hook(module, lambda: FP32, restore_output_dtype=False)
+        runtime.fp32_modules.append(fqn)
+    return runtime
+
