@@ -1,0 +1,134 @@
+"""Bad-step policy: what to do with a step whose loss or gradient norm is not finite,
+or whose loss spikes. Pure decision logic fed one pair of floats per step; the
+trainer carries the decision out (skip the optimizer and LR step, stop, roll back).
+
+All ranks must reach the same decision: feed the globally reduced values (loss
+averaged over data-parallel ranks, the global gradient norm), which are identical
+on every rank; this class is deterministic given the same sequence.
+
+Decisions, in order of precedence for one step:
+
+- non-finite loss or grad norm: ``STOP`` when ``on_nonfinite == "stop"``; otherwise
+  ``SKIP``, or ``ROLLBACK`` when this makes ``max_consecutive_bad`` consecutive bad
+  steps (0 = never roll back). A rollback past ``max_rollbacks`` becomes ``STOP``:
+  replaying the same data from the same checkpoint can fail the same way forever.
+- spike: a finite loss above ``spike_factor`` x the median of the last
+  ``spike_window`` accepted losses (once ``spike_min_history`` are known) is
+  ``FLAG``-ged (applied, reported with its step so the trainer can log its sample
+  ids), or ``SKIP``-ped with ``spike=True`` when ``skip_spikes``. A skipped spike
+  counts as a bad step, so a lasting level shift ends in a rollback, not an
+  endless run of skips.
+- otherwise ``OK``.
+
+The median (not a mean) keeps one spike from hiding the next. Hand-written: torch
+has no such policy (``GradScaler`` skips non-finite steps only under fp16 scaling).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+
+class StepAction(enum.Enum):
+    OK = "ok"
+    FLAG = "flag"            # loss spike: step applied, log it with its sample ids
+    SKIP = "skip"            # drop this update: no optimizer step, LR not advanced
+    ROLLBACK = "rollback"    # reload the last good checkpoint
+    STOP = "stop"            # request_stop: checkpoint (of the last good state) and end
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    action: StepAction
+    step: int
+    reason: str = ""
+    spike: bool = False                 # the loss was a spike (FLAG, or SKIP with skip_spikes)
+    spike_ratio: float | None = None    # loss / running median, when a median is known
+    consecutive_bad: int = 0
+
+
+class BadStepPolicy:
+    """Settings as in the module docstring; ``spike_factor = 0`` turns spike detection off.
+    ``counts`` (nonfinite, skipped, spikes) and ``rollbacks`` are for the log."""
+
+    def __init__(self, on_nonfinite: str = "skip", max_consecutive_bad: int = 5, max_rollbacks: int = 3,
+                 spike_factor: float = 2.0, spike_window: int = 50, spike_min_history: int = 20,
+                 skip_spikes: bool = False):
+        if on_nonfinite not in ("skip", "stop"):
+            raise ValueError(f"on_nonfinite = {on_nonfinite!r} is unknown: use 'skip' or 'stop'")
+        if max_consecutive_bad < 0 or max_rollbacks < 0:
+            raise ValueError(f"max_consecutive_bad ({max_consecutive_bad}) and max_rollbacks ({max_rollbacks}) "
+                             "must be >= 0 (0 = never roll back)")
+        if spike_factor <= 1.0 and spike_factor != 0:
+            raise ValueError(f"spike_factor = {spike_factor} must be > 1 (0 = no spike detection)")
+        if spike_window < 1 or not 1 <= spike_min_history <= spike_window:
+            raise ValueError(f"need spike_window >= 1 and 1 <= spike_min_history <= spike_window, got "
+                             f"{spike_window}, {spike_min_history}")
+        self.on_nonfinite = on_nonfinite
+        self.max_consecutive_bad, self.max_rollbacks = max_consecutive_bad, max_rollbacks
+        self.spike_factor, self.spike_window, self.spike_min_history = spike_factor, spike_window, spike_min_history
+        self.skip_spikes = skip_spikes
+        self.consecutive_bad = 0
+        self.rollbacks = 0
+        self.counts = {"nonfinite": 0, "skipped": 0, "spikes": 0}
+        self._recent: list[float] = []  # accepted finite losses, newest last
+
+    def observe(self, step: int, loss: float, grad_norm: float) -> StepDecision:
+        """Decide for ``step`` given its (globally reduced) loss and pre-clip grad norm.
+        Mutates the counters and the running window."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.counts["nonfinite"] += 1
+            reason = f"non-finite loss {loss} / grad norm {grad_norm} at step {step}"
+            if self.on_nonfinite == "stop":
+                return StepDecision(StepAction.STOP, step, reason, consecutive_bad=self.consecutive_bad + 1)
+            return self._bad(step, reason, spike=False, ratio=None)
+        ratio = None
+        if self.spike_factor and len(self._recent) >= self.spike_min_history:
+            median = statistics.median(self._recent)
+            if median > 0:
+                ratio = loss / median
+        if ratio is not None and ratio > self.spike_factor:
+            self.counts["spikes"] += 1
+            reason = f"loss spike at step {step}: {loss:.4g} is {ratio:.2f}x the running median"
+            if self.skip_spikes:
+                return self._bad(step, reason, spike=True, ratio=ratio)
+            self._accept(loss)
+            return StepDecision(StepAction.FLAG, step, reason, spike=True, spike_ratio=ratio)
+        self._accept(loss)
+        return StepDecision(StepAction.OK, step, spike_ratio=ratio)
+
+    def _accept(self, loss: float) -> None:
+        self.consecutive_bad = 0
+        self._recent.append(float(loss))
+        if len(self._recent) > self.spike_window:
+            self._recent.pop(0)
+
+    def _bad(self, step: int, reason: str, spike: bool, ratio: float | None) -> StepDecision:
+        self.consecutive_bad += 1
+        n = self.consecutive_bad
+        if self.max_consecutive_bad and n >= self.max_consecutive_bad:
+            if self.rollbacks >= self.max_rollbacks:
+                return StepDecision(StepAction.STOP, step, f"{reason}; {n} bad steps in a row and already "
+                                    f"{self.rollbacks} rollbacks (max_rollbacks)", spike, ratio, n)
+            self.rollbacks += 1
+            self.consecutive_bad = 0
+            return StepDecision(StepAction.ROLLBACK, step, f"{reason}; {n} bad steps in a row: roll back "
+                                f"(rollback {self.rollbacks} of at most {self.max_rollbacks})", spike, ratio, n)
+        self.counts["skipped"] += 1
+        return StepDecision(StepAction.SKIP, step, reason, spike, ratio, n)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints/floats/lists. On ROLLBACK do not load the checkpoint's copy of this
+        state: keep the live object, so ``rollbacks`` and the counters survive."""
+        return {"consecutive_bad": self.consecutive_bad, "rollbacks": self.rollbacks, "counts": dict(self.counts),
+                "recent": list(self._recent)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.consecutive_bad = int(state["consecutive_bad"])
+        self.rollbacks = int(state["rollbacks"])
+        self.counts = {k: int(v) for k, v in state["counts"].items()}
+        self._recent = [float(x) for x in state["recent"]]
