@@ -16,7 +16,6 @@ fp16 everywhere (then with loss scaling).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from trainforge.json_cache import read_json_cache, write_json_cache
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -139,21 +140,12 @@ def cpu_capability(cache_dir: str | Path | None = None, refresh: bool = False,
     model, flags = read_cpuinfo(cpuinfo)
     key = f"{model}|torch {torch.__version__}"
     path = _cache_path(cache_dir)
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        cache = {}
+    cache = read_json_cache(path)
     measured = cache.get(key) if not refresh else None
     if not isinstance(measured, dict) or set(measured) != set(NATIVE_CPU_FLAGS):
         measured = {name: measure(DTYPES[name]) for name in NATIVE_CPU_FLAGS}
         cache[key] = measured
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=2))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only cache only costs a re-measurement next time
+        write_json_cache(path, cache)
     # The rule runs on the cached raw numbers, so a changed rule applies without re-probing.
     support = {name: decide(name, native_support(name, flags), measured[name]) for name in NATIVE_CPU_FLAGS}
     return Capability("cpu", model, support)

@@ -5,12 +5,13 @@ CPU and the measurement costs about a second."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
+
+from trainforge.json_cache import read_json_cache, write_json_cache
 
 
 def _cache_file() -> Path:
@@ -52,20 +53,11 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     """Cached ``measure_matmul_peak``."""
     path = _cache_file()
     key = _device_key(device, dtype)
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        cache = {}
+    cache = read_json_cache(path)
     if key in cache:
         return float(cache[key])
     n = 4096 if device.type == "cuda" else 1024
     peak = measure_matmul_peak(device, dtype, n=n)
     cache[key] = peak
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cache, indent=2))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home only costs a re-measurement next time
+    write_json_cache(path, cache)
     return peak
