@@ -18,9 +18,16 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from trainforge.precision.hardware import DTYPE_NAMES
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores; a DTensor has no storage of its
+    own), any other tensor itself. No autograd: pack hooks run outside the graph."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -49,7 +56,7 @@ class SavedActivations:
         self._skip: set[int] = set()
 
     def _is_weight(self, t: torch.Tensor) -> bool:
-        if t.untyped_storage().data_ptr() in self._skip:
+        if _local(t).untyped_storage().data_ptr() in self._skip:
             return True
         # Parameters gathered per forward (FSDP2) have fresh storage: recognise them as leaves
         # that require grad, or views of one (linear saves weight.t()).
@@ -59,7 +66,7 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor):
         out = t
         if (self.store_dtype is not None and t.is_floating_point() and t.dtype.itemsize > self.store_dtype.itemsize
-                and t.numel() >= self.min_numel and _dense(t) and not self._is_weight(t)):
+                and t.numel() >= self.min_numel and _dense(_local(t)) and not self._is_weight(t)):
             # One copy per tensor even when several ops save it (x feeds wq, wk and wv).
             # Keyed weakly on the tensor object: a freed tensor's address can be reused.
             packed = self._packed.get(t)
@@ -68,7 +75,7 @@ class SavedActivations:
                 self._packed[t] = packed
             out = (packed, t.dtype)
         if self._track:
-            stored = out[0] if isinstance(out, tuple) else out
+            stored = _local(out[0] if isinstance(out, tuple) else out)
             if not self._is_weight(t):
                 storage = stored.untyped_storage()
                 ptr = storage.data_ptr()
@@ -93,7 +100,8 @@ class SavedActivations:
         if self.store_dtype is None and not track:
             yield self
             return
-        self._skip = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+        self._skip = {_local(t).untyped_storage().data_ptr()
+                      for t in [*self.model.parameters(), *self.model.buffers()]}
         self._track = track
         if track:
             self.bytes_by_dtype = defaultdict(int)
