@@ -65,9 +65,12 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
         from trainforge.compression.hooks import register_fsdp_hooks
 
         first = blocks[0][0] if blocks else "root"
+        fqns = {id(m): fqn for fqn, m in model.named_modules()}
         # The root unit's key names the stage too (its first block): pipeline stages
-        # on one rank each have a root unit.
-        register_fsdp_hooks([(f"layers.{name}", b) for name, b in blocks] + [(f"root@{first}", model)], compressor)
+        # on one rank each have a root unit. fp32 units (norms) need the hook as well, or
+        # their gradients would not be averaged over dp_replicate.
+        register_fsdp_hooks([(f"layers.{name}", b) for name, b in blocks] + [(fqns[id(u)], u) for u in fp32_units]
+                            + [(f"root@{first}", model)], compressor)
     return model
 
 
