@@ -30,6 +30,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage this rank holds for ``t`` (a DTensor's local shard); None for wrapper
+    subclasses that have none (sequence parallelism's async-collective results)."""
+    try:
+        storage = _local(t).untyped_storage()
+        storage.data_ptr()
+        return storage
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _dense(t: torch.Tensor) -> bool:
     """Contiguous, or a permutation covering its whole storage (SDPA saves transposed
     q/k/v): ``.to`` keeps such strides. Expanded or sliced views would be copied into
@@ -51,12 +62,13 @@ class SavedActivations:
         self.model, self.store_dtype, self.min_numel = model, store_dtype, min_numel
         self.bytes_by_dtype: dict[str, int] = {}
         self._track = False
-        self._seen: dict[int, torch.UntypedStorage] = {}
+        self._seen: dict[int | tuple[str, int], object] = {}
         self._packed = WeakIdKeyDictionary()
         self._skip: set[int] = set()
 
     def _is_weight(self, t: torch.Tensor) -> bool:
-        if _local(t).untyped_storage().data_ptr() in self._skip:
+        storage = _storage(t)
+        if storage is not None and storage.data_ptr() in self._skip:
             return True
         # Parameters gathered per forward (FSDP2) have fresh storage: recognise them as leaves
         # that require grad, or views of one (linear saves weight.t()).
@@ -66,7 +78,8 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor):
         out = t
         if (self.store_dtype is not None and t.is_floating_point() and t.dtype.itemsize > self.store_dtype.itemsize
-                and t.numel() >= self.min_numel and _dense(_local(t)) and not self._is_weight(t)):
+                and t.numel() >= self.min_numel and _storage(t) is not None and _dense(_local(t))
+                and not self._is_weight(t)):
             # One copy per tensor even when several ops save it (x feeds wq, wk and wv).
             # Keyed weakly on the tensor object: a freed tensor's address can be reused.
             packed = self._packed.get(t)
@@ -77,13 +90,15 @@ class SavedActivations:
         if self._track:
             stored = _local(out[0] if isinstance(out, tuple) else out)
             if not self._is_weight(t):
-                storage = stored.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in self._seen:
-                    # Held until the context exits, so no address is reused while counting.
-                    self._seen[ptr] = storage
+                storage = _storage(stored)
+                # Keyed by address (no storage: by object); held until the context exits,
+                # so no address or id is reused while counting.
+                key = storage.data_ptr() if storage is not None else ("id", id(stored))
+                if key not in self._seen:
+                    self._seen[key] = storage if storage is not None else stored
+                    nbytes = storage.nbytes() if storage is not None else stored.numel() * stored.element_size()
                     self.bytes_by_dtype[dtype_label(stored.dtype)] = (
-                        self.bytes_by_dtype.get(dtype_label(stored.dtype), 0) + storage.nbytes())
+                        self.bytes_by_dtype.get(dtype_label(stored.dtype), 0) + nbytes)
         return out
 
     @staticmethod
@@ -100,8 +115,8 @@ class SavedActivations:
         if self.store_dtype is None and not track:
             yield self
             return
-        self._skip = {_local(t).untyped_storage().data_ptr()
-                      for t in [*self.model.parameters(), *self.model.buffers()]}
+        self._skip = {st.data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]
+                      if (st := _storage(t)) is not None}
         self._track = track
         if track:
             self.bytes_by_dtype = defaultdict(int)
