@@ -114,6 +114,7 @@ class TrainerPrecision:
         """After backward, before clipping."""
         if self.master is not None:
             self.master.grads_to_master()
+        self.scaler.ensure_scale(self.device)
         for opt in optimizers:
             self.scaler.unscale_(opt)
 
