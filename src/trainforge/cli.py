@@ -98,7 +98,8 @@ def _train(argv: list[str]) -> int:
         from trainforge.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(trainer.data.tokenizer_path)
-        print("sample:\n" + generate_text(trainer.model, tok, s.prompt, opts))
+        with trainer.mp.autocast():  # low-precision weights need the run's autocast
+            print("sample:\n" + generate_text(trainer.inference_model, tok, s.prompt, opts))
     return 0 if summary.get("stop_reason") is None else 130
 
 

@@ -1,11 +1,12 @@
-"""The single-process training loop: gradient accumulation, AdamW, clipping,
-warmup + cosine LR, periodic validation, throughput and MFU, JSONL metrics,
-atomic checkpoints and bit-exact resume.
+"""The training loop: gradient accumulation, AdamW, clipping, warmup + cosine LR,
+periodic validation, throughput and MFU, JSONL metrics, atomic checkpoints and
+bit-exact resume.
 
-Parallelism, precision policies and compression plug in from outside in later
-issues; the loop stays the same. The only way anything outside the loop stops
-training is ``request_stop`` (signals and callbacks use it): the loop then saves
-a checkpoint at the current step and returns, so nothing done is lost.
+Parallelism (``parallel/apply.py``), precision (``train/mixed_precision.py`` over
+``trainforge.precision``) and compression plug in from outside; the loop stays the
+same. The only way anything outside the loop stops training is ``request_stop``
+(signals and callbacks use it): the loop then saves a checkpoint at the current step
+and returns, so nothing done is lost.
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
 from trainforge.parallel.tensor_parallel import cross_entropy_loss, loss_context
+from trainforge.precision.casting import apply_precision
+from trainforge.precision.policy import build_policy
 from trainforge.train import checkpoint as ckpt
 from trainforge.train import dist_checkpoint as dckpt
 from trainforge.train.lr_schedule import WarmupCosine, warmup_cosine_scheduler
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
+from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.step_stats import CommShareProbe, peak_memory_bytes
 
@@ -122,6 +126,12 @@ class Trainer:
         warning = check_compression(cfg.compression, self.dims, data_parallel_kind(self.dims))
         if warning and self.is_main:
             self.log.warning(warning)
+        # Resolved identically on every rank (a hardware probe, agreed by one all-reduce
+        # unless compute is fp32), so a refused combination fails everywhere before the mesh.
+        policy = build_policy(cfg.precision, self.device, log=self.log if self.is_main else None)
+        note = check_precision_layout(policy, self.dims, data_parallel_kind(self.dims))
+        if note and self.is_main:
+            self.log.info(f"precision: {note}")
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
         self.compressor = build_compressor(cfg.compression, self.dims,
                                            self.mesh["dp_replicate"].get_group() if self.mesh else None,
@@ -129,6 +139,12 @@ class Trainer:
         # Every rank builds the full model from the same seed, then keeps its part:
         # sharded/split results equal the single-process model's.
         full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
+        # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule hooks.
+        sharded = data_parallel_kind(self.dims) in ("fsdp", "hsdp")
+        runtime = apply_precision(full_model, policy, sharded=sharded)
+        self.mp = TrainerPrecision(cfg.precision, policy, runtime, self.device, sharded=sharded,
+                                   log=self.log if self.is_main else None,
+                                   pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
         self.pipeline = None
         self.pp_predicted: list[float] | None = None
         if self.dims.pp > 1:
@@ -136,16 +152,20 @@ class Trainer:
             self.pipeline, self.model_parts, self.pp_predicted = build_pipeline_parts(
                 full_model, self.mesh, self.dims, cfg.parallel, self.device, tcfg.batch_size, tcfg.seq_len,
                 pp_layout, self._pipeline_loss, log=self.log.info if self.is_main else None,
-                compressor=self.compressor)
+                compressor=self.compressor, precision=policy)
             self.model = None
+            runtime.rebind(torch.nn.ModuleList(self.model_parts))  # the stages are copies; free the whole model
         else:
             self.model = parallelize_module_stack(full_model, self.mesh, self.dims, cfg.parallel, self.device,
-                                                  self.compressor)
+                                                  self.compressor, precision=policy)
             self.model_parts = [getattr(self.model, "module", self.model)]  # DDP wraps; state dicts use raw FQNs
         del full_model
+        # What the optimizers step, clipping measures and checkpoints hold: the fp32 master
+        # copy when parameters are stored low (same FQNs), else the model parts.
+        self.opt_parts = self.mp.opt_parts(self.model_parts)
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
         self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, self.device,
-                                           distributed=self.dims.world_size > 1) for part in self.model_parts]
+                                           distributed=self.dims.world_size > 1) for part in self.opt_parts]
         self.schedulers = [warmup_cosine_scheduler(o, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
                            for o in self.optimizers]
         self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
@@ -160,6 +180,9 @@ class Trainer:
         # MFU is per device: achieved FLOP/s of the job over (peak of one device x devices).
         self.peak_flops = matmul_peak_flops(self.device) * self.dims.world_size
         self.comm_probe = CommShareProbe(self.device)
+        # Memory per dtype on the next train_step (fit sets it for the last step of each
+        # logging window; set it yourself when calling train_step directly).
+        self.measure_memory = False
         self.step = 0
         self._last_balance_step = 0
         self.stop_reason: str | None = None
@@ -188,8 +211,12 @@ class Trainer:
     # -- checkpointing -----------------------------------------------------------------
 
     def _train_state(self) -> dict[str, Any]:
-        return {"step": self.step, "scheduler": self.schedulers[0].state_dict(), "data": self.train_batches.state_dict(),
-                "rng": ckpt.capture_rng_state()}
+        state = {"step": self.step, "scheduler": self.schedulers[0].state_dict(),
+                 "data": self.train_batches.state_dict(), "rng": ckpt.capture_rng_state()}
+        precision = self.mp.state_dict()  # loss scaler, dynamic controller; None for fp32 runs
+        if precision is not None:
+            state["precision"] = precision
+        return state
 
     def save(self) -> Path:
         """Write a checkpoint (collective when distributed). Single process: full weights
@@ -198,14 +225,15 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         args = (config_to_dict(self.cfg), dataclasses.asdict(self.model_config), self.data.tokenizer_path,
                 self.cfg.checkpoint.keep_last)
+        self.mp.resolve_pending(self._mean_over_dp)  # collective: every rank, before rank 0 writes
         if self.dims.world_size == 1:
             state = self._train_state()
-            state["optimizer"] = dckpt.model_and_optim_state(self.model_parts, self.optimizers)["optim"]
-            path = ckpt.save_checkpoint(root, self.step, self.model_parts[0], state, *args)
+            state["optimizer"] = dckpt.model_and_optim_state(self.opt_parts, self.optimizers)["optim"]
+            path = ckpt.save_checkpoint(root, self.step, self.opt_parts[0], state, *args)
         else:
             tmp = ckpt.begin_checkpoint(root, self.step) if self.is_main else root / f".{ckpt.step_dir_name(self.step)}.tmp"
             dist.barrier()
-            dckpt.save_sharded(tmp, self.model_parts, self.optimizers)
+            dckpt.save_sharded(tmp, self.opt_parts, self.optimizers)
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(ckpt.capture_rng_state(), tmp / "rng" / f"rank_{self.dist.rank:05d}.pt")
             if self.compressor is not None:  # residuals differ per rank
@@ -232,14 +260,18 @@ class Trainer:
         state = ckpt.load_train_state(path, self.device)
         try:
             if (path / dckpt.SHARDED_DIR).is_dir():
-                dckpt.load_sharded(path, self.model_parts, self.optimizers)
+                dckpt.load_sharded(path, self.opt_parts, self.optimizers)
             else:
                 weights = ckpt.load_full_weights(path, self.model_config.tie_embeddings)
-                dckpt.load_full(self.model_parts, self.optimizers, weights, state["optimizer"])
+                dckpt.load_full(self.opt_parts, self.optimizers, weights, state["optimizer"])
+            if self.mp.master is not None:
+                self.mp.master.master_to_model()
             for sched in self.schedulers:
                 sched.load_state_dict(state["scheduler"])
+            self.mp.load_state_dict(state.get("precision"))
         except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{path}: model/optimizer/scheduler state does not fit this run ({e})") from None
+            raise CheckpointError(f"{path}: model/optimizer/scheduler/precision state does not fit this run "
+                                  f"({e})") from None
         self._keep_configured_schedule()
         self.train_batches.load_state_dict(state["data"])
         rng_file = path / "rng" / f"rank_{self.dist.rank:05d}.pt"
@@ -301,8 +333,9 @@ class Trainer:
         return loss_context(self.dims.tp > 1 and self.cfg.parallel.loss_parallel)
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Each microbatch's mean, scaled so accumulated micro-batches sum to the mean.
-        return cross_entropy_loss(logits, targets) / self.cfg.training.grad_accum_steps
+        # Each microbatch's mean, scaled so accumulated micro-batches sum to the mean; the
+        # schedule runs backward on what this returns, so fp16 loss scaling goes here.
+        return self.mp.scaler.scale(cross_entropy_loss(logits, targets) / self.cfg.training.grad_accum_steps)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -324,41 +357,58 @@ class Trainer:
         for part in self.model_parts:
             part.train()
         total = torch.zeros((), device=self.device)
-        for _ in range(tcfg.grad_accum_steps):
+        mp = self.mp
+        # Saved activations are counted on one forward per logging window (not through a
+        # pipeline schedule, whose tracking would hold every microbatch's activations).
+        track = self.measure_memory and self.pipeline is None and not self.cfg.parallel.compile
+        for micro in range(tcfg.grad_accum_steps):
             inputs, targets = self.train_batches.next()
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             with self._loss_ctx():
                 if self.pipeline is not None:
                     # The schedule runs forward and backward; the loss exists on the last stage only.
-                    loss = self.pipeline.step(inputs, targets)
+                    with mp.autocast():
+                        loss = self.pipeline.step(inputs, targets)
                     if loss is not None:
-                        total += loss
+                        total += mp.unscale_loss(loss)
                     continue
-                loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
-                loss.backward()
+                with mp.autocast(track_activations=track and micro == 0):
+                    loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
+                mp.scaler.scale(loss).backward()
             total += loss.detach()
+        mp.unscale_(self.optimizers)
+        group_norms = mp.group_grad_norms(self.opt_parts, self._global_norm)  # pre-clip, as grad_norm
         grad_norm = self._clip_gradients(tcfg.grad_clip)
+        if self.measure_memory:
+            mp.record_memory(self.model_parts, self.optimizers, with_activations=track)
         for opt, sched in zip(self.optimizers, self.schedulers):
-            opt.step()
+            mp.scaler.step(opt)  # opt.step(), unless an fp16 overflow skips it
             opt.zero_grad(set_to_none=True)
             sched.step()
+        mp.finish_step(self.step + 1, total, grad_norm, group_norms)
         if self.compressor is not None:
             self.compressor.end_step()
         return total, grad_norm
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over all ranks' shards, then clip (0 = measure only)."""
-        params = [p for part in self.model_parts for p in part.parameters()]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        """Global gradient norm over all ranks' shards, then clip (0 = measure only).
+        On the parameters the optimizers step (the fp32 master copy when there is one)."""
+        params = [p for part in self.opt_parts for p in part.parameters()]
+        norm = self._global_norm([p.grad for p in params if p.grad is not None])
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of ``grads`` over every rank's shards and pipeline stages (collective)."""
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(norm, DTensor):  # sharded grads: per-shard partial norms -> the full norm
             norm = norm.full_tensor()
         if self.dims.pp > 1:  # each pipeline rank holds different layers: combine squared norms
             sq = norm.pow(2)
             dist.all_reduce(sq, group=self.mesh["pp"].get_group())
             norm = sq.sqrt()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
 
     def _mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
@@ -383,10 +433,11 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), dtype=torch.float64)
-        with self._loss_ctx():
+        with self._loss_ctx(), self.mp.autocast():
             for x, y in self.val_set:
                 loss = forward_only_loss(self.pipeline, x, y, self.mesh["pp"].get_group(),
-                                         self.mesh.local_rank("pp"), self.dims.pp, act_shape, cross_entropy_loss)
+                                         self.mesh.local_rank("pp"), self.dims.pp, act_shape, cross_entropy_loss,
+                                         act_dtype=self.mp.stage_activation_dtype)
                 if loss is not None:
                     total += loss.double().cpu()
         for part in self.model_parts:
@@ -404,6 +455,7 @@ class Trainer:
                 dist.all_reduce(share)  # mean over ranks
                 stats["comm_share"] = share.item() / self.dims.world_size
         stats["peak_memory_bytes"] = int(peak.item())
+        stats.update(self.mp.window_metrics())  # precision per group, loss scale, memory per dtype
         if self.compressor is not None:
             stats.update(self.compressor.window_stats())
         if self.pipeline is not None:
@@ -445,7 +497,7 @@ class Trainer:
             local = self._evaluate_pipeline()
         else:
             self.model.eval()
-            with self._loss_ctx():
+            with self._loss_ctx(), self.mp.autocast():
                 losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
             self.model.train()
             local = torch.stack(losses).mean()
@@ -487,6 +539,9 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 # Profile the last step of each logging window when there are collectives to see.
                 profile_now = self.dims.world_size > 1 and (self.step + 1) % tcfg.log_interval == 0
+                # Memory per dtype is taken on the step a logging window is likely to end with.
+                self.measure_memory = self.is_main and ((self.step + 1) % tcfg.log_interval == 0
+                                                       or self.step + 1 == tcfg.steps)
                 with self.comm_probe.measure(profile_now):
                     loss, grad_norm = self.train_step()
                 self.step += 1
@@ -518,6 +573,8 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 else:
                     reporter.advance(self.step)
+                if self.mp.controller is not None and self.step % self.mp.interval_steps == 0:
+                    self._observe_precision()  # after the records of the steps it read
                 if do_val:
                     val = self.evaluate()
                     summary["final_val_loss"] = val
@@ -538,6 +595,20 @@ class Trainer:
             self.log.info(f"stopped at step {self.step}: {self.stop_reason}; resume with --resume {self.run_dir}")
         summary.update(step=self.step, stop_reason=self.stop_reason, run_dir=str(self.run_dir))
         return summary
+
+    def _observe_precision(self) -> None:
+        """Dynamic precision: the controller sees the buffered steps (one host sync);
+        its switches apply from the next step and each is a metrics record with its reason."""
+        for sw in self.mp.observe(self._mean_over_dp):
+            self.metrics.write({"step": self.step, "precision_switch": f"{sw.group} {sw.old} -> {sw.new}",
+                                "group": sw.group, "from": sw.old, "to": sw.new, "reason": sw.reason,
+                                "decided_at_step": sw.step})
+
+    @property
+    def inference_model(self) -> torch.nn.Module:
+        """The model to sample from after training (single process): the fp32 master copy
+        when parameters are stored low, else the trained model."""
+        return self.mp.master.module if self.mp.master is not None else self.model
 
     def close(self) -> None:
         self.metrics.close()
