@@ -79,7 +79,7 @@ class ShardLoader:
         self.prefetch_depth, self.fetch_workers = prefetch_depth, fetch_workers
         self._cursor = plan.batch_at(plan.epoch, plan.position)  # the batch being assembled
         self._thread: threading.Thread | None = None
-        self._queue: queue.Queue = queue.Queue(maxsize=max(ready_batches, 1))
+        self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._failed: BaseException | None = None
         self._prefetcher: ShardPrefetcher | None = None
@@ -143,9 +143,10 @@ class ShardLoader:
             inputs, targets = inputs.pin_memory(), targets.pin_memory()
         return inputs, targets
 
-    def _run(self) -> None:
-        epoch, position = self._cursor
-        while not self._stop.is_set():
+    def _run(self, out: queue.Queue, stop: threading.Event, epoch: int, position: int) -> None:
+        # The queue and stop flag are this thread's own: after _halt abandons a thread stuck
+        # in a slow read, it can never feed a later assembler's queue.
+        while not stop.is_set():
             self._cursor = (epoch, position)
             if self._prefetcher is not None:
                 self._prefetcher.poke()
@@ -153,9 +154,9 @@ class ShardLoader:
                 item: tuple = (epoch, position, self._assemble(epoch, position))
             except BaseException as e:  # raised in the training loop by next()
                 item = (epoch, position, e)
-            while not self._stop.is_set():
+            while not stop.is_set():
                 try:
-                    self._queue.put(item, timeout=0.1)
+                    out.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
@@ -168,21 +169,24 @@ class ShardLoader:
         if isinstance(self.store, CachedShards) and self.prefetch_depth > 0 and self._prefetcher is None:
             self._prefetcher = ShardPrefetcher(self.store.cache, self._upcoming, self.prefetch_depth,
                                                self.fetch_workers)
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="trainforge-batch-assembler", daemon=True)
+        self._queue, self._stop = queue.Queue(maxsize=max(self.ready_batches, 1)), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._queue, self._stop, *self._cursor),
+                                        name="trainforge-batch-assembler", daemon=True)
         self._thread.start()
 
-    def _halt(self) -> None:
-        """Stop the assembler and drop batches assembled ahead (they are re-made on demand)."""
+    def _halt(self, wait_s: float = 2.0) -> None:
+        """Stop the assembler and drop batches assembled ahead (they are re-made on demand).
+        A thread still blocked in a source read after ``wait_s`` is left to finish on its
+        own (daemon; bounded by data.timeout_s) so shutdown never hangs on a slow source."""
         if self._thread is not None:
             self._stop.set()
-            while self._thread.is_alive():
+            deadline = time.monotonic() + wait_s
+            while self._thread.is_alive() and time.monotonic() < deadline:
                 try:
                     self._queue.get(timeout=0.05)
                 except queue.Empty:
                     pass
             self._thread = None
-        self._queue = queue.Queue(maxsize=max(self.ready_batches, 1))
         self._staged = None
 
     # -- consumer ---------------------------------------------------------------------------

@@ -36,6 +36,7 @@ import numpy as np
 from trainforge.data.integrity import Quarantine, ShardInfo, problem
 from trainforge.data.loader_metrics import DataMetrics
 from trainforge.data.sources import ShardSource
+from trainforge.errors import ConfigError
 
 
 class _Budget:
@@ -94,6 +95,11 @@ class TieredShardCache:
     def __init__(self, source: ShardSource, infos: dict[str, ShardInfo], dtype: np.dtype, memory_bytes: int,
                  disk_dir: str | Path | None, disk_bytes: int, quarantine: Quarantine, metrics: DataMetrics,
                  log: Callable[[str], None] = lambda _: None):
+        largest = max((i.nbytes for i in infos.values()), default=0)
+        if largest > max(memory_bytes, disk_bytes if disk_dir is not None else 0):
+            raise ConfigError(f"the largest shard is {largest / 2**20:.1f} MiB, larger than data.cache.memory_mb "
+                              f"and data.cache.disk_mb{'' if disk_dir else ' (no data.cache.dir)'}: a shard must "
+                              "fit in one tier; raise a budget or prepare with a smaller --shard_tokens")
         self.source, self.infos, self.dtype = source, infos, np.dtype(dtype).newbyteorder("<")
         self.quarantine, self.metrics, self.log = quarantine, metrics, log
         self.next_use: Callable[[str], float] = lambda _: math.inf
@@ -106,13 +112,6 @@ class TieredShardCache:
         self._file_locks: dict[str, threading.Lock] = {f: threading.Lock() for f in infos}
         if self.disk_dir is not None:
             self._scan_disk()
-        largest = max((i.nbytes for i in infos.values()), default=0)
-        if largest > max(memory_bytes, disk_bytes if disk_dir is not None else 0):
-            from trainforge.errors import ConfigError
-
-            raise ConfigError(f"the largest shard is {largest / 2**20:.1f} MiB, larger than data.cache.memory_mb "
-                              f"and data.cache.disk_mb{'' if disk_dir else ' (no data.cache.dir)'}: a shard must "
-                              "fit in one tier; raise a budget or prepare with a smaller --shard_tokens")
 
     # -- disk tier files -------------------------------------------------------------------
 
