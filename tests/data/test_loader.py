@@ -146,3 +146,19 @@ def test_local_path_without_cache_is_memory_mapped_as_before(sharded_data):
     stats = loader.window_stats()
     loader.close()
     assert set(stats) == {"data_io_wait_frac"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_staging_yields_the_reference_batches_on_the_device_and_resumes(sharded_data):
+    cfg = dcfg(sharded_data.as_uri())
+    data = open_data(cfg)
+    loader = build_loader(data, "train", cfg, SEQ, BATCH, SEED, device="cuda")
+    got = [loader.next() for _ in range(9)]
+    assert all(x.is_cuda and y.is_cuda for x, y in got)
+    state = loader.state_dict()  # the batch staged ahead is not counted as read
+    loader.close()
+    again = build_loader(data, "train", cfg, SEQ, BATCH, SEED, device="cuda")
+    again.load_state_dict(state)
+    got += [again.next() for _ in range(5)]
+    again.close()
+    assert_same([(x.cpu(), y.cpu()) for x, y in got], reference(sharded_data, 14))
