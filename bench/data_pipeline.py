@@ -41,6 +41,7 @@ ratio B/A >= 5.8x. A benchmark, not a test: it prints PASS/FAIL and exits 0.
 from __future__ import annotations
 
 import argparse
+import gc
 import http.server
 import json
 import os
@@ -167,6 +168,12 @@ class PlainEpochs:
     def __init__(self, dl):
         self.dl, self.batches_per_epoch, self.it = dl, len(dl), iter(dl)
 
+    def close(self) -> None:
+        # Join the worker processes, so RUSAGE_CHILDREN includes their peak RSS.
+        del self.it
+        self.dl = None
+        gc.collect()
+
     def next(self):
         try:
             rows = next(self.it)
@@ -264,7 +271,7 @@ def trainer_check(url: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "trainforge", "train", "--run_dir", f"{tmp}/run", "--data.path", url,
                "--data.cache.dir", f"{tmp}/cache", "--model.flavor", "tiny", "--training.steps", str(steps),
-               "--training.batch_size", str(BATCH), "--training.seq_len", str(SEQ), "--training.log_interval", "5",
+               "--training.batch_size", str(BATCH), "--training.seq_len", str(SEQ), "--training.log_interval", "2",
                "--training.val_interval", "0", "--training.val_batches", "1", "--training.threads", "2",
                "--sample.max_new_tokens", "0"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -272,7 +279,7 @@ def trainer_check(url: str, steps: int) -> dict:
             raise SystemExit(f"trainforge train failed:\n{r.stderr[-3000:]}")
         records = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
     # The records of one logging window share its data_* values: keep the window's last.
-    rows = [rec for rec in records if "data_io_wait_frac" in rec and rec["step"] % 5 == 0]
+    rows = [rec for rec in records if "data_io_wait_frac" in rec and rec["step"] % 2 == 0]
     return {"windows": len(rows), "io_wait_frac_after_first_window": statistics.median(
                 r["data_io_wait_frac"] for r in rows[1:]) if len(rows) > 1 else float("nan"),
             "first_window": {k: v for k, v in rows[0].items() if k.startswith("data_")},
@@ -287,11 +294,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", choices=sorted(PROFILES), default="hdd")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--train_steps", type=int, default=20)
+    p.add_argument("--train_steps", type=int, default=6,
+                   help="tiny-model steps per train sample (a step takes seconds on 2 CPU cores)")
     p.add_argument("--tokens", type=int, default=400_000, help="approximate size of the training set")
     p.add_argument("--shard_tokens", type=int, default=32_768)
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes of the plain loader")
-    p.add_argument("--trainer_steps", type=int, default=20,
+    p.add_argument("--trainer_steps", type=int, default=10,
                    help="also run `trainforge train` (tiny) this many steps on the slow URL; 0 = skip")
     p.add_argument("--json", default=None)
     p.add_argument("--_sample", action="store_true", help=argparse.SUPPRESS)

@@ -218,6 +218,9 @@ class Config:
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        if self.parallel.pp > 1 and any(t.get("name") == "seq_curriculum" for t in self.data.augment.transforms):
+            raise ConfigError("config key 'data.augment.transforms': seq_curriculum changes the sequence length, "
+                              "which pipeline parallelism (parallel.pp > 1) fixes; remove it or use pp = 1")
         return self
 
 

@@ -51,6 +51,7 @@ def test_nested_tables_load_override_and_round_trip(tmp_path):
     (["--data.prefetch_depth.x", "1"], "'data.prefetch_depth' is a value"),
     (["--data.on_corrupt", "ignore"], "data.on_corrupt"),
     (["--data.timeout_s", "0"], "data.timeout_s"),
+    (["--parallel.pp", "2", "--data.augment.transforms", '[{name = "seq_curriculum"}]'], "parallel.pp > 1"),
 ])
 def test_bad_nested_keys_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):

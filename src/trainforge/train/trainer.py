@@ -150,10 +150,6 @@ class Trainer:
         # deterministic order of data/sampler.py; the loader's position goes into checkpoints.
         self.train_batches = build_loader(self.data, "train", cfg.data, tcfg.seq_len, tcfg.batch_size, tcfg.seed,
                                           rank=dp_rank(self.mesh), world_size=self.dims.dp, device=self.device)
-        if self.dims.pp > 1 and self.train_batches.augmenter is not None and \
-                self.train_batches.augmenter.changes_length:
-            raise ConfigError("config key 'data.augment.transforms': seq_curriculum changes the sequence length, "
-                              "which pipeline parallelism (parallel.pp > 1) fixes; remove it or use pp = 1")
         val_stream = build_loader(self.data, "val", cfg.data, tcfg.seq_len, tcfg.batch_size, tcfg.seed,
                                   rank=dp_rank(self.mesh), world_size=self.dims.dp, train=False)
         # A fixed validation set (the first global batches, in order; each data-parallel rank
