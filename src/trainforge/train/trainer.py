@@ -26,8 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from trainforge.compression.hooks import build_compressor, check_compression
 from trainforge.config import Config, config_to_dict, config_to_toml
-from trainforge.data.dataset import TokenBatches, load_prepared
-from trainforge.data.prepare import default_data_dir
+from trainforge.data.pipeline import build_loader, open_data
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
@@ -115,9 +114,8 @@ class Trainer:
                                   f"--resume {self.run_dir}, or pass a new --run_dir")
         seed_everything(tcfg.seed)
 
-        data_path = Path(cfg.data.path) if cfg.data.path else default_data_dir(cfg.data.vocab_size,
-                                                                                 cfg.data.cache_dir)
-        self.data = load_prepared(data_path)
+        # Local shards are memory-mapped; a URL or data.cache.dir reads through the tiered cache.
+        self.data = open_data(cfg.data, self.dist.rank, self.dist.world_size, log=self.log.warning)
         self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
         self.dims.check_model(self.model_config)
         pp_layout = None
@@ -168,10 +166,12 @@ class Trainer:
                                            distributed=self.dims.world_size > 1) for part in self.opt_parts]
         self.schedulers = [warmup_cosine_scheduler(o, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
                            for o in self.optimizers]
-        self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
-                                          rank=dp_rank(self.mesh), world_size=self.dims.dp)
-        val_stream = TokenBatches(self.data.splits["val"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
-                                  rank=dp_rank(self.mesh), world_size=self.dims.dp, shuffle=False, name="val")
+        # Train batches are assembled (and on CUDA staged to the device) ahead of use, in the
+        # deterministic order of data/sampler.py; the loader's position goes into checkpoints.
+        self.train_batches = build_loader(self.data, "train", cfg.data, tcfg.seq_len, tcfg.batch_size, tcfg.seed,
+                                          rank=dp_rank(self.mesh), world_size=self.dims.dp, device=self.device)
+        val_stream = build_loader(self.data, "val", cfg.data, tcfg.seq_len, tcfg.batch_size, tcfg.seed,
+                                  rank=dp_rank(self.mesh), world_size=self.dims.dp, train=False)
         # A fixed validation set (the first global batches, in order; each data-parallel rank
         # holds its slice), so val_loss is comparable across steps and across layouts.
         self.val_set = [val_stream.next() for _ in range(min(tcfg.val_batches, val_stream.batches_per_epoch))]
@@ -198,7 +198,7 @@ class Trainer:
         self.metrics = JsonlSink(self.run_dir / METRICS_FILE) if self.is_main else _NullSink()
         n_params = self.model_config.num_params()
         self.log.info(f"model {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, vocab {self.data.vocab_size}; "
-                      f"data {data_path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
+                      f"data {self.data.path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
                       f"layout {self.dims} ({data_parallel_kind(self.dims)})")
 
     # -- control -------------------------------------------------------------------
@@ -456,6 +456,7 @@ class Trainer:
                 stats["comm_share"] = share.item() / self.dims.world_size
         stats["peak_memory_bytes"] = int(peak.item())
         stats.update(self.mp.window_metrics())  # precision per group, loss scale, memory per dtype
+        stats.update(self.train_batches.window_stats())  # this rank's data pipeline: I/O wait, cache tiers
         if self.compressor is not None:
             stats.update(self.compressor.window_stats())
         if self.pipeline is not None:
@@ -611,4 +612,5 @@ class Trainer:
         return self.mp.master.module if self.mp.master is not None else self.model
 
     def close(self) -> None:
+        self.train_batches.close()
         self.metrics.close()
