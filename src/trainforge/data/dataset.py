@@ -121,11 +121,20 @@ class TokenBatches:
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
-            if self.shuffle:
-                self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.windows))
-            else:
-                self._order = np.arange(len(self.windows))
+            self._order = self._order_of(self.epoch)
         return self._order
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if self.shuffle:
+            return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+        return np.arange(len(self.windows))
+
+    def global_batch_windows(self, epoch: int, position: int) -> np.ndarray:
+        """Sample ids of global batch ``position`` of ``epoch``: (shard index, token offset)
+        of each of its sequences, every rank's slice in rank order; (batch_size x ranks, 2)."""
+        order = self._epoch_order() if epoch == self.epoch else self._order_of(epoch)
+        n = self.batch_size * self.world_size
+        return self.windows[order[position * n:(position + 1) * n]]
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.position >= self.batches_per_epoch:
