@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import shutil
 import signal
 import threading
 import time
@@ -418,6 +419,10 @@ class Trainer:
             return
         from_step = self.step
         self._load(found[-1], rollback=True)
+        if self.is_main:  # the abandoned timeline's checkpoints: --resume continues the rolled-back run
+            for newer in ckpt.list_checkpoints(self.run_dir / "checkpoints"):
+                if int(ckpt.read_meta(newer, verify=False)["step"]) > self.step:
+                    shutil.rmtree(newer, ignore_errors=True)
         self.metrics.write({"step": self.step, "rolled_back_from_step": from_step, "rolled_back_to": str(found[-1]),
                             "data": self.train_batches.state_dict()})
 
