@@ -625,7 +625,7 @@ class Trainer:
                     summary["checkpoint"] = str(self.save())
                     last_saved = self.step
                     window_start = time.perf_counter()  # saving is not training throughput
-                if rollback:
+                if rollback and not stopping:  # a pending stop (signal) wins: it saved the current state
                     self._rollback(decision.consecutive_bad)
                     window_start = time.perf_counter()
             if self.stop_reason is not None and last_saved != self.step:
