@@ -22,6 +22,7 @@ from trainforge.config_base import _f, _require
 from trainforge.data.section import AugmentSection, CacheSection, is_list_of_tables
 from trainforge.errors import ConfigError
 from trainforge.precision.section import PrecisionSection
+from trainforge.train.control_section import AdaptiveLRSection, BadStepsSection, EarlyStopSection
 
 
 @dataclass
@@ -93,7 +94,12 @@ class TrainingSection:
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
     seq_len: int = _f(256, "tokens per sequence")
     lr: float = _f(1e-3, "peak learning rate, reached after warmup")
-    min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
+    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _f(
+        "cosine", "after the linear warmup: cosine or linear decay to min_lr_ratio at training.steps, wsd "
+                  "(warmup-stable-decay: constant, then decay over the last decay_ratio of the steps), or constant")
+    min_lr_ratio: float = _f(0.1, "decay floor as a fraction of lr (cosine, linear, wsd)")
+    decay_ratio: float = _f(0.1, "wsd: fraction of training.steps spent decaying")
+    decay_shape: Literal["linear", "sqrt", "cosine"] = _f("linear", "wsd: shape of the final decay")
     warmup_steps: int = _f(30, "linear warmup steps")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 = off")
     seed: int = _f(1234, "seed for weights, data order and sampling")
@@ -112,6 +118,12 @@ class TrainingSection:
             _require(v >= 0, f"training.{name}", v, "an integer >= 0")
         _require(math.isfinite(self.lr) and self.lr > 0, "training.lr", self.lr, "a finite number > 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _require(0.0 < self.decay_ratio <= 1.0, "training.decay_ratio", self.decay_ratio, "a number in (0, 1]")
+        if self.lr_schedule == "wsd":
+            decay_steps = max(1, round(self.decay_ratio * self.steps))
+            _require(self.warmup_steps + decay_steps <= self.steps, "training.decay_ratio", self.decay_ratio,
+                     f"with lr_schedule = wsd, warmup_steps ({self.warmup_steps}) + decay_ratio x steps "
+                     f"({decay_steps}) must not exceed training.steps ({self.steps}); lower one of them")
         _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, "training.grad_clip", self.grad_clip,
                  "a number >= 0 (0 turns clipping off)")
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -216,6 +228,9 @@ class Config:
     sample: SampleSection = field(default_factory=SampleSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)
+    adaptive_lr: AdaptiveLRSection = field(default_factory=AdaptiveLRSection)
+    early_stop: EarlyStopSection = field(default_factory=EarlyStopSection)
+    bad_steps: BadStepsSection = field(default_factory=BadStepsSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

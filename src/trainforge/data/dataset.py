@@ -129,6 +129,9 @@ class TokenBatches:
     def position(self) -> int:
         return self.plan.position
 
+    def global_batch_windows(self, epoch: int, position: int) -> np.ndarray:
+        return self.plan.global_batch_windows(epoch, position)
+
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self.shards[s][o:o + self.seq_len + 1] for s, o in self.plan.batch_windows(*self.plan.advance())]
         batch = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)

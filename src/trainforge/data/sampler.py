@@ -76,6 +76,12 @@ class BatchPlan:
         """(batch_size, 2) rows of (shard, offset) this rank reads for the batch."""
         return self.windows[self.epoch_order(epoch)[self.sample_ids(epoch, position)]]
 
+    def global_batch_windows(self, epoch: int, position: int) -> np.ndarray:
+        """Sample ids of global batch ``position`` of ``epoch``: (shard index, token offset)
+        of each of its sequences, every rank's slice in rank order; (batch_size x ranks, 2)."""
+        n = self.batch_size * self.world_size
+        return self.windows[self.epoch_order(epoch)[position * n:(position + 1) * n]]
+
     def batch_at(self, epoch: int, position: int) -> tuple[int, int]:
         """Normalise a state to the batch it reads next (rolls over at an epoch's end)."""
         return (epoch + 1, 0) if position >= self.batches_per_epoch else (epoch, position)

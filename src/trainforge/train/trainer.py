@@ -1,6 +1,7 @@
-"""The training loop: gradient accumulation, AdamW, clipping, warmup + cosine LR,
-periodic validation, throughput and MFU, JSONL metrics, atomic checkpoints and
-bit-exact resume.
+"""The training loop: gradient accumulation, AdamW, clipping, warmup + decay LR
+schedules, periodic validation, throughput and MFU, JSONL metrics, atomic checkpoints
+and bit-exact resume. Training control (adaptive LR, early stopping, bad-step
+handling; ``control.py``) is off unless configured.
 
 Parallelism (``parallel/apply.py``), precision (``train/mixed_precision.py`` over
 ``trainforge.precision``) and compression plug in from outside; the loop stays the
@@ -12,7 +13,9 @@ and returns, so nothing done is lost.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
+import shutil
 import signal
 import threading
 import time
@@ -38,8 +41,10 @@ from trainforge.parallel.tensor_parallel import cross_entropy_loss, loss_context
 from trainforge.precision.casting import apply_precision
 from trainforge.precision.policy import build_policy
 from trainforge.train import checkpoint as ckpt
+from trainforge.train import control
 from trainforge.train import dist_checkpoint as dckpt
-from trainforge.train.lr_schedule import WarmupCosine, warmup_cosine_scheduler
+from trainforge.train.bad_steps import StepAction
+from trainforge.train.lr_schedule import build_scheduler, warmup_decay
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
 from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout
@@ -65,7 +70,14 @@ class _NullSink:
 
 
 class Callback(Protocol):
-    """Observes named training events; may only influence training via ``trainer.request_stop``."""
+    """Observes named training events; may only influence training via ``trainer.request_stop``.
+
+    Events: ``on_step_end(trainer, step)`` after every step; optionally
+    ``on_evaluation(trainer, step, val_loss) -> dict | None`` after every validation
+    (step 0 included), whose returned record is merged into the ``val_loss`` metrics
+    line. A stop requested in ``on_evaluation`` is rank 0's decision on every rank.
+    A callback with ``state_dict``/``load_state_dict`` is checkpointed under its
+    ``state_key`` (default: its class name)."""
 
     def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
 
@@ -164,8 +176,15 @@ class Trainer:
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
         self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, self.device,
                                            distributed=self.dims.world_size > 1) for part in self.opt_parts]
-        self.schedulers = [warmup_cosine_scheduler(o, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
-                           for o in self.optimizers]
+        self.schedulers = [build_scheduler(o, *self._schedule_args()) for o in self.optimizers]
+        # Training control; each None (absent) unless its section enables it.
+        self.adaptive_lr = cfg.adaptive_lr.build()
+        self.bad_steps = cfg.bad_steps.build()
+        self._step_decision = None  # the bad-step policy's verdict on the latest step
+        early_stop = cfg.early_stop.build(tcfg.steps)
+        if early_stop is not None:
+            self.callbacks.append(early_stop)
+        self.early_stopped = False
         # Train batches are assembled (and on CUDA staged to the device) ahead of use, in the
         # deterministic order of data/sampler.py; the loader's position goes into checkpoints.
         self.train_batches = build_loader(self.data, "train", cfg.data, tcfg.seq_len, tcfg.batch_size, tcfg.seed,
@@ -212,7 +231,8 @@ class Trainer:
 
     def _train_state(self) -> dict[str, Any]:
         state = {"step": self.step, "scheduler": self.schedulers[0].state_dict(),
-                 "data": self.train_batches.state_dict(), "rng": ckpt.capture_rng_state()}
+                 "data": self.train_batches.state_dict(), "rng": ckpt.capture_rng_state(),
+                 **control.control_state(self.adaptive_lr, self.bad_steps, self.callbacks)}
         precision = self.mp.state_dict()  # loss scaler, dynamic controller; None for fp32 runs
         if precision is not None:
             state["precision"] = precision
@@ -250,7 +270,9 @@ class Trainer:
                             "checkpoint_save_s": round(time.perf_counter() - t0, 4)})
         return path
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path, rollback: bool = False) -> None:
+        """Restore the checkpoint at ``path``. ``rollback``: keep the live data position
+        (so the batches since the checkpoint are not replayed) and bad-step policy."""
         meta = ckpt.read_meta(path)
         ckpt.check_model_compatible(meta, self.model_config, path)
         tok_digest = meta["files"].get(ckpt.TOKENIZER_FILE)
@@ -272,8 +294,13 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError) as e:
             raise CheckpointError(f"{path}: model/optimizer/scheduler/precision state does not fit this run "
                                   f"({e})") from None
+        control.load_control_state(state, self.adaptive_lr, None if rollback else self.bad_steps, self.callbacks)
         self._keep_configured_schedule()
-        self.train_batches.load_state_dict(state["data"])
+        if self.adaptive_lr is not None:
+            for opt, sched in zip(self.optimizers, self.schedulers):
+                self.adaptive_lr.apply(opt, sched)
+        if not rollback:
+            self.train_batches.load_state_dict(state["data"])
         rng_file = path / "rng" / f"rank_{self.dist.rank:05d}.pt"
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
@@ -282,7 +309,7 @@ class Trainer:
         self._load_compression(path)
         self.step = int(state["step"])
         self._last_balance_step = self.step
-        self.log.info(f"resumed from {path} at step {self.step}")
+        self.log.info(f"{'rolled back to' if rollback else 'resumed from'} {path} at step {self.step}")
 
     def _load_compression(self, path: Path) -> None:
         """Error-feedback residuals, bit widths and warm-up count of this rank, if saved."""
@@ -307,7 +334,7 @@ class Trainer:
         changed it on resume (e.g. ``--training.steps`` to extend a run, or a new
         ``--training.lr``), follow the config from the current step on, and say so."""
         tcfg = self.cfg.training
-        want = WarmupCosine(tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
+        want = warmup_decay(*self._schedule_args())
         have = self.schedulers[0].lr_lambdas[0]
         if vars(have) == vars(want) and self.schedulers[0].base_lrs[0] == tcfg.lr:
             return
@@ -320,6 +347,12 @@ class Trainer:
                 group["initial_lr"] = tcfg.lr
                 group["lr"] = tcfg.lr * want(sched.last_epoch)
             sched._last_lr = [g["lr"] for g in opt.param_groups]
+            if self.adaptive_lr is not None:
+                self.adaptive_lr.apply(opt, sched)
+
+    def _schedule_args(self) -> tuple:
+        t = self.cfg.training
+        return t.lr_schedule, t.warmup_steps, t.steps, t.min_lr_ratio, t.decay_ratio, t.decay_shape
 
     # -- steps -----------------------------------------------------------------------
 
@@ -352,10 +385,14 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` micro-batches.
-        Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here."""
+        Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here,
+        unless the bad-step guard is on (see ``control.py``); its verdict on this step
+        is then in ``self._step_decision``, and a step it rejects changes no weights,
+        optimizer state or LR."""
         tcfg = self.cfg.training
         for part in self.model_parts:
             part.train()
+        data_before = (self.train_batches.epoch, self.train_batches.position)
         total = torch.zeros((), device=self.device)
         mp = self.mp
         # Saved activations are counted on one forward per logging window (not through a
@@ -382,14 +419,66 @@ class Trainer:
         grad_norm = self._clip_gradients(tcfg.grad_clip)
         if self.measure_memory:
             mp.record_memory(self.model_parts, self.optimizers, with_activations=track)
+        if self.bad_steps is not None:
+            self._judge_step(total, grad_norm, data_before)
+        apply = control.applies_update(self._step_decision)
         for opt, sched in zip(self.optimizers, self.schedulers):
-            mp.scaler.step(opt)  # opt.step(), unless an fp16 overflow skips it
+            if apply:
+                mp.scaler.step(opt)  # opt.step(), unless an fp16 overflow skips it
             opt.zero_grad(set_to_none=True)
-            sched.step()
+            if apply:
+                sched.step()
+                if self.adaptive_lr is not None:
+                    self.adaptive_lr.apply(opt, sched)
         mp.finish_step(self.step + 1, total, grad_norm, group_norms)
         if self.compressor is not None:
             self.compressor.end_step()
         return total, grad_norm
+
+    def _judge_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, data_before: tuple[int, int]) -> None:
+        """Feed the policy this step's global values (identical on every rank) and keep its
+        verdict; a non-OK verdict is written to the metrics with the step's sample ids."""
+        loss_v, norm_v = control.step_health(loss, grad_norm, self.dims.world_size, self.dims.dp, self.dims.tp)
+        decision = self.bad_steps.observe(self.step + 1, loss_v, norm_v)
+        self._step_decision = decision
+        if decision.action is not StepAction.OK:
+            batches = control.step_batches(*data_before, self.cfg.training.grad_accum_steps,
+                                           self.train_batches.batches_per_epoch)
+            self.metrics.write(control.bad_step_record(decision, loss_v, norm_v, batches, self.train_batches))
+            if self.is_main:
+                self.log.warning(f"bad step {decision.step}: {decision.action.value}: {decision.reason}")
+            if decision.action is StepAction.STOP:
+                self.request_stop(decision.reason)
+
+    def _rollback(self, bad_steps: int) -> None:
+        """Reload the newest checkpoint from before the last ``bad_steps`` steps, keeping the
+        data position (the batches in between are not replayed) and the bad-step policy.
+        Stops the run when there is no such checkpoint. Collective when distributed."""
+        first_bad = self.step - bad_steps + 1
+        found = [p for p in ckpt.list_checkpoints(self.run_dir / "checkpoints")
+                 if int(ckpt.read_meta(p, verify=False)["step"]) < first_bad]
+        if not found:
+            self.request_stop(f"{bad_steps} bad steps in a row and no checkpoint from before step {first_bad} "
+                              "to roll back to")
+            return
+        from_step = self.step
+        self._load(found[-1], rollback=True)
+        if self.is_main:  # the abandoned timeline's checkpoints: --resume continues the rolled-back run
+            for newer in ckpt.list_checkpoints(self.run_dir / "checkpoints"):
+                if int(ckpt.read_meta(newer, verify=False)["step"]) > self.step:
+                    shutil.rmtree(newer, ignore_errors=True)
+        self.metrics.write({"step": self.step, "rolled_back_from_step": from_step, "rolled_back_to": str(found[-1]),
+                            "data": self.train_batches.state_dict()})
+
+    def _validation_record(self, val: float) -> dict[str, Any]:
+        """The metrics line of a validation at ``self.step``, with what evaluation
+        callbacks (early stopping) add; carries out their (rank 0's) stop request."""
+        extra, reason = control.run_evaluation_callbacks(self, self.callbacks, self.step, val,
+                                                         self.dims.world_size)
+        if reason is not None:
+            self.early_stopped = self.early_stopped or self.stop_reason is None
+            self.request_stop(reason)
+        return {"step": self.step, "val_loss": val, **extra}
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over all ranks' shards, then clip (0 = measure only).
@@ -531,8 +620,9 @@ class Trainer:
             if self.step == 0:
                 val = self.evaluate()
                 summary["first_val_loss"] = val
-                self.metrics.write({"step": 0, "val_loss": val})
-                reporter.message(f"step 0 val_loss {val:.4f}")
+                record = self._validation_record(val)
+                self.metrics.write(record)
+                reporter.message(_validation_message(record))
             pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
             window_start, window_steps = time.perf_counter(), 0
             last_saved = -1
@@ -548,13 +638,15 @@ class Trainer:
                 self.step += 1
                 window_steps += 1
                 pending.append((self.step, lr, loss, grad_norm))
-                last = self.step == tcfg.steps
-                do_val = last or (tcfg.val_interval and self.step % tcfg.val_interval == 0)
-                do_save = last or (ccfg.interval and self.step % ccfg.interval == 0)
+                decision = self._step_decision
+                rollback = decision is not None and decision.action is StepAction.ROLLBACK
+                last = self.step == tcfg.steps and not rollback
+                do_val = last or (tcfg.val_interval and self.step % tcfg.val_interval == 0 and not rollback)
+                do_save = last or (ccfg.interval and self.step % ccfg.interval == 0 and not rollback)
                 for cb in self.callbacks:
                     cb.on_step_end(self, self.step)
                 stopping = self.stop_reason is not None
-                if self.step % tcfg.log_interval == 0 or do_val or do_save or stopping:
+                if self.step % tcfg.log_interval == 0 or do_val or do_save or stopping or rollback:
                     # The only host sync of the loop: one per logging interval.
                     losses = self._mean_over_dp(torch.stack([p[2] for p in pending])).tolist()
                     norms = torch.stack([p[3] for p in pending]).tolist()
@@ -564,6 +656,11 @@ class Trainer:
                     tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
                     mfu = tps * self.flops_per_token / self.peak_flops
                     extra = self._window_stats()
+                    if self.bad_steps is not None:
+                        extra.update(skipped_steps=self.bad_steps.counts["skipped"],
+                                     rollbacks=self.bad_steps.rollbacks)
+                    if self.adaptive_lr is not None:
+                        self._adapt_lr(pending[0][0], losses)
                     for (step, step_lr, _, _), loss_v, norm_v in zip(pending, losses, norms):
                         record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
                                   "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **extra}
@@ -579,12 +676,16 @@ class Trainer:
                 if do_val:
                     val = self.evaluate()
                     summary["final_val_loss"] = val
-                    self.metrics.write({"step": self.step, "val_loss": val})
-                    reporter.message(f"step {self.step} val_loss {val:.4f}")
+                    record = self._validation_record(val)
+                    self.metrics.write(record)
+                    reporter.message(_validation_message(record))
                 if do_save or stopping:
                     summary["checkpoint"] = str(self.save())
                     last_saved = self.step
                     window_start = time.perf_counter()  # saving is not training throughput
+                if rollback and not stopping:  # a pending stop (signal) wins: it saved the current state
+                    self._rollback(decision.consecutive_bad)
+                    window_start = time.perf_counter()
             if self.stop_reason is not None and last_saved != self.step:
                 summary["checkpoint"] = str(self.save())
         finally:
@@ -594,7 +695,10 @@ class Trainer:
                 signal.signal(sig, h)
         if self.stop_reason is not None:
             self.log.info(f"stopped at step {self.step}: {self.stop_reason}; resume with --resume {self.run_dir}")
-        summary.update(step=self.step, stop_reason=self.stop_reason, run_dir=str(self.run_dir))
+        summary.update(step=self.step, stop_reason=self.stop_reason, run_dir=str(self.run_dir),
+                       early_stopped=self.early_stopped)
+        if self.bad_steps is not None:
+            summary["bad_steps"] = {**self.bad_steps.counts, "rollbacks": self.bad_steps.rollbacks}
         return summary
 
     def _observe_precision(self) -> None:
@@ -611,6 +715,31 @@ class Trainer:
         when parameters are stored low, else the trained model."""
         return self.mp.master.module if self.mp.master is not None else self.model
 
+    def _adapt_lr(self, first_step: int, losses: list[float]) -> None:
+        """Feed the adaptive LR one logging window's mean training loss (after warmup;
+        the same host values on every rank) and apply a changed multiplier at once."""
+        finite = [x for x in losses if math.isfinite(x)]
+        if first_step <= self.cfg.training.warmup_steps or not finite:
+            return
+        before = self.adaptive_lr.multiplier
+        self.adaptive_lr.observe(sum(finite) / len(finite))
+        if self.adaptive_lr.multiplier != before:
+            for opt, sched in zip(self.optimizers, self.schedulers):
+                self.adaptive_lr.apply(opt, sched)
+            self.metrics.write({"step": self.step, "lr_multiplier": self.adaptive_lr.multiplier,
+                                "lr_event": self.adaptive_lr.last_event})
+            if self.is_main:
+                self.log.info(f"step {self.step}: adaptive LR {self.adaptive_lr.last_event}: multiplier "
+                              f"{before:.3g} -> {self.adaptive_lr.multiplier:.3g}")
+
     def close(self) -> None:
         self.train_batches.close()
         self.metrics.close()
+
+
+def _validation_message(record: dict[str, Any]) -> str:
+    text = f"step {record['step']} val_loss {record['val_loss']:.4f}"
+    if record.get("predicted_final_loss") is not None:
+        text += (f" (predicted final {record['predicted_final_loss']:.4f} +- {record['predicted_final_loss_std']:.4f}"
+                 f", improvement below min_delta from step {record['predicted_stop_step']})")
+    return text
