@@ -261,10 +261,6 @@ class ShardLoader:
                 state["epoch"], state["position"] = state["epoch"] - 1, self.batches_per_epoch
         return state
 
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.plan.batches_per_epoch
-
     def global_batch_windows(self, epoch: int, position: int) -> np.ndarray:
         """(shard, offset) of every sequence of a global batch (bad-step sample ids)."""
         return self.plan.global_batch_windows(epoch, position)
