@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import debug_config
+from conftest import StopAt, debug_config
 from trainforge.cli import main as cli_main
 from trainforge.train.lr_schedule import warmup_decay
 from trainforge.train.metrics import read_jsonl
@@ -19,15 +19,6 @@ from trainforge.train.trainer import Trainer
 def power_law(step: int) -> float:
     """Scripted validation loss: L = 2 + 8 t^-0.5 (9.0 for the untrained model at step 0)."""
     return 9.0 if step == 0 else 2.0 + 8.0 * step ** -0.5
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer, step):
-        if step == self.step:
-            trainer.request_stop("test interruption")
 
 
 def run(cfg, run_dir, resume=False, callbacks=None):

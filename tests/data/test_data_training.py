@@ -9,21 +9,12 @@ import sys
 
 import torch
 
-from conftest import debug_config
+from conftest import StopAt, debug_config
 from tests.data.helpers import serve
 from trainforge.train.metrics import read_jsonl
 from trainforge.train.trainer import Trainer
 
 AUGMENT = '[{name = "doc_shuffle", p = 0.5}, {name = "token_replace", p = 0.5, rate = 0.05}]'
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer, step):
-        if step == self.step:
-            trainer.request_stop("test interruption")
 
 
 def train_recording(cfg, run_dir, resume=False, callbacks=None):
