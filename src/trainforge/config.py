@@ -20,6 +20,7 @@ from typing import Any, Literal
 from trainforge.compression.section import CompressionSection
 from trainforge.config_base import _f, _require
 from trainforge.errors import ConfigError
+from trainforge.monitor.section import MonitorSection
 
 
 @dataclass
@@ -192,6 +193,7 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     sample: SampleSection = field(default_factory=SampleSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
