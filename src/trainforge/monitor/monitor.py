@@ -55,19 +55,19 @@ class Monitor:
         self.start_step = step_fn()
         self._window: int | None = None
         self._window_stats: dict[str, Any] = {}
+        self.prometheus = None
         if not section.enabled:
             return
-        self.probe = StepProbe(model_parts, optimizers, device, step_fn, section.interval_steps,
-                               section.activation_stats, section.profile_every, section.top_ops)
-        self.system = SystemSampler(device)
-        self.prometheus = None
-        if section.prometheus_port or section.pushgateway_url:
+        if section.prometheus_port or section.pushgateway_url:  # first: a busy port fails before any hook
             port = section.prometheus_port + dist.local_rank if section.prometheus_port else 0
             self.prometheus = PrometheusSink(self.registry, section.prometheus_host, port, section.pushgateway_url,
                                              section.pushgateway_job)
             self.sinks.append(self.prometheus)
         if section.tensorboard and jsonl_path is not None:
             self.sinks.append(TensorBoardSink(tensorboard_dir or jsonl_path.parent / "tensorboard"))
+        self.probe = StepProbe(model_parts, optimizers, device, step_fn, section.interval_steps,
+                               section.activation_stats, section.profile_every, section.top_ops)
+        self.system = SystemSampler(device)
 
     # -- the sink interface the trainer uses ------------------------------------------
 
