@@ -108,8 +108,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "PCIe traffic of this rank's GPU, direction h2d (host to device) or d2h, NVML throughput counters "
        "(a 20 ms sample at the logging interval)", labels=("direction",), when=NVML),
     _s("data_wait_s", "data_wait_seconds", "gauge", "seconds", "system",
-       "per step: time from the end of the previous optimizer step to the first forward (batch fetch, "
-       "host-to-device copy issue); steps after logging/validation/checkpointing are left out (hooks)"),
+       "per step: from the end of the previous optimizer step (or of the logging, validation or "
+       "checkpoint record written since) to the first forward: batch fetch, host-to-device copy issue, "
+       "callbacks (hooks)"),
     _s("io_read_bytes", "io_read_bytes_total", "counter", "bytes", "system",
        "bytes this process read: tier=storage from block devices (disk, not page cache), tier=syscall "
        "through read() calls of any kind (/proc/self/io read_bytes, rchar); memory-mapped shards count "

@@ -76,7 +76,7 @@ class Monitor:
             if self.jsonl is not None:
                 self.jsonl.write(record)
             return
-        self.probe.mark_dirty()  # the loop is logging, validating or checkpointing, not waiting for data
+        self.probe.mark_other_work()  # logging, validation, checkpointing: not data wait
         window = None
         if "loss" in record and "step" in record:
             record = {**record}

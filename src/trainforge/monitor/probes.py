@@ -92,7 +92,7 @@ class _CudaClock:
 class _Step:
     step: int
     start: Any
-    wait_from: Any  # end of the previous step, None when other work ran in between
+    wait_from: Any  # end of the previous step or of the monitor's last write, whichever came later
     fwd: list[list[Any]] = field(default_factory=list)  # [start, end] per forward call
     opt_start: Any = None
     opt_end: Any = None
@@ -130,7 +130,6 @@ class StepProbe:
             self._handles.append(opt.register_step_post_hook(partial(self._opt_post, i)))
         self._cur: _Step | None = None
         self._last_end: Any = None
-        self._dirty = True
         self.optimizer_steps = 0
         self._done: dict[int, _Step] = {}
         # Sampled step -> {"grad": {group: sq tensor}, "param": ..., "delta": ..., "before": ...}
@@ -144,17 +143,17 @@ class StepProbe:
 
     # -- hooks ---------------------------------------------------------------------
 
-    def mark_dirty(self) -> None:
-        """Work other than training ran (logging, validation, checkpointing): the gap
-        before the next step is not data wait."""
-        self._dirty = True
+    def mark_other_work(self) -> None:
+        """Logging, validation or checkpointing just finished (the monitor is writing its
+        record): the next step's data wait starts now, not at the last optimizer step."""
+        self._last_end = self.clock.mark()
 
     def _is_sampled(self, step: int) -> bool:
         return self.interval_steps > 0 and step % self.interval_steps == 0
 
     def _begin(self) -> _Step:
         step = self.step_fn() + 1
-        cur = _Step(step, self.clock.mark(), None if self._dirty else self._last_end)
+        cur = _Step(step, self.clock.mark(), self._last_end)
         self._cur = cur
         if self._is_sampled(step):
             self._sampled[step] = {"grad": {}, "param": {}, "delta": {}, "before": {}}
@@ -226,7 +225,7 @@ class StepProbe:
     def _finish(self, cur: _Step) -> None:
         self.optimizer_steps += 1
         self._done[cur.step] = cur
-        self._last_end, self._dirty, self._cur = cur.opt_end, False, None
+        self._last_end, self._cur = cur.opt_end, None
         for h in self._act_handles:
             h.remove()
         self._act_handles = []
