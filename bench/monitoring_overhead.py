@@ -1,7 +1,7 @@
 """Monitoring overhead: training tokens/s with the monitor off, at its defaults, and
 full (activation statistics + torch.profiler sampling), in one process, interleaved.
 
-    python bench/monitoring_overhead.py                    # tiny flavor, ~6 min on 2 busy cores
+    python bench/monitoring_overhead.py                    # tiny, batch 4 x 128: ~8 min on 2 busy cores
     python bench/monitoring_overhead.py --flavor debug     # tiny steps: stresses per-step hook cost
     python bench/monitoring_overhead.py --json out.json    # also keep every sample
 
@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.train_throughput import cpu_counters, cpu_model, load_note  # noqa: E402
 from trainforge.config import load_config  # noqa: E402
+from trainforge.train.metrics import read_jsonl  # noqa: E402
 from trainforge.train.trainer import Trainer  # noqa: E402
 
 CONFIGS = ("off", "default", "full")
@@ -77,16 +78,17 @@ class Segment:
 
     def __init__(self, baton: Baton, k: int, samples_wanted: int, queue):
         self.baton, self.k, self.samples_wanted, self.queue = baton, k, samples_wanted, queue
-        self.t0 = self.c0 = None
+        self.t0 = self.c0 = self.m0 = None
         self.taken = 0
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
         if step % self.k:
             return
-        t1, c1 = time.perf_counter(), cpu_counters()
+        t1, c1, m1 = time.perf_counter(), cpu_counters(), trainer.metrics.self_seconds()
         if self.t0 is not None:
             wall = t1 - self.t0
-            self.queue.put(("sample", self.baton.i, wall, load_note(self.c0, c1, wall)))
+            note = {**load_note(self.c0, c1, wall), "monitor_s": m1 - self.m0}
+            self.queue.put(("sample", self.baton.i, wall, note))
             self.taken += 1
         if self.taken >= self.samples_wanted:
             # Keep the baton: the stop's logging and checkpoint must not overlap another's
@@ -95,7 +97,19 @@ class Segment:
             return
         self.baton.pass_on()
         self.baton.wait_turn()
-        self.t0, self.c0 = time.perf_counter(), cpu_counters()
+        self.t0, self.c0, self.m0 = time.perf_counter(), cpu_counters(), trainer.metrics.self_seconds()
+
+
+def step_profile(path: Path) -> dict[str, float]:
+    """Median step seconds (the monitor's own per-step timing) of plain, sampled and
+    profiled steps, from a monitored run's records."""
+    plain, sampled, profiled = [], [], []
+    for r in read_jsonl(path):
+        if "step_s" not in r:
+            continue
+        (profiled if "top_ops" in r else sampled if "grad_norm_group" in r else plain).append(r["step_s"])
+    med = lambda v: float(np.median(v)) if v else None  # noqa: E731
+    return {"plain": med(plain), "sampled": med(sampled), "profiled": med(profiled)}
 
 
 def child(i: int, overrides: list[str], k: int, samples_wanted: int, threads: int, events, done, queue) -> None:
@@ -112,6 +126,7 @@ def child(i: int, overrides: list[str], k: int, samples_wanted: int, threads: in
                 trainer.fit()
             finally:
                 trainer.close()
+            queue.put(("steps", i, step_profile(Path(tmp) / "run" / "metrics.jsonl"), None))
     finally:
         done[i] = 1
         queue.put(("done", i, None, None))
@@ -122,11 +137,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavor", default="tiny")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=256)
-    p.add_argument("--steps_per_sample", type=int, default=20, help="k: steps per sample (= log_interval)")
+    p.add_argument("--batch_size", type=int, default=4)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--steps_per_sample", type=int, default=10,
+                   help="k: steps per sample (= training.log_interval = monitor.interval_steps default)")
     p.add_argument("--rounds", type=int, default=6, help="timed rounds (off gets one more, to bracket the last)")
-    p.add_argument("--profile_every", type=int, default=20, help="full: monitor.profile_every")
+    p.add_argument("--profile_every", type=int, default=10,
+                   help="full: monitor.profile_every; keep k a multiple so every sample holds the same number "
+                        "of profiled steps (a median would otherwise hide a rare expensive step)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
@@ -165,7 +183,7 @@ def main(argv=None) -> int:
     for p in procs:
         p.start()
     samples: dict[int, list[tuple[float, dict]]] = {i: [] for i in range(len(CONFIGS))}
-    finished, tokens_per_step = 0, None
+    finished, tokens_per_step, step_medians = 0, None, {}
     events[0].set()
     while finished < len(CONFIGS):
         kind, i, x, y = queue.get()
@@ -175,6 +193,8 @@ def main(argv=None) -> int:
                   f"rounds; full: activation stats + profiler every {a.profile_every} steps", flush=True)
         elif kind == "sample":
             samples[i].append((x, y))
+        elif kind == "steps":
+            step_medians[CONFIGS[i]] = x
         elif kind == "done":
             finished += 1
     for p in procs:
@@ -202,6 +222,28 @@ def main(argv=None) -> int:
         print(f"{name:>8}: tokens/s ratio vs off median {s['median']:.4f} (IQR {s['q1']:.4f}-{s['q3']:.4f}, "
               f"min {s['min']:.4f}, max {s['max']:.4f}) -> overhead {100 * overhead:+.2f}% "
               f"(target <= {100 * TARGETS[name]:.0f}%): {verdict}")
+    # Accounting, far less sensitive to the machine's load than the ratios: the host time
+    # the monitor measured around its own code, per sample, over the sample's wall time;
+    # plus, for full, the profiler's slowdown of the profiled step (not in monitor_s),
+    # amortised over profile_every steps.
+    print("\naccounting (time inside the monitor's hooks and write path / sample wall time):")
+    for i, name in enumerate(CONFIGS):
+        shares = [note["monitor_s"] / wall for wall, note in samples[i]]
+        results.setdefault("accounting", {})[name] = summarize(shares)
+        s = summarize(shares)
+        print(f"{name:>8}: median {100 * s['median']:.3f}% (min {100 * s['min']:.3f}%, max {100 * s['max']:.3f}%)")
+    m = step_medians.get("full", {})
+    if m.get("profiled") and m.get("plain"):
+        slow = m["profiled"] / m["plain"] - 1
+        results["profiled_step_slowdown"] = slow
+        print(f"    full: a profiled step takes {100 * slow:+.0f}% of a plain one (median step_s "
+              f"{m['profiled']:.3f} s vs {m['plain']:.3f} s): {100 * slow / a.profile_every:+.2f}% amortised over "
+              f"profile_every = {a.profile_every} steps")
+    m = step_medians.get("default", {})
+    if m.get("sampled") and m.get("plain"):
+        print(f" default: a sampled step (norms, update ratio) takes {100 * (m['sampled'] / m['plain'] - 1):+.1f}% "
+              f"of a plain one (median step_s {m['sampled']:.3f} s vs {m['plain']:.3f} s)")
+    results["step_medians"] = step_medians
     print(f"other processes used {100 * whole['other_processes_share']:.0f}% of the machine during the run; "
           f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     if a.json:

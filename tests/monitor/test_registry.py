@@ -57,3 +57,20 @@ def test_unknown_numeric_keys_are_exported_and_other_values_ignored():
     assert reg.value("trainforge_record_value", key="nested_new.a") == 1
     assert {s.name for s in changed} == {"trainforge_step", "trainforge_record_value"}
     assert reg.value("trainforge_validation_loss") is None
+
+
+def test_operator_self_times_from_raw_events_equal_key_averages():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from trainforge.monitor.probes import cpu_self_us
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            model(torch.randn(32, 64)).sum().backward()
+    mine = cpu_self_us(prof)
+    ref = {e.key: e.self_cpu_time_total for e in prof.key_averages()}
+    assert set(mine) == set(ref)
+    for key, us in ref.items():
+        assert abs(mine[key] - us) <= 1e-3 * max(us, 1.0) + 1e-3, key

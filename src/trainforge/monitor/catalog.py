@@ -177,6 +177,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _s("optimizer_skipped_steps", "optimizer_skipped_steps_total", "counter", "steps", "framework",
        "training steps on which no optimizer step ran since this process started (loss-scale overflow, "
        "bad-step skip), counted by optimizer step hooks"),
+    _s("monitor_s", "monitor_seconds_total", "counter", "seconds", "framework",
+       "host seconds this process spent in monitoring (its hooks, record enrichment, registry, sinks; "
+       "not the profiler's slowdown of a profiled step), measured around each of them"),
     _s("parallel_degree", "parallel_degree", "gauge", "ranks", "framework",
        "size of each parallel axis of the layout (pp, dp_replicate, dp_shard, tp)", labels=("axis",)),
     # -- model -------------------------------------------------------------------------

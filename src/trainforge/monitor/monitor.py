@@ -55,6 +55,7 @@ class Monitor:
         self.start_step = step_fn()
         self._window: int | None = None
         self._window_stats: dict[str, Any] = {}
+        self._write_s = 0.0
         self.prometheus = None
         if not section.enabled:
             return
@@ -76,18 +77,26 @@ class Monitor:
             if self.jsonl is not None:
                 self.jsonl.write(record)
             return
+        t0 = time.perf_counter()
         self.probe.mark_other_work()  # logging, validation, checkpointing: not data wait
         window = None
         if "loss" in record and "step" in record:
             record = {**record}
             window = self.step_fn()  # steps done when the window's records are written
             self._enrich(record, window)
+        t1 = time.perf_counter()
         if self.jsonl is not None:
-            self.jsonl.write(record)
+            self.jsonl.write(record)  # what an unmonitored run pays too: not counted in monitor_s
+        t2 = time.perf_counter()
         samples = self.registry.ingest(record, window)
         step = int(record.get("step", self.step_fn()))
         for sink in self.sinks:
             sink.emit(step, samples)
+        self._write_s += (t1 - t0) + (time.perf_counter() - t2)
+
+    def self_seconds(self) -> float:
+        """Host seconds this process spent in monitoring: hooks, enrichment, registry, sinks."""
+        return (self.probe.self_s if self.probe is not None else 0.0) + self._write_s
 
     def flush(self) -> None:
         if self.jsonl is not None:
@@ -131,6 +140,7 @@ class Monitor:
         gradient bytes; without a pipeline there is no bubble; without loss scaling
         the scale is 1)."""
         out = self.system.sample()
+        out["monitor_s"] = self.self_seconds()
         out["optimizer_skipped_steps"] = max(0, (self.step_fn() - self.start_step) - self.probe.optimizer_steps)
         out["parallel_degree"] = dict(self.axes)
         out["loss_scale"] = 1.0

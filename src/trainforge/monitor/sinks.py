@@ -77,6 +77,7 @@ class PrometheusSink:
             except OSError as e:
                 raise ConfigError(f"config key 'monitor.prometheus_port' = {port}: cannot listen on {host}:{port} "
                                   f"({e.strerror or e}); pick a free port, or 0 to turn the endpoint off") from None
+            get_logger().info(f"metrics endpoint: http://{host}:{port}/metrics")
             if not is_loopback(host):
                 get_logger().warning(f"metrics endpoint listens on {host}:{port}: reachable from the network "
                                      "(monitor.prometheus_host = 127.0.0.1 keeps it local)")
