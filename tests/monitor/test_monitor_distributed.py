@@ -26,10 +26,11 @@ COMMON = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.ste
 @pytest.mark.parametrize("layout", [["--parallel.dp_shard", "-1"], ["--parallel.tp", "2"],
                                     ["--parallel.pp", "2", "--parallel.pp_split", "even"]], ids=["fsdp2", "tp2", "pp2"])
 def test_monitor_statistics_under_torchrun(tmp_path, small_data, layout):
-    port = free_port()
+    # Endpoints on ports P and P+1 (one per rank); the pipeline case runs without, so rank 1
+    # there has no destination at all.
+    endpoint = [] if "--parallel.pp" in layout else ["--monitor.prometheus_port", str(free_port())]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
-           "train", "--run_dir", str(tmp_path / "run"), "--data.path", str(small_data), *COMMON, *layout,
-           "--monitor.prometheus_port", str(port)]
+           "train", "--run_dir", str(tmp_path / "run"), "--data.path", str(small_data), *COMMON, *layout, *endpoint]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env())
     assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     train = [x for x in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in x]

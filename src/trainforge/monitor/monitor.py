@@ -79,6 +79,9 @@ class Monitor:
             return
         t0 = time.perf_counter()
         self.probe.mark_other_work()  # logging, validation, checkpointing: not data wait
+        if self.jsonl is None and not self.sinks:  # a rank > 0 without an endpoint: nobody reads it
+            self._write_s += time.perf_counter() - t0
+            return
         window = None
         if "loss" in record and "step" in record:
             record = {**record}
