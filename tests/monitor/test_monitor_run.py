@@ -19,7 +19,7 @@ from trainforge.monitor.sinks import free_port
 from trainforge.train.metrics import read_jsonl
 from trainforge.train.trainer import Trainer
 
-from .helpers import FULL_MONITOR, non_loopback_ipv4
+from .helpers import FULL_MONITOR, find_tool, missing_tool_reason, non_loopback_ipv4, promtool_check
 
 STEPS = 12
 
@@ -198,3 +198,10 @@ def test_bad_monitor_config_names_the_key(small_data, tmp_path):
         cfg = debug_config(small_data, "--monitor.prometheus_port", str(busy.getsockname()[1]))
         with pytest.raises(ConfigError, match="monitor.prometheus_port.*cannot listen"):
             Trainer(cfg, tmp_path / "run", progress=False)
+
+
+def test_scrape_of_the_run_passes_promtool(run):
+    if find_tool("promtool") is None:
+        pytest.skip(missing_tool_reason("promtool"))
+    result = promtool_check(run.scrape)
+    assert result.returncode == 0, result.stdout + result.stderr
