@@ -112,7 +112,7 @@ class Monitor:
         ``linger_s``, then close every sink."""
         if self.probe is not None:
             self.probe.close()
-        if self.section.linger_s and self.sinks:
+        if self.section.linger_s and self.prometheus is not None and self.prometheus.address is not None:
             time.sleep(self.section.linger_s)
         for sink in self.sinks:
             sink.close()
