@@ -92,7 +92,9 @@ def test_prometheus_scrapes_a_run_and_every_dashboard_query_returns_data(prometh
     base, port = prometheus
     cfg = debug_config(small_data, "--training.steps", str(STEPS), "--training.log_interval", "2",
                        "--checkpoint.interval", "30", "--training.val_interval", "20", *FULL_MONITOR,
-                       "--monitor.prometheus_port", str(port))
+                       "--monitor.prometheus_port", str(port),
+                       # features whose metrics have dashboard panels: the tiered shard cache, the bad-step guard
+                       "--data.cache.dir", str(tmp_path / "cache"), "--bad_steps.enabled", "true")
     start = time.time()
     trainer = Trainer(cfg, tmp_path / "run", progress=False, callbacks=[WaitForScrape(base)])
     try:

@@ -38,12 +38,14 @@ class Monitor:
     """``jsonl_path``: where this rank writes records (None on ranks other than 0).
     ``dims``: the parallel layout (``pp``, ``dp_replicate``, ``dp_shard``, ``tp``,
     ``world_size``); ``dist``: ``rank`` and ``local_rank``; ``step_fn()``: the trainer's
-    completed-step count. Hooks are installed on ``model_parts`` and ``optimizers``
-    and removed by ``close``."""
+    completed-step count; ``opt_parts``: the modules whose parameters the optimizers
+    step, when not ``model_parts`` (an fp32 master copy: same FQNs). Hooks are installed
+    on ``model_parts`` and ``optimizers`` and removed by ``close``."""
 
     def __init__(self, section: MonitorSection, jsonl_path: Path | None, model_parts: list[nn.Module],
                  optimizers: list[torch.optim.Optimizer], device: torch.device, dims: Any, dist: Any,
-                 step_fn: Callable[[], int], tensorboard_dir: Path | None = None):
+                 step_fn: Callable[[], int], tensorboard_dir: Path | None = None,
+                 opt_parts: list[nn.Module] | None = None):
         self.section, self.step_fn = section, step_fn
         self.world_size = dims.world_size
         self.pp = dims.pp
@@ -67,7 +69,7 @@ class Monitor:
         if section.tensorboard and jsonl_path is not None:
             self.sinks.append(TensorBoardSink(tensorboard_dir or jsonl_path.parent / "tensorboard"))
         self.probe = StepProbe(model_parts, optimizers, device, step_fn, section.interval_steps,
-                               section.activation_stats, section.profile_every, section.top_ops)
+                               section.activation_stats, section.profile_every, section.top_ops, opt_parts)
         self.system = SystemSampler(device)
 
     # -- the sink interface the trainer uses ------------------------------------------

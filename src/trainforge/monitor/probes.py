@@ -153,13 +153,15 @@ class StepProbe:
 
     def __init__(self, model_parts: list[nn.Module], optimizers: list[torch.optim.Optimizer],
                  device: torch.device, step_fn: Callable[[], int], interval_steps: int = 10,
-                 activation_stats: bool = False, profile_every: int = 0, top_ops: int = 10):
+                 activation_stats: bool = False, profile_every: int = 0, top_ops: int = 10,
+                 opt_parts: list[nn.Module] | None = None):
         self.device, self.step_fn = device, step_fn
         self.interval_steps, self.activation_stats = interval_steps, activation_stats
         self.profile_every, self.top_ops = profile_every, top_ops
         self.clock = _CudaClock() if device.type == "cuda" else _HostClock()
         self.optimizers = optimizers
-        group_of = {id(p): layer_group(n) for part in model_parts for n, p in part.named_parameters()}
+        group_of = {id(p): layer_group(n) for part in [*model_parts, *(opt_parts or [])]
+                    for n, p in part.named_parameters()}
         # Per optimizer: (params, their groups), in param_groups order.
         self._opt_params = []
         for opt in optimizers:
