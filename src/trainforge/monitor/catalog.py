@@ -231,6 +231,14 @@ CATALOG: tuple[MetricSpec, ...] = (
        "spread of that prediction (bootstrap)", when="early stopping (issue 7)"),
 )
 
+# Keys the monitor adds whose values come from clocks and OS counters (or count from this
+# process's start), so two runs of the same training differ in them: tests that compare
+# records of an interrupted+resumed run with an uninterrupted one leave them out.
+MEASURED_KEYS = frozenset({"step_s", "forward_s", "backward_s", "optimizer_s", "data_wait_s", "collective_s",
+                           "cpu_util", "cpu_seconds", "host_cpu_util", "rss_bytes", "io_read_bytes", "gpu_util",
+                           "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes", "pcie_bytes_per_s", "top_ops",
+                           "monitor_s", "optimizer_skipped_steps"})
+
 # Record keys that are bookkeeping, not measurements.
 IGNORED_KEYS = frozenset({"checkpoint", "decided_at_step", "predicted_stop_step", "mem_peak_bytes"})
 
