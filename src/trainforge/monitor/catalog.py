@@ -116,20 +116,20 @@ CATALOG: tuple[MetricSpec, ...] = (
        "through read() calls of any kind (/proc/self/io read_bytes, rchar); memory-mapped shards count "
        "under storage only when they miss the page cache", labels=("tier",), when="Linux"),
     _s("data_io_wait_frac", "data_wait_ratio", "gauge", "ratio", "system",
-       "share of the window the training loop waited for the data loader", when="data pipeline (issue 6)"),
+       "share of the window the training loop waited for the data loader", when="always (the data loader's own clock)"),
     _s(r"data_hit_rate_(?P<tier>[a-z]+)", "data_cache_hit_ratio", "gauge", "ratio", "system",
        "share of shard reads served by each cache tier in the window", pattern=True, labels=("tier",),
-       when="data pipeline cache (issue 6)"),
+       when="data.cache.dir set"),
     _s(r"data_bytes_(?P<tier>[a-z]+)", "data_cache_read_bytes_total", "counter", "bytes", "system",
        "bytes read per cache tier (memory, disk, source)", pattern=True, labels=("tier",), update="window",
-       when="data pipeline cache (issue 6)"),
+       when="data.cache.dir set"),
     _s("data_prefetch_depth", "data_prefetch_depth", "gauge", "batches", "system",
-       "mean number of batches ready ahead of the loop in the window", when="data pipeline (issue 6)"),
+       "mean number of batches ready ahead of the loop in the window", when="data.cache.dir set"),
     _s("data_corrupt_refetched", "data_corrupt_refetched_total", "counter", "shards", "system",
        "shards that failed an integrity check and were fetched again", update="window",
-       when="data pipeline (issue 6)"),
+       when="data.cache.dir set"),
     _s("data_quarantined", "data_quarantined_total", "counter", "shards", "system",
-       "shards quarantined after repeated integrity failures", update="window", when="data pipeline (issue 6)"),
+       "shards quarantined after repeated integrity failures", update="window", when="data.cache.dir set"),
     # -- framework ---------------------------------------------------------------------
     _s("step", "step", "gauge", "steps", "framework", "optimizer steps completed (the record's step)"),
     _s("step_s", "step_seconds", "histogram", "seconds", "framework",
@@ -172,8 +172,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _s("checkpoint_save_s", "checkpoint_save_seconds", "histogram", "seconds", "framework",
        "wall time of one checkpoint save, all ranks (Trainer.save)"),
     _s("top_ops", "operator_self_seconds", "gauge", "seconds", "framework",
-       "self time of the most expensive operators in one profiled step (torch.profiler key_averages; "
-       "device time on CUDA, CPU time otherwise)", labels=("op",), when="monitor.profile_every > 0"),
+       "self time of the most expensive operators in one profiled step (torch.profiler: CPU self time from "
+       "its raw events, equal to key_averages; on CUDA key_averages' device self time)", labels=("op",),
+       when="monitor.profile_every > 0"),
     _s("optimizer_skipped_steps", "optimizer_skipped_steps_total", "counter", "steps", "framework",
        "training steps on which no optimizer step ran since this process started (loss-scale overflow, "
        "bad-step skip), counted by optimizer step hooks"),
@@ -210,7 +211,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        labels=("block",), when="monitor.activation_stats"),
     _s("skipped_steps", "skipped_steps_total", "counter", "steps", "model",
        "steps skipped by the loss scaler (fp16 overflow) or the bad-step policy, as the trainer counts them",
-       when="loss scaling (issue 5) or bad-step policy (issue 7)"),
+       when="fp16 loss scaling or bad_steps.enabled"),
     _s("loss_scale", "loss_scale", "gauge", "1", "model",
        "factor the loss is multiplied by before backward; 1 without loss scaling"),
     _s("precision", "precision_value_bytes", "gauge", "bytes", "model",
@@ -218,17 +219,17 @@ CATALOG: tuple[MetricSpec, ...] = (
        "dtype unless a precision policy reports otherwise", labels=("group",), encode="dtype_bytes"),
     _s(r"mem_(?P<category>[a-z_]+)_(?P<dtype>[a-z]+[0-9][a-z0-9]*)_bytes", "memory_bytes", "gauge", "bytes",
        "model", "bytes of parameters, gradients, optimizer state and saved activations per dtype",
-       pattern=True, labels=("category", "dtype"), when="precision memory accounting (issue 5)"),
+       pattern=True, labels=("category", "dtype"), when="rank 0, last step of each logging window"),
     _s("mem_tracked_bytes", "memory_tracked_bytes", "gauge", "bytes", "model",
-       "sum of the per-dtype memory categories", when="precision memory accounting (issue 5)"),
+       "sum of the per-dtype memory categories", when="rank 0, last step of each logging window"),
     _s("rollbacks", "rollbacks_total", "counter", "rollbacks", "model",
-       "rollbacks to an earlier checkpoint by the bad-step policy", when="bad-step policy (issue 7)"),
+       "rollbacks to an earlier checkpoint by the bad-step policy", when="bad_steps.enabled"),
     _s("lr_multiplier", "learning_rate_multiplier", "gauge", "1", "model",
-       "adaptive LR multiplier applied on top of the schedule", when="adaptive LR (issue 7)"),
+       "adaptive LR multiplier applied on top of the schedule", when="adaptive_lr.enabled (on its events)"),
     _s("predicted_final_loss", "predicted_final_loss", "gauge", "nats", "model",
-       "learning-curve prediction of the final validation loss", when="early stopping (issue 7)"),
+       "learning-curve prediction of the final validation loss", when="early_stop.mode = predict"),
     _s("predicted_final_loss_std", "predicted_final_loss_std", "gauge", "nats", "model",
-       "spread of that prediction (bootstrap)", when="early stopping (issue 7)"),
+       "spread of that prediction (bootstrap)", when="early_stop.mode = predict"),
 )
 
 # Keys the monitor adds whose values come from clocks and OS counters (or count from this
@@ -266,15 +267,16 @@ def markdown_table() -> str:
              "Every metric carries a `rank` label (the global rank that exported it). A record key not in this",
              f"table is still exported, as `{UNKNOWN_NAME}{{key=\"...\"}}`.", ""]
     for level in ("system", "framework", "model"):
-        lines += [f"## {level}", "", "| name | type | unit | labels | record key | when | how measured |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [f"## {level}", "", "| name | type | unit | level | labels | record key | when | how measured |",
+                  "|---|---|---|---|---|---|---|---|"]
         for s in CATALOG:
             if s.level != level:
                 continue
             const = dict(s.const_labels)
             labels = ", ".join(f"`{n}={const[n]}`" if n in const else f"`{n}`" for n in s.label_names)
             key = f"`{s.key}` (pattern)" if s.pattern else f"`{s.key}`"
-            lines.append(f"| `{s.name}` | {s.kind} | {s.unit} | {labels} | {key} | {s.when} | {s.help} |")
+            cells = [f"`{s.name}`", s.kind, s.unit, s.level, labels, key, s.when, s.help.replace("|", "\\|")]
+            lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
