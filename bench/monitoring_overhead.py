@@ -1,9 +1,12 @@
 """Monitoring overhead: training tokens/s with the monitor off, at its defaults, and
 full (activation statistics + torch.profiler sampling), in one process, interleaved.
 
-    python bench/monitoring_overhead.py                    # tiny, batch 4 x 128: ~8 min on 2 busy cores
-    python bench/monitoring_overhead.py --flavor debug     # tiny steps: stresses per-step hook cost
+    python bench/monitoring_overhead.py --rounds 10        # tiny, batch 4 x 128, profiler every 10 steps: ~4 min
+    python bench/monitoring_overhead.py --steps_per_sample 50 --profile_every 50 --rounds 5   # ~7 min
+    python bench/monitoring_overhead.py --flavor debug     # small steps: stresses per-step hook cost
     python bench/monitoring_overhead.py --json out.json    # also keep every sample
+
+(Times on 2 cores with one other busy process; several times longer on a crowded machine.)
 
 CPU only. Three ``Trainer``s (same model flavor, seed, data, batch; fp32) run their
 real ``fit()`` loops in three processes that hand one baton round (multiprocessing
