@@ -1,4 +1,4 @@
-"""``trainforge <command>``: prepare, train, generate.
+"""``trainforge <command>``: prepare, train, generate, report.
 
 User errors (config, data, checkpoints) print one line naming the key or file and
 the fix, and exit with status 2; no traceback, nothing half-written.
@@ -131,7 +131,19 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate}
+def _report(argv: list[str]) -> int:
+    from trainforge.monitor.report import write_report
+
+    p = argparse.ArgumentParser(prog="trainforge report",
+                                description="Write an HTML report of a run's metrics (plots embedded; no server needed).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="output file (default RUN_DIR/report.html)")
+    a = p.parse_args(argv)
+    print(f"report: {write_report(a.run_dir, a.out)}")
+    return 0
+
+
+COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

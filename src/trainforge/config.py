@@ -21,6 +21,7 @@ from trainforge.compression.section import CompressionSection
 from trainforge.config_base import _f, _require
 from trainforge.data.section import AugmentSection, CacheSection, is_list_of_tables
 from trainforge.errors import ConfigError
+from trainforge.monitor.section import MonitorSection
 from trainforge.precision.section import PrecisionSection
 from trainforge.train.control_section import AdaptiveLRSection, BadStepsSection, EarlyStopSection
 
@@ -231,6 +232,7 @@ class Config:
     adaptive_lr: AdaptiveLRSection = field(default_factory=AdaptiveLRSection)
     early_stop: EarlyStopSection = field(default_factory=EarlyStopSection)
     bad_steps: BadStepsSection = field(default_factory=BadStepsSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.model import ModelConfig, build_model
+from trainforge.monitor.catalog import MEASURED_KEYS
 from trainforge.precision.hardware import CACHE_FILE, cpu_capability, read_cpuinfo
 from trainforge.precision.policy import build_policy
 from trainforge.precision.section import PrecisionSection
@@ -65,7 +66,8 @@ def model_config(run_dir, step) -> ModelConfig:
 def test_default_policy_is_plain_fp32_and_installs_nothing(tmp_path, small_data, monkeypatch):
     """The default costs nothing: no probe, no hooks, no autocast, no scaler state."""
     monkeypatch.setenv("TRAINFORGE_CACHE", str(tmp_path / "cache"))
-    t = Trainer(config(small_data), tmp_path / "run", progress=False)
+    # The monitor's own step hooks (forward timing) are not precision's: off here.
+    t = Trainer(config(small_data, "--monitor.enabled", "false"), tmp_path / "run", progress=False)
     mp = t.mp
     assert t.cfg.precision.policy == "fp32" and not mp.policy.low_precision
     assert mp.runtime.compute_dtypes == {"model": torch.float32} and mp.runtime.fp32_modules == []
@@ -149,7 +151,8 @@ def test_interrupted_and_resumed_run_is_bit_identical(tmp_path, small_data, case
     assert fit(cfg(), tmp_path / "b", stop_at=5)["step"] == 5
     fit(cfg(), tmp_path / "b", resume=True)
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "mfu", "data_io_wait_frac")  # noqa: E731
-                         and not k.startswith(("mem_", "peak_"))} for r in rs if "checkpoint" not in r]
+                         and k not in MEASURED_KEYS and not k.startswith(("mem_", "peak_"))}
+                        for r in rs if "checkpoint" not in r]
     a, b = read_jsonl(tmp_path / "a" / "metrics.jsonl"), read_jsonl(tmp_path / "b" / "metrics.jsonl")
     assert strip(a) == strip(b)  # losses, grad norms, scales, switches: every record
     (wa, sa), (wb, sb) = checkpoint(tmp_path / "a", 12), checkpoint(tmp_path / "b", 12)

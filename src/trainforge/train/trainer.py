@@ -33,6 +33,7 @@ from trainforge.data.pipeline import build_loader, open_data
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
+from trainforge.monitor import Monitor
 from trainforge.parallel.apply import build_pipeline_parts, check_pipeline_layout, parallelize_module_stack
 from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
@@ -214,7 +215,10 @@ class Trainer:
             (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
             if resume_from is not None:
                 JsonlSink.truncate_after(self.run_dir / METRICS_FILE, self.step)
-        self.metrics = JsonlSink(self.run_dir / METRICS_FILE) if self.is_main else _NullSink()
+        # Every record goes through the monitor: JSONL on rank 0, registry, Prometheus/TensorBoard.
+        self.metrics = Monitor(cfg.monitor, self.run_dir / METRICS_FILE if self.is_main else None, self.model_parts,
+                               self.optimizers, self.device, self.dims, self.dist, step_fn=lambda: self.step,
+                               opt_parts=self.opt_parts)
         n_params = self.model_config.num_params()
         self.log.info(f"model {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, vocab {self.data.vocab_size}; "
                       f"data {self.data.path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
