@@ -269,12 +269,9 @@ class CurvePredictor:
 
     # -- prediction ----------------------------------------------------------------
 
-    def predict(self, steps: Sequence[int], losses: Sequence[float], budget_step: int,
-                min_delta: float) -> Prediction | None:
-        """Predict from the history. ``steps`` must be strictly increasing and as long
-        as ``losses`` (ValueError otherwise); non-finite losses are dropped. Returns None
-        when fewer than ``min_points`` usable points or no family fits. Never raises on
-        the shape of the curve (flat, noisy, increasing)."""
+    def _history(self, steps: Sequence[int], losses: Sequence[float],
+                 min_delta: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """The usable (steps, losses) of ``predict``'s input, or None when too few."""
         if len(steps) != len(losses):
             raise ValueError(f"steps ({len(steps)}) and losses ({len(losses)}) differ in length")
         if min_delta <= 0:
@@ -285,17 +282,44 @@ class CurvePredictor:
         y_all = np.asarray(losses, dtype=float)
         keep = np.isfinite(y_all) & (t_all > 0)
         t, y = t_all[keep], y_all[keep]
-        if len(t) < self.min_points:
+        return (t, y) if len(t) >= self.min_points else None
+
+    def _overfit(self, t: np.ndarray, y: np.ndarray, budget_step: int, min_delta: float) -> Prediction | None:
+        rise, se = rise_since_best(y, self.overfit_window)
+        if not rise > self.overfit_sigmas * se:
             return None
+        noise = _noise_std(y)
+        i_best = int(np.argmin(y))
+        best_step, best_loss, last_step = int(t[i_best]), float(y[i_best]), int(t[-1])
+        return Prediction(best_loss, noise, best_step, min_delta, max(int(budget_step), last_step), last_step,
+                          best_step, best_loss, noise, True, (), (0.0,), (1.0,))
+
+    def overfit_prediction(self, steps: Sequence[int], losses: Sequence[float], budget_step: int,
+                           min_delta: float) -> Prediction | None:
+        """Step 2 of ``predict`` alone, without fitting: the ``Prediction`` that
+        ``predict`` returns when the loss has turned up, else None. Lets an offline
+        evaluation try several overfitting settings on one set of fits."""
+        h = self._history(steps, losses, min_delta)
+        return None if h is None else self._overfit(*h, budget_step, min_delta)
+
+    def predict(self, steps: Sequence[int], losses: Sequence[float], budget_step: int,
+                min_delta: float) -> Prediction | None:
+        """Predict from the history. ``steps`` must be strictly increasing and as long
+        as ``losses`` (ValueError otherwise); non-finite losses are dropped. Returns None
+        when fewer than ``min_points`` usable points or no family fits. Never raises on
+        the shape of the curve (flat, noisy, increasing)."""
+        h = self._history(steps, losses, min_delta)
+        if h is None:
+            return None
+        t, y = h
+        over = self._overfit(t, y, budget_step, min_delta)
+        if over is not None:
+            return over
         last_step = int(t[-1])
         budget_step = max(int(budget_step), last_step)
         noise = _noise_std(y)
         i_best = int(np.argmin(y))
         best_step, best_loss = int(t[i_best]), float(y[i_best])
-        rise, se = rise_since_best(y, self.overfit_window)
-        if rise > self.overfit_sigmas * se:
-            return Prediction(best_loss, noise, best_step, min_delta, budget_step, last_step, best_step, best_loss,
-                              noise, True, (), (0.0,), (1.0,))
 
         T = float(t[-1])
         x, x_budget = t / T, budget_step / T
