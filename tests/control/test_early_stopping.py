@@ -121,6 +121,10 @@ def test_overfitting_test_ignores_autocorrelated_noise_and_catches_a_real_rise()
     pred = CurvePredictor(n_bootstrap=0).predict(steps[:n], y[:n], 1000, 0.01)
     assert pred.overfitting and pred.stop_step == steps[int(np.argmin(y[:n]))]
     assert not CurvePredictor(n_bootstrap=0).predict(steps[:n - 1], y[:n - 1], 1000, 0.01).overfitting
+    # overfit_prediction (used by bench/early_stopping.py to replay one set of fits) is
+    # that branch of predict, without fitting.
+    assert CurvePredictor().overfit_prediction(steps[:n], y[:n], 1000, 0.01) == pred
+    assert CurvePredictor().overfit_prediction(steps[:n - 1], y[:n - 1], 1000, 0.01) is None
 
 
 PATIENCE_LOSSES = [5.0, 4.0, 3.0, 3.0005, 2.9995, 3.1, 2.5, 2.6, 2.7, 2.8, 2.9]
