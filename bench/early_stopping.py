@@ -4,9 +4,11 @@ curve predictor's error on the final loss.
 
 For every curve the evaluations are replayed in order through the real
 ``EarlyStopping`` callback (a fake trainer records its stop request), once per setting
-of a sweep. The predictor is fitted once per (curve, evaluation) and shared by all
-predictive settings (its fit does not depend on min_delta or confidence); patience
-settings use no predictor. Measures, pooled over curves (B = the curve's step budget,
+of a sweep. The curve families are fitted once per (curve, evaluation) with the
+overfitting test off, and shared by all predictive settings (the fit does not depend
+on min_delta, confidence or the overfitting settings); each setting's
+``CurvePredictor.overfit_prediction`` runs on the history first, exactly as in
+``CurvePredictor.predict``. Patience settings use no predictor. Measures, pooled over curves (B = the curve's step budget,
 best = its lowest validation loss and that loss's step):
 
 - steps saved: sum(B - stop) / sum(B), against training to the budget;
@@ -18,7 +20,13 @@ best = its lowest validation loss and that loss's step):
 "Patience at equal savings" interpolates the patience sweep's lower frontier (median
 regret against wasted steps saved) at the predictive setting's savings.
 
-Prediction error: from the evaluations up to 25/50/75% of the budget, predict the
+Held out: the predictive rule's settings (overfit_window, overfit_sigmas,
+confidence; min_delta stays at its default) and patience's (patience, min_delta) are
+tuned on part of the curves and scored on the rest, pooled over folds: leave one
+dataset out (4 folds) and split by seed (s1 <-> s2). Tuning picks the lowest median
+regret among the settings saving >= 45% of wasted steps (ties: lower mean regret).
+
+Prediction error (default settings): from the evaluations up to 25/50/75% of the budget, predict the
 loss at the budget and compare with the curve's last validation loss (relative %),
 beside the naive guess "the last value seen"; ``cover2`` is the share within 2 std
 (the prediction's std and the evaluation noise combined).
@@ -42,9 +50,13 @@ from trainforge.train.curve_predictor import CurvePredictor, Prediction
 from trainforge.train.early_stopping import EarlyStopping
 
 CURVES_DIR = Path(__file__).parent / "curves"
-PREDICT_SWEEP = [(d, c) for d in (0.003, 0.01, 0.03) for c in (0.5, 0.8, 0.9, 0.95)]
+DEFAULT = CurvePredictor()
+# (min_delta, confidence, overfit_window, overfit_sigmas); the headline is the [early_stop] defaults.
+HEADLINE = (0.01, 0.9, DEFAULT.overfit_window, DEFAULT.overfit_sigmas)
+PREDICT_SWEEP = ([(d, c, HEADLINE[2], HEADLINE[3]) for d in (0.003, 0.01, 0.03) for c in (0.5, 0.8, 0.9, 0.95)]
+                 + [(0.01, c, w, z) for w in (3, 4, 5, 6, 8) for z in (2.0, 3.0, 4.0) for c in (0.8, 0.9, 0.95)
+                    if (w, z) != HEADLINE[2:]])
 PATIENCE_SWEEP = [(p, d) for p in (1, 2, 3, 4, 6, 8, 12, 16, 24) for d in (1e-4, 1e-3, 1e-2)]
-HEADLINE = (0.01, 0.9)  # the [early_stop] defaults: min_delta, confidence
 
 
 def load_curves() -> list[dict]:
@@ -60,19 +72,31 @@ def load_curves() -> list[dict]:
 def predict_all(args: tuple[dict, int]) -> list[Prediction | None]:
     """The predictor's output after each evaluation of one curve (None: too few points)."""
     curve, n_bootstrap = args
-    predictor = CurvePredictor(n_bootstrap=n_bootstrap)
+    predictor = CurvePredictor(n_bootstrap=n_bootstrap, overfit_sigmas=math.inf)  # fits at every evaluation
     s, y = curve["steps"], curve["losses"]
     return [predictor.predict(s[:i + 1], y[:i + 1], curve["budget"], HEADLINE[0]) for i in range(len(s))]
 
 
 class Replay:
-    """Predictor stand-in: the prediction precomputed for this history length."""
+    """Predictor stand-in: ``CurvePredictor.predict`` with the given overfitting
+    settings, the fits precomputed for this history length."""
 
-    def __init__(self, predictions):
+    def __init__(self, predictions, overfit_window: int, overfit_sigmas: float):
         self.predictions = predictions
+        self.overfit = CurvePredictor(overfit_window=overfit_window, overfit_sigmas=overfit_sigmas)
 
     def predict(self, steps, losses, budget_step, min_delta):
-        return self.predictions[len(steps) - 1]
+        over = self.overfit.overfit_prediction(steps, losses, budget_step, min_delta)
+        return over if over is not None else self.predictions[len(steps) - 1]
+
+
+def predict_stop(curve: dict, fits: list, d: float, conf: float, w: int, z: float) -> tuple[int, str]:
+    """(stop index, why: 'overfit' / 'predicted' / 'none') of the predictive rule."""
+    trainer = FakeTrainer()
+    i = stop_index(curve, EarlyStopping(curve["budget"], "predict", 0, d, conf, predictor=Replay(fits, w, z)),
+                   trainer)
+    why = trainer.stop_reason or ""
+    return i, "overfit" if "risen" in why else "predicted" if why else "none"
 
 
 class NoPrediction:
@@ -88,9 +112,9 @@ class FakeTrainer:
         self.stop_reason = self.stop_reason or reason
 
 
-def stop_index(curve: dict, es: EarlyStopping) -> int:
+def stop_index(curve: dict, es: EarlyStopping, trainer: FakeTrainer | None = None) -> int:
     """Index of the evaluation at which ``es`` stops the run (the last one if never)."""
-    trainer = FakeTrainer()
+    trainer = trainer or FakeTrainer()
     for i, (step, loss) in enumerate(zip(curve["steps"], curve["losses"])):
         es.on_evaluation(trainer, step, loss)
         if trainer.stop_reason is not None:
@@ -135,6 +159,29 @@ def frontier_regret(points: list[tuple[float, float]], savings: float) -> float:
 def fmt(name: str, m: dict) -> str:
     return (f"| {name} | {100 * m['steps_saved']:.1f}% | {100 * m['wasted_saved']:.1f}% | {m['regret_median']:.2f}% "
             f"| {m['regret_mean']:.2f}% | {m['regret_p90']:.2f}% | {m['regret_max']:.2f}% | {100 * m['stopped']:.0f}% |")
+
+
+def tune(stops: dict, curves: list[dict], idx: list[int]) -> tuple:
+    """The setting with the lowest median regret on curves ``idx`` among those saving
+    >= 45% of wasted steps there (ties: lower mean regret, then more saving)."""
+    best = None
+    for key, st in stops.items():
+        m = score([curves[i] for i in idx], [st[i] for i in idx])
+        if m["wasted_saved"] >= 0.45:
+            rank = (m["regret_median"], m["regret_mean"], -m["wasted_saved"])
+            best = min(best, (rank, key)) if best else (rank, key)
+    return best[1] if best else min(stops)
+
+
+def held_out(stops: dict, curves: list[dict], folds: list[tuple[str, list[int]]]) -> tuple[dict, list[str]]:
+    """Pooled score of the setting tuned without each fold on that fold, and the choices."""
+    pooled, chosen = [None] * len(curves), []
+    for name, test in folds:
+        key = tune(stops, curves, [i for i in range(len(curves)) if i not in test])
+        chosen.append(f"{name}: {key}")
+        for i in test:
+            pooled[i] = stops[key][i]
+    return score(curves, pooled), chosen
 
 
 def prediction_errors(curves: list[dict], preds: list[list]) -> list[str]:
@@ -189,14 +236,17 @@ def main() -> None:
     header = ["| rule | steps saved | wasted steps saved | regret median | mean | p90 | max | stopped |",
               "|---|---|---|---|---|---|---|---|"]
     pred_rows, pat_points, pat_rows, results = [], [], [], {}
-    for d, conf in PREDICT_SWEEP:
-        stops = [stop_index(c, EarlyStopping(c["budget"], "predict", 0, d, conf, predictor=Replay(pr)))
-                 for c, pr in zip(curves, preds)]
-        results[("predict", d, conf)] = m = score(curves, stops)
-        pred_rows.append(fmt(f"predict min_delta={d} conf={conf}", m))
+    pred_stops, pat_stops = {}, {}
+    for d, conf, w, z in PREDICT_SWEEP:
+        stops = [predict_stop(c, pr, d, conf, w, z)[0] for c, pr in zip(curves, preds)]
+        results[("predict", d, conf, w, z)] = m = score(curves, stops)
+        if d == HEADLINE[0] and conf in (0.8, 0.9, 0.95):
+            pred_stops[(conf, w, z)] = stops
+        pred_rows.append(fmt(f"predict min_delta={d} conf={conf} overfit_window={w} overfit_sigmas={z:g}", m))
     for pat, d in PATIENCE_SWEEP:
         stops = [stop_index(c, EarlyStopping(c["budget"], "patience", 0, d, patience=pat, predictor=NoPrediction()))
                  for c in curves]
+        pat_stops[(pat, d)] = stops
         results[("patience", pat, d)] = m = score(curves, stops)
         pat_points.append((m["wasted_saved"], m["regret_median"]))
         pat_rows.append(fmt(f"patience={pat} min_delta={d:g}", m))
@@ -205,30 +255,48 @@ def main() -> None:
     print("\nAt equal wasted-steps savings (patience frontier interpolated):")
     print("| predictive setting | wasted saved | its median regret | patience median regret at that saving |")
     print("|---|---|---|---|")
-    for d, conf in PREDICT_SWEEP:
-        m = results[("predict", d, conf)]
-        print(f"| min_delta={d} conf={conf} | {100 * m['wasted_saved']:.1f}% | {m['regret_median']:.3f}% | "
+    for key in PREDICT_SWEEP:
+        m = results[("predict", *key)]
+        print(f"| min_delta={key[0]} conf={key[1]} window={key[2]} sigmas={key[3]:g} | "
+              f"{100 * m['wasted_saved']:.1f}% | {m['regret_median']:.3f}% | "
               f"{frontier_regret(pat_points, m['wasted_saved']):.3f}% |")
 
     print("\nPer curve, headline predictive setting vs patience=12 min_delta=1e-4 (stop step, regret %):")
-    print("| curve | budget | best step | predict stop | regret | patience stop | regret |")
-    print("|---|---|---|---|---|---|---|")
+    print("| curve | budget | best step | predict stop | why | regret | patience stop | regret |")
+    print("|---|---|---|---|---|---|---|---|")
     for c, pr in zip(curves, preds):
-        i = stop_index(c, EarlyStopping(c["budget"], "predict", 0, *HEADLINE, predictor=Replay(pr)))
+        i, why = predict_stop(c, pr, *HEADLINE)
         j = stop_index(c, EarlyStopping(c["budget"], "patience", 0, 1e-4, patience=12, predictor=NoPrediction()))
         y = np.asarray(c["losses"])
         b = int(np.argmin(y[1:])) + 1
         reg = lambda k: 100 * (y[k] - y[b]) / y[b]  # noqa: E731
-        print(f"| {c['name']} | {c['budget']} | {c['steps'][b]} | {c['steps'][i]} | {reg(i):.2f} | {c['steps'][j]} "
+        print(f"| {c['name']} | {c['budget']} | {c['steps'][b]} | {c['steps'][i]} | {why} | {reg(i):.2f} | {c['steps'][j]} "
               f"| {reg(j):.2f} |")
 
     h = results[("predict", *HEADLINE)]
-    print(f"\nHeadline (config defaults min_delta={HEADLINE[0]}, confidence={HEADLINE[1]}): steps saved "
+    print(f"\nHeadline (config defaults min_delta={HEADLINE[0]}, confidence={HEADLINE[1]}, overfit_window="
+          f"{HEADLINE[2]}, overfit_sigmas={HEADLINE[3]:g}): steps saved "
           f"{100 * h['steps_saved']:.1f}%, wasted steps saved {100 * h['wasted_saved']:.1f}% (target >= 45%), "
           f"median regret {h['regret_median']:.3f}% (target <= 0.5%), patience at that saving "
           f"{frontier_regret(pat_points, h['wasted_saved']):.3f}%")
-    print("\nFinal-loss prediction error (vs the curve's last validation loss):")
-    print("\n".join(prediction_errors(curves, preds)))
+    names = [c["name"] for c in curves]
+    folds = {"leave one dataset out": [(g, [i for i, n in enumerate(names) if n.split("-")[0] == g])
+                                       for g in sorted({n.split("-")[0] for n in names})],
+             "by seed": [(s, [i for i, n in enumerate(names) if n.endswith(f"-{s}")]) for s in ("s1", "s2")]}
+    print("\nHeld out (tuned without the fold, scored on it, pooled over folds):")
+    print("| split | rule | wasted saved | regret median | mean | p90 | settings chosen per fold |")
+    print("|---|---|---|---|---|---|---|")
+    for split, fl in folds.items():
+        for rule, stops in (("predict (confidence, window, sigmas)", pred_stops),
+                            ("patience (patience, min_delta)", pat_stops)):
+            m, chosen = held_out(stops, curves, fl)
+            print(f"| {split} | {rule} | {100 * m['wasted_saved']:.1f}% | {m['regret_median']:.3f}% | "
+                  f"{m['regret_mean']:.2f}% | {m['regret_p90']:.2f}% | {'; '.join(chosen)} |")
+
+    print("\nFinal-loss prediction error at the defaults (vs the curve's last validation loss):")
+    live = [[Replay(pr, *HEADLINE[2:]).predict(c["steps"][:i + 1], c["losses"][:i + 1], c["budget"], HEADLINE[0])
+             for i in range(len(c["steps"]))] for c, pr in zip(curves, preds)]
+    print("\n".join(prediction_errors(curves, live)))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ def test_everything_is_off_by_default():
     (["--early_stop.mode", "best"], "early_stop.mode"),
     (["--early_stop.confidence", "0"], "early_stop.confidence"),
     (["--early_stop.min_delta", "-1"], "early_stop.min_delta"),
+    (["--early_stop.overfit_window", "1"], "early_stop.overfit_window"),
+    (["--early_stop.overfit_sigmas", "0"], "early_stop.overfit_sigmas"),
     (["--bad_steps.on_nonfinite", "ignore"], "bad_steps.on_nonfinite"),
     (["--bad_steps.spike_factor", "1"], "bad_steps.spike_factor"),
     (["--bad_steps.spike_window", "10", "--bad_steps.spike_min_history", "20"], "bad_steps.spike_min_history"),
@@ -35,8 +37,10 @@ def test_bad_values_name_the_key(overrides, needle):
 def test_sections_build_their_components():
     cfg = load_config(None, ["--adaptive_lr.enabled", "true", "--adaptive_lr.window", "6", "--early_stop.mode",
                              "patience", "--early_stop.patience", "7", "--bad_steps.enabled", "true",
-                             "--bad_steps.on_nonfinite", "stop"])
+                             "--bad_steps.on_nonfinite", "stop", "--early_stop.overfit_window", "8",
+                             "--early_stop.overfit_sigmas", "4"])
     assert cfg.adaptive_lr.build().window == 6
     es = cfg.early_stop.build(500)
     assert (es.mode, es.patience, es.budget_steps) == ("patience", 7, 500)
+    assert (es.predictor.overfit_window, es.predictor.overfit_sigmas) == (8, 4.0)
     assert cfg.bad_steps.build().on_nonfinite == "stop"

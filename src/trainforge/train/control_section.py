@@ -61,6 +61,10 @@ class EarlyStopSection:
     patience: int = _f(5, "patience: evaluations in a row without improvement before stopping")
     n_bootstrap: int = _f(24, "predict: bootstrap refits per curve family (uncertainty; costs fit time "
                               "at each evaluation)")
+    overfit_window: int = _f(5, "predict: evaluations averaged on each side of the overfitting test (the "
+                                "latest window's mean against the lowest window mean)")
+    overfit_sigmas: float = _f(3.0, "predict: standard errors the latest window mean must exceed the lowest "
+                                    "by to stop on overfitting")
 
     def validate(self) -> None:
         _require(self.min_steps >= 0, "early_stop.min_steps", self.min_steps, "an integer >= 0")
@@ -69,6 +73,8 @@ class EarlyStopSection:
         _require(0 < self.confidence <= 1, "early_stop.confidence", self.confidence, "a number in (0, 1]")
         _require(self.patience >= 1, "early_stop.patience", self.patience, "an integer >= 1")
         _require(self.n_bootstrap >= 0, "early_stop.n_bootstrap", self.n_bootstrap, "an integer >= 0")
+        _require(self.overfit_window >= 2, "early_stop.overfit_window", self.overfit_window, "an integer >= 2")
+        _require(self.overfit_sigmas > 0, "early_stop.overfit_sigmas", self.overfit_sigmas, "a number > 0")
 
     def build(self, budget_steps: int):
         """The ``EarlyStopping`` callback aiming at ``budget_steps``, or None when off."""
@@ -78,7 +84,8 @@ class EarlyStopSection:
         from trainforge.train.early_stopping import EarlyStopping
 
         return EarlyStopping(budget_steps, self.mode, self.min_steps, self.min_delta, self.confidence, self.patience,
-                             CurvePredictor(n_bootstrap=self.n_bootstrap))
+                             CurvePredictor(n_bootstrap=self.n_bootstrap, overfit_window=self.overfit_window,
+                                            overfit_sigmas=self.overfit_sigmas))
 
 
 @dataclass

@@ -12,11 +12,16 @@ Method, for one call (deterministic given the inputs and ``seed``):
 
 1. Keep finite points with step > 0 (the untrained model at step 0 is not on the
    curve). Fewer than ``min_points`` -> ``None``.
-2. Overfitting: when the best loss lies at least ``overfit_patience`` points in the
-   past and the points after it are on average more than ``overfit_sigmas`` noise
-   standard deviations above it, the best point is in the past: predict it, with
-   ``stop_step`` = its step and no remaining improvement. The families below are all
-   non-increasing and cannot describe a curve that turns up.
+2. Overfitting (``rise_since_best``): smooth the losses with a moving mean over
+   ``overfit_window`` evaluations; when the latest window lies entirely after the
+   lowest one and its mean is more than ``overfit_sigmas`` standard errors above it,
+   the best point is in the past: predict it, with ``stop_step`` = the best
+   evaluation's step and no remaining improvement. The families below are all
+   non-increasing and cannot describe a curve that turns up. The standard error is
+   measured at the window's own scale (trend-free second differences of window
+   means), because real evaluation noise is autocorrelated from one evaluation to
+   the next: a white-noise estimate from single evaluations is too small and the
+   single lowest evaluation is a low outlier, so a test against them fires on noise.
 3. Fit each family (steps scaled by the last step, for conditioning). Failed or
    non-finite fits are dropped.
 4. Weight: refit each family on the history minus its last ``holdout_fraction`` and
@@ -170,6 +175,34 @@ def _noise_std(y: np.ndarray) -> float:
     return float(1.4826 * np.median(np.abs(d2 - np.median(d2))) / math.sqrt(6.0))
 
 
+def rise_since_best(losses: Sequence[float] | np.ndarray, window: int) -> tuple[float, float]:
+    """(rise, standard error): how far the mean of the last ``window`` losses lies above
+    the lowest mean of ``window`` consecutive losses, and the standard error of that
+    difference. ``(0.0, inf)`` while the history is too short or the latest window
+    still overlaps the lowest one (no rise can be shown yet).
+
+    The standard error is measured on the history at the window's scale: with window
+    means m, D = m[i] - 2 m[i-w] + m[i-2w] cancels a locally linear trend and, for
+    independent window means, has variance 6 var(m), so se(m[a] - m[b]) =
+    sqrt(2 var(m)) = sd(D) / sqrt(3), with sd(D) from the median absolute deviation.
+    Autocorrelated evaluation noise inflates var(m) beyond sigma^2 / w and this
+    estimate follows it. It never goes below the white-noise value
+    ``_noise_std * sqrt(2 / window)`` and needs 5 values of D, else it is that value."""
+    y = np.asarray(losses, dtype=float)
+    w = int(window)
+    if len(y) < 2 * w:
+        return 0.0, math.inf
+    m = np.convolve(y, np.ones(w) / w, mode="valid")  # (n - w + 1,): mean of y[i:i + w]
+    j = int(np.argmin(m))
+    if len(m) - 1 - j < w:
+        return 0.0, math.inf
+    se = _noise_std(y) * math.sqrt(2.0 / w)
+    if len(m) >= 2 * w + 5:
+        d = m[2 * w:] - 2 * m[w:-w] + m[:-2 * w]
+        se = max(se, 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(3.0))
+    return float(m[-1] - m[j]), se
+
+
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
     order = np.argsort(values, kind="stable")
     cum = np.cumsum(weights[order])
@@ -184,8 +217,8 @@ class CurvePredictor:
     n_bootstrap: int = 24
     seed: int = 0
     loss_floor: float | None = 0.0   # losses cannot go below this (0 for cross-entropy); None = no floor
-    overfit_patience: int = 3
-    overfit_sigmas: float = 3.0
+    overfit_window: int = 5          # evaluations per moving mean in the overfitting test
+    overfit_sigmas: float = 3.0      # standard errors the latest window must sit above the lowest; inf = never
     max_evals: int = 2000            # per curve_fit call
 
     def __post_init__(self) -> None:
@@ -194,6 +227,9 @@ class CurvePredictor:
             raise ValueError(f"curve families {unknown or '()'} unknown: use some of {sorted(FAMILIES)}")
         if self.min_points < 4 or not 0.0 < self.holdout_fraction < 0.5 or self.n_bootstrap < 0:
             raise ValueError("CurvePredictor needs min_points >= 4, holdout_fraction in (0, 0.5), n_bootstrap >= 0")
+        if self.overfit_window < 2 or not self.overfit_sigmas > 0:
+            raise ValueError(f"CurvePredictor needs overfit_window >= 2 and overfit_sigmas > 0, got "
+                             f"{self.overfit_window}, {self.overfit_sigmas}")
 
     # -- fitting -------------------------------------------------------------------
 
@@ -233,12 +269,9 @@ class CurvePredictor:
 
     # -- prediction ----------------------------------------------------------------
 
-    def predict(self, steps: Sequence[int], losses: Sequence[float], budget_step: int,
-                min_delta: float) -> Prediction | None:
-        """Predict from the history. ``steps`` must be strictly increasing and as long
-        as ``losses`` (ValueError otherwise); non-finite losses are dropped. Returns None
-        when fewer than ``min_points`` usable points or no family fits. Never raises on
-        the shape of the curve (flat, noisy, increasing)."""
+    def _history(self, steps: Sequence[int], losses: Sequence[float],
+                 min_delta: float) -> tuple[np.ndarray, np.ndarray] | None:
+        """The usable (steps, losses) of ``predict``'s input, or None when too few."""
         if len(steps) != len(losses):
             raise ValueError(f"steps ({len(steps)}) and losses ({len(losses)}) differ in length")
         if min_delta <= 0:
@@ -249,17 +282,44 @@ class CurvePredictor:
         y_all = np.asarray(losses, dtype=float)
         keep = np.isfinite(y_all) & (t_all > 0)
         t, y = t_all[keep], y_all[keep]
-        if len(t) < self.min_points:
+        return (t, y) if len(t) >= self.min_points else None
+
+    def _overfit(self, t: np.ndarray, y: np.ndarray, budget_step: int, min_delta: float) -> Prediction | None:
+        rise, se = rise_since_best(y, self.overfit_window)
+        if not rise > self.overfit_sigmas * se:
             return None
+        noise = _noise_std(y)
+        i_best = int(np.argmin(y))
+        best_step, best_loss, last_step = int(t[i_best]), float(y[i_best]), int(t[-1])
+        return Prediction(best_loss, noise, best_step, min_delta, max(int(budget_step), last_step), last_step,
+                          best_step, best_loss, noise, True, (), (0.0,), (1.0,))
+
+    def overfit_prediction(self, steps: Sequence[int], losses: Sequence[float], budget_step: int,
+                           min_delta: float) -> Prediction | None:
+        """Step 2 of ``predict`` alone, without fitting: the ``Prediction`` that
+        ``predict`` returns when the loss has turned up, else None. Lets an offline
+        evaluation try several overfitting settings on one set of fits."""
+        h = self._history(steps, losses, min_delta)
+        return None if h is None else self._overfit(*h, budget_step, min_delta)
+
+    def predict(self, steps: Sequence[int], losses: Sequence[float], budget_step: int,
+                min_delta: float) -> Prediction | None:
+        """Predict from the history. ``steps`` must be strictly increasing and as long
+        as ``losses`` (ValueError otherwise); non-finite losses are dropped. Returns None
+        when fewer than ``min_points`` usable points or no family fits. Never raises on
+        the shape of the curve (flat, noisy, increasing)."""
+        h = self._history(steps, losses, min_delta)
+        if h is None:
+            return None
+        t, y = h
+        over = self._overfit(t, y, budget_step, min_delta)
+        if over is not None:
+            return over
         last_step = int(t[-1])
         budget_step = max(int(budget_step), last_step)
         noise = _noise_std(y)
         i_best = int(np.argmin(y))
         best_step, best_loss = int(t[i_best]), float(y[i_best])
-        after = y[i_best + 1:]
-        if len(after) >= self.overfit_patience and np.mean(after) - best_loss > self.overfit_sigmas * noise:
-            return Prediction(best_loss, noise, best_step, min_delta, budget_step, last_step, best_step, best_loss,
-                              noise, True, (), (0.0,), (1.0,))
 
         T = float(t[-1])
         x, x_budget = t / T, budget_step / T
