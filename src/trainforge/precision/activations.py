@@ -160,17 +160,20 @@ class SavedActivations:
         return out
 
     def _first_cast(self, t: torch.Tensor) -> torch.Tensor:
-        """The first saved copy of the same cast of the same tensor, else ``t`` itself."""
-        fn = t.grad_fn
-        if t._base is not None or fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        """The first saved copy of the same cast of the same tensor (as ``t``'s view of it:
+        linear saves a 3-D input as a 2-D view), else ``t`` itself."""
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
             return t
         source, nr = fn.next_functions[0]
         if source is None:  # cast of a tensor that needs no gradient: no node to key on
             return t
         # The node objects stay referenced here until the context exits: their ids cannot be reused.
-        key = (source, nr, t.dtype)
-        first = self._casts.setdefault(key, t)
-        return first if first.shape == t.shape and first.stride() == t.stride() else t
+        first = self._casts.setdefault((source, nr, base.dtype), base)
+        if first is base or first.shape != base.shape or first.stride() != base.stride():
+            return t
+        return first if t is base else first.as_strided(t.size(), t.stride(), t.storage_offset())
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
