@@ -253,7 +253,7 @@ def main() -> None:
             rs = tps["ratios"]
             cells.append(f"{statistics.median(rs):>14.3f} [{min(rs):.3f}, {max(rs):.3f}]".rjust(34))
         else:
-            cells.append(f"{'1 (reference)':>34}")
+            cells.append(f"{'1 (reference)' if name == 'fp32' and 'throughput' in parts else '-':>34}")
         cells.append(f"{loss['final_val_loss']:>14.4f}" if loss else f"{'-':>14}")
         print(" ".join(cells))
     print("\nresolved policies (this machine):")
