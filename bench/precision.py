@@ -14,8 +14,9 @@ fp16-mixed    fp32 weights, fp16 autocast + loss scaling; where fp16 matmuls are
               than fp32 (CPUs without avx512_fp16/amx_fp16) it resolves to fp32 compute
               with fp16 saved activations, and that is what is measured
 dynamic       starts in bf16, switches on trouble (none in runs this short)
-bf16-master   bf16 weights, fp32 master weights + fp32 AdamW state (saves no memory:
-              the fp32 copy comes on top; measured to show it)
+bf16-master   bf16 weights, fp32 master weights + fp32 AdamW state (the Megatron/DeepSpeed
+              layout; on one device its bf16 weight copy is kept all the time, while
+              bf16-mixed recasts its fp32 weights in backward and keeps no copy)
 bf16-pure     bf16 weights and bf16 AdamW state, no master copy: the memory-saving variant
               (small updates round away; see tests/precision/test_casting.py)
 fp16-forced   ``force = true``: fp16 matmuls even where slow; throughput only, on ``tiny``
