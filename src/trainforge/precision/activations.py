@@ -29,6 +29,7 @@ byte counter and the packing live in one pack hook.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 
 import torch
@@ -113,7 +114,7 @@ class SavedActivations:
                  recast_weights: bool = False):
         self.model, self.store_dtype, self.min_numel = model, store_dtype, min_numel
         self.recast_weights = recast_weights
-        self._casts: dict[tuple, torch.Tensor] = {}  # (source autograd node, output nr, dtype) -> first cast
+        self._casts: dict[tuple, weakref.ref] = {}  # (source autograd node, output nr, dtype) -> first cast
         self._in_model = 0  # depth of model forwards running (re-entrant under checkpoint recompute)
         self.bytes_by_dtype: dict[str, int] = {}
         self._track = False
@@ -169,8 +170,14 @@ class SavedActivations:
         source, nr = fn.next_functions[0]
         if source is None:  # cast of a tensor that needs no gradient: no node to key on
             return t
-        # The node objects stay referenced here until the context exits: their ids cannot be reused.
-        first = self._casts.setdefault((source, nr, base.dtype), base)
+        # The node objects stay referenced here until the context exits (their ids cannot be
+        # reused); the casts only weakly: a pipeline schedule runs backward inside the context.
+        key = (source, nr, base.dtype)
+        ref = self._casts.get(key)
+        first = ref() if ref is not None else None
+        if first is None:
+            self._casts[key] = weakref.ref(base)
+            return t
         if first is base or first.shape != base.shape or first.stride() != base.stride():
             return t
         return first if t is base else first.as_strided(t.size(), t.stride(), t.storage_offset())
