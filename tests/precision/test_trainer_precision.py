@@ -72,6 +72,8 @@ def test_default_policy_is_plain_fp32_and_installs_nothing(tmp_path, small_data,
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in t.model.modules())
     assert mp.master is None and t.opt_parts is t.model_parts
     assert not mp.scaler.enabled and mp.controller is None
+    # No saved-tensor hooks either: no packing, no weight recast.
+    assert mp.runtime.activations.store_dtype is None and not mp.runtime.activations.recast_weights
     t.train_step()
     assert mp.state_dict() is None  # fp32 checkpoints keep their exact contents
     assert not (tmp_path / "cache" / CACHE_FILE).exists()  # fp32 needs no hardware probe
