@@ -4,6 +4,7 @@ after a fixed budget, each measured on trainforge's real ``Trainer``.
     python bench/precision.py                 # ~6 min on 2 idle CPU cores (~12 min when busy)
     python bench/precision.py --quick         # tiny shapes, ~2 min (a smoke run)
     python bench/precision.py --json out.json # also keep every sample
+    python bench/precision.py --parts memory --mem_batch 8   # memory only, at the trainer's default shape
 
 Policies (``[precision]`` overrides; each resolved by the hardware probe like a run is):
 
@@ -13,8 +14,9 @@ fp16-mixed    fp32 weights, fp16 autocast + loss scaling; where fp16 matmuls are
               than fp32 (CPUs without avx512_fp16/amx_fp16) it resolves to fp32 compute
               with fp16 saved activations, and that is what is measured
 dynamic       starts in bf16, switches on trouble (none in runs this short)
-bf16-master   bf16 weights, fp32 master weights + fp32 AdamW state (saves no memory:
-              the fp32 copy comes on top; measured to show it)
+bf16-master   bf16 weights, fp32 master weights + fp32 AdamW state (the Megatron/DeepSpeed
+              layout; on one device its bf16 weight copy is kept all the time, while
+              bf16-mixed recasts its fp32 weights in backward and keeps no copy)
 bf16-pure     bf16 weights and bf16 AdamW state, no master copy: the memory-saving variant
               (small updates round away; see tests/precision/test_casting.py)
 fp16-forced   ``force = true``: fp16 matmuls even where slow; throughput only, on ``tiny``
@@ -164,6 +166,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller shapes and fewer samples (a smoke run)")
     p.add_argument("--json", default=None, help="also write every sample here")
+    p.add_argument("--parts", default="memory,throughput,loss", help="comma-separated subset of memory, "
+                   "throughput, loss")
     p.add_argument("--policies", default="fp32,bf16-mixed,fp16-mixed,dynamic,bf16-master,bf16-pure,fp16-forced")
     p.add_argument("--threads", type=int, default=1, help="torch threads per trainer; 1 is robust on a shared "
                    "machine (2 threads on 2 busy cores collapse to ~15x slower)")
@@ -204,18 +208,21 @@ def main() -> None:
     for name, s in cap.support.items():
         print(f"probe: {s.reason} -> {'fast' if s.fast else 'slow'}")
 
+    parts = set(args.parts.split(","))
+    if not parts or not parts <= {"memory", "throughput", "loss"}:
+        raise ValueError(f"--parts {args.parts!r}: a comma-separated subset of memory, throughput, loss")
     results: dict[str, dict] = {name: {} for name in policies}
     for name in policies:
-        if name != "fp16-forced":  # same dtype widths as bf16-mixed; two steps would take minutes
+        if name != "fp16-forced" and "memory" in parts:  # same dtype widths as bf16-mixed; two steps would take minutes
             results[name]["memory"] = run_worker("memory", name, args)
             print(f"memory {name}: peak {results[name]['memory']['peak_bytes'] / 2**20:.0f} MiB", flush=True)
     for name in policies:
-        if name != "fp32":
+        if name != "fp32" and "throughput" in parts:
             results[name]["throughput"] = run_worker("throughput", name, args)
             print(f"throughput {name}: ratios {[round(r, 3) for r in results[name]['throughput']['ratios']]}",
                   flush=True)
     for name in policies:
-        if name == "fp16-forced":
+        if name == "fp16-forced" or "loss" not in parts:
             continue
         t = make_trainer(args, name, args.loss_flavor, args.loss_batch, args.loss_seq, steps=args.loss_steps)
         summary = t.fit()
@@ -247,7 +254,7 @@ def main() -> None:
             rs = tps["ratios"]
             cells.append(f"{statistics.median(rs):>14.3f} [{min(rs):.3f}, {max(rs):.3f}]".rjust(34))
         else:
-            cells.append(f"{'1 (reference)':>34}")
+            cells.append(f"{'1 (reference)' if name == 'fp32' and 'throughput' in parts else '-':>34}")
         cells.append(f"{loss['final_val_loss']:>14.4f}" if loss else f"{'-':>14}")
         print(" ".join(cells))
     print("\nresolved policies (this machine):")

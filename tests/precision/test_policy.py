@@ -19,7 +19,13 @@ def policy_for(cap, **changes):
 def test_fast_bf16_is_used_as_requested(capability):
     p = policy_for(capability(True, False), policy="bf16-mixed")
     assert (p.param_dtype, p.compute_dtype, p.reduce_dtype) == (torch.float32, torch.bfloat16, torch.float32)
-    assert p.activation_dtype is None and not p.loss_scaling and not p.master_weights and not p.notes
+    assert not p.loss_scaling and not p.master_weights and not p.notes
+    # What autocast leaves fp32 (norm internals, residual stream) is saved in bf16; fp32 opts out.
+    assert p.activation_dtype == torch.bfloat16 and p.recast_weights
+    assert policy_for(capability(True, False), policy="bf16-mixed", activation_dtype="fp32").activation_dtype is None
+    # Not under fp16 compute (range) nor dynamic (a group moved to fp32 keeps fp32 activations).
+    assert policy_for(capability(True, True), policy="fp16-mixed").activation_dtype is None
+    assert policy_for(capability(True, False), policy="dynamic").activation_dtype is None
 
 
 def test_slow_bf16_keeps_fp32_compute_but_stores_activations_low(capability):
@@ -31,7 +37,7 @@ def test_slow_bf16_keeps_fp32_compute_but_stores_activations_low(capability):
     assert any("slower than fp32" in n for n in p.notes)
     forced = policy_for(capability(False, False), policy="bf16-mixed", param_dtype="bf16", force=True)
     assert (forced.compute_dtype, forced.param_dtype) == (torch.bfloat16, torch.bfloat16)
-    assert forced.master_weights and forced.activation_dtype is None
+    assert forced.master_weights and forced.activation_dtype == torch.bfloat16
 
 
 def test_fp16_enables_loss_scaling(capability):

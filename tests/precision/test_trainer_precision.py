@@ -74,6 +74,8 @@ def test_default_policy_is_plain_fp32_and_installs_nothing(tmp_path, small_data,
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in t.model.modules())
     assert mp.master is None and t.opt_parts is t.model_parts
     assert not mp.scaler.enabled and mp.controller is None
+    # No saved-tensor hooks either: no packing, no weight recast.
+    assert mp.runtime.activations.store_dtype is None and not mp.runtime.activations.recast_weights
     t.train_step()
     assert mp.state_dict() is None  # fp32 checkpoints keep their exact contents
     assert not (tmp_path / "cache" / CACHE_FILE).exists()  # fp32 needs no hardware probe
@@ -103,7 +105,8 @@ def test_hardware_probe_decides_what_runs_on_this_cpu(tmp_path):
     for preset, dtype in (("bf16-mixed", torch.bfloat16), ("fp16-mixed", torch.float16)):
         policy = build_policy(PrecisionSection(policy=preset), "cpu", capability=cap)
         if cap.is_fast(dtype):
-            assert policy.compute_dtype == dtype and policy.activation_dtype is None
+            assert policy.compute_dtype == dtype
+            assert policy.activation_dtype == (torch.bfloat16 if dtype == torch.bfloat16 else None)
         else:  # warned, fp32 compute, activations still stored low
             assert policy.compute_dtype == torch.float32 and policy.activation_dtype == dtype
             assert any("slower than fp32" in n for n in policy.notes)

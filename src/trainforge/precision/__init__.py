@@ -5,7 +5,8 @@
 - ``policy.py``         section + device -> ``PrecisionPolicy`` (resolved dtypes); FSDP2 ``MixedPrecisionPolicy``
 - ``casting.py``        ``apply_precision``: parameter storage casts, fp32 module rules, switchable groups, autocast
 - ``master_weights.py`` fp32 master copy when parameters are stored in bf16/fp16 (single device / DDP)
-- ``activations.py``    saved-for-backward activations: low-precision storage and byte counting
+- ``activations.py``    saved-for-backward activations: low-precision storage, weights recast in
+                        backward instead of kept, one copy per cast, byte counting
 - ``loss_scale.py``     fp16 loss scaling (``torch.amp.GradScaler``) with a skipped-step counter
 - ``dynamic.py``        controller switching groups between fp16 / bf16 / fp32 with hysteresis
 - ``memory.py``         bytes per dtype of params, grads, optimizer state, activations; peak memory

@@ -36,11 +36,13 @@ from trainforge.precision.master_weights import MasterWeights
 from trainforge.precision.policy import DEFAULT_GROUP, FP32, PrecisionPolicy, outermost_matches
 
 
-def autocast_context(dtype: torch.dtype, device_type: str):
-    """``torch.autocast`` in ``dtype``; a no-op context for fp32."""
+def autocast_context(dtype: torch.dtype, device_type: str, cache_enabled: bool = True):
+    """``torch.autocast`` in ``dtype``; a no-op context for fp32. ``cache_enabled=False``:
+    no weight-cast cache (each use casts; what backward needs is kept by the saved-tensor
+    hooks, see ``activations.py``). Nested autocast contexts inherit the setting."""
     if dtype == FP32:
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=dtype)
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled)
 
 
 def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
@@ -115,7 +117,11 @@ class PrecisionRuntime:
         """Context for the training forward (and the loss, which ``cross_entropy_loss``
         computes in fp32 whatever the logits' dtype). ``track_activations`` counts the
         bytes saved for backward into ``self.activations.bytes_by_dtype``."""
-        with autocast_context(self.compute_dtypes[DEFAULT_GROUP], self.policy.device_type):
+        # With recast weights autocast's cache would hold every weight's bf16 copy until the
+        # forward ends (the memory peak); without it a copy lives from its matmul's cast to
+        # the end of that matmul, and backward casts again.
+        with autocast_context(self.compute_dtypes[DEFAULT_GROUP], self.policy.device_type,
+                              cache_enabled=not self.activations.recast_weights):
             with self.activations.context(track=track_activations):
                 yield
 
@@ -181,7 +187,13 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy, sharded: bool = F
             for p in model.parameters():  # tied weights are one Parameter: cast once
                 if id(p) not in keep:
                     p.data = p.data.to(policy.param_dtype)
-    runtime = PrecisionRuntime(model, policy, master, SavedActivations(model, policy.activation_dtype))
+    # fp32 weights under low-precision autocast: backward recasts the weights instead of
+    # keeping autocast's copies (exact). Not under FSDP2: its gathered weights are freed
+    # after the forward, and it gathers them in the compute dtype anyway.
+    low_compute = policy.compute_dtype != FP32 or any(d != FP32 for d in policy.levels)
+    recast = low_compute and not sharded and policy.recast_weights
+    runtime = PrecisionRuntime(model, policy, master,
+                               SavedActivations(model, policy.activation_dtype, recast_weights=recast))
     for name, patterns in policy.groups:
         for fqn, module in outermost_matches(model, patterns):
             # fp32 rules win: a group module inside an fp32 module would re-enable autocast.

@@ -7,6 +7,13 @@ matmuls), and, unless ``activation_dtype`` says otherwise, activations saved for
 backward are still stored in the requested low dtype: that keeps the memory saving
 without the slow matmuls.
 
+Under bf16 compute, ``activation_dtype = auto`` stores what autocast leaves in fp32 and
+backward keeps (the fp32 modules' inputs and normalised outputs, the fp32 residual
+stream) in bf16 too: compute stays fp32 there, only the saved copy is rounded. Not under
+fp16 compute (an fp32 residual stream may exceed fp16's range) nor ``dynamic`` (a group
+moved to fp32 for robustness should keep fp32 activations); ``activation_dtype`` set
+explicitly overrides either way, ``fp32`` keeps them as computed.
+
 ``fsdp_mixed_precision`` maps the policy onto FSDP2's ``MixedPrecisionPolicy`` for
 sharded runs; there the sharded fp32 parameters are the master weights.
 """
@@ -45,6 +52,7 @@ class PrecisionPolicy:
     dynamic: bool = False
     levels: tuple[torch.dtype, ...] = ()
     groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    recast_weights: bool = False  # autocast's saved weight copies recast in backward (activations.py)
     notes: tuple[str, ...] = ()  # one line per decision that differs from the request
 
     @property
@@ -65,6 +73,8 @@ class PrecisionPolicy:
                  f"reduce {n[self.reduce_dtype]}", f"optimizer state {n[self.optimizer_state_dtype]}"]
         if self.activation_dtype is not None:
             parts.append(f"saved activations {n[self.activation_dtype]}")
+        if self.recast_weights and self.param_dtype == FP32 and (self.compute_dtype != FP32 or self.dynamic):
+            parts.append("weights recast in backward")
         if self.loss_scaling:
             parts.append("fp16 loss scaling")
         if self.dynamic:
@@ -99,16 +109,18 @@ def build_policy(section: PrecisionSection, device: torch.device | str, capabili
     opt_state = d["optimizer_state_dtype"]
     if opt_state != FP32:
         opt_state = param
+    dynamic = section.policy == "dynamic"
     activation: torch.dtype | None = None
     if section.activation_dtype != "auto":
         activation = DTYPES[section.activation_dtype]
     elif compute == FP32 and requested != FP32:
         activation = requested
         notes.append(f"activations saved for backward are still stored in {DTYPE_NAMES[requested]}")
-    if activation == compute:
-        activation = None  # already stored as computed
+    elif compute == torch.bfloat16 and not dynamic:
+        activation = compute  # what autocast leaves fp32 (norm internals, residual stream) stored in bf16
+    if activation == FP32:
+        activation = None  # stored as computed
     levels: tuple[torch.dtype, ...] = ()
-    dynamic = section.policy == "dynamic"
     if dynamic:
         floor = DTYPES[section.dynamic_floor] if section.dynamic_floor != "auto" else compute
         ladder = [DTYPES[n] for n in LADDER[LADDER.index(DTYPE_NAMES[floor]):]]
@@ -124,7 +136,8 @@ def build_policy(section: PrecisionSection, device: torch.device | str, capabili
         device_type=device.type, param_dtype=param, compute_dtype=compute, reduce_dtype=d["reduce_dtype"],
         optimizer_state_dtype=opt_state, activation_dtype=activation,
         fp32_rules=parse_patterns(section.fp32_modules), loss_scaling=loss_scaling, dynamic=dynamic,
-        levels=levels, groups=parse_groups(section.dynamic_groups), notes=tuple(notes))
+        levels=levels, groups=parse_groups(section.dynamic_groups), recast_weights=section.recast_weights,
+        notes=tuple(notes))
     if log:
         for note in notes:
             log.warning(f"precision: {note}")
