@@ -116,6 +116,25 @@ def test_autocast_state_restored_when_an_fp32_module_raises(capability):
         assert model[0](torch.randn(2, 4)).dtype == torch.bfloat16
 
 
+def test_rules_keep_parameter_names_follow_deep_copies_and_come_off(capability, debug_model, tokens):
+    """The fp32 rule wraps ``forward`` in place: no wrapper module in the state-dict keys;
+    a deep copy (a pipeline stage) runs its own norm under the rule; ``remove`` restores."""
+    import copy
+
+    keys = list(debug_model.state_dict())
+    runtime = apply_precision(debug_model, make_policy(capability(True, False), policy="bf16-mixed"))
+    assert "norm" in runtime.fp32_modules and list(debug_model.state_dict()) == keys
+    stage = copy.deepcopy(debug_model)
+    x = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    with autocast_context(torch.bfloat16, "cpu"):
+        ruled = stage.norm(x)
+        runtime.remove()
+        assert "forward" not in debug_model.norm.__dict__ and stage.norm.forward.__self__ is stage.norm
+        # The copy's rule ran: x cast to fp32 first, so nothing inside was rounded to bf16.
+        torch.testing.assert_close(ruled, debug_model.norm(x.float()), rtol=0, atol=0)
+        assert not torch.equal(debug_model.norm(x), ruled)  # no rule: RMSNorm rounds back to bf16
+
+
 def test_master_weights_keep_updates_bf16_would_round_away(capability):
     """lr * grad = 1e-3 on a weight of 1.0: below bf16's resolution (2**-7), so pure bf16
     weights never move; with fp32 master weights ten steps move them by 0.01."""

@@ -1,7 +1,7 @@
 """Apply parallelism to a single-device model, in one documented order:
 
 0. precision (the trainer calls ``precision.apply_precision`` on the whole model first:
-   parameter casts, fp32 master copy, autocast rule hooks, which every later step keeps)
+   parameter casts, fp32 master copy, autocast rule wrappers, which every later step keeps)
 1. pipeline split (each rank keeps its stages; FQNs unchanged)  -- ``pipeline.py``
 2. tensor parallel (DTensor plans; must see plain modules)        -- ``tensor_parallel.py``
 3. activation checkpointing (wraps whole blocks)                  -- ``activation_checkpoint.py``

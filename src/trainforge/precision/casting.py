@@ -4,27 +4,30 @@ casts plus per-module autocast rules. The model code is not touched.
 - The trainer runs the forward under ``runtime.autocast()``: ``torch.autocast`` in the
   compute dtype (matmuls low, reductions and softmax-class ops fp32 by autocast's own
   op lists), plus the saved-activation storage hooks where the policy asks for them.
-- Modules matched by the fp32 rules get a forward pre-hook that turns autocast off
-  and casts their floating inputs to fp32, and a forward hook (``always_call``, so it
-  also runs when forward raises) that restores the outer autocast state. Their
+- Modules matched by the fp32 rules get their ``forward`` wrapped (an instance
+  attribute; no wrapper module, so parameter names are unchanged): autocast off and
+  floating inputs cast to fp32, inside one ``with`` block, which dynamo can trace
+  (``parallel.compile``) and which restores the outer state when forward raises. Their
   outputs stay fp32: autocast casts them at the next matmul, and casting back would
   throw away what the rule bought (a loss, router logits fed to top-k).
-- Module groups of the dynamic policy get the same hook pair with a switchable dtype,
-  read at call time from ``runtime.compute_dtypes`` (a dict: no host sync); their
-  outputs are cast back to their inputs' dtype, so groups in different precisions
-  compose.
-- Rotary embeddings need no hook: their cos/sin tables are buffers, which are never
+- Module groups of the dynamic policy get the same wrapper with a switchable dtype,
+  read at call time from ``runtime.compute_dtypes`` (a dict: no host sync; a compiled
+  block recompiles on a switch); their outputs are cast back to their inputs' dtype, so
+  groups in different precisions compose.
+- Rotary embeddings need no rule: their cos/sin tables are buffers, which are never
   cast, and ``x * cos`` promotes to fp32. Softmax inside SDPA accumulates in fp32 in
   torch's kernels for bf16/fp16 inputs.
 
 Call ``apply_precision`` first, before tensor parallel, activation checkpointing,
-compile and FSDP (``parallel/apply.py``): checkpointing and FSDP keep module hooks,
-and the master-weight copy must be taken from the unwrapped fp32 model.
+compile and FSDP (``parallel/apply.py``): checkpointing, compile and FSDP keep the
+wrapped ``forward`` (compile traces through it), and the master-weight copy must be
+taken from the unwrapped fp32 model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable
 
 import torch
@@ -66,37 +69,34 @@ def _first_float_dtype(obj: Any) -> torch.dtype | None:
     return None
 
 
-class _AutocastRule:
-    """Forward pre-hook + forward hook running one module in ``get_dtype()``.
+def _autocast_forward(forward: Callable, device_type: str, get_dtype: Callable[[], torch.dtype],
+                      restore_output_dtype: bool) -> Callable:
+    """``forward`` (a module class's unbound ``forward``) run in ``get_dtype()``, as a
+    function to bind over the module's own ``forward``.
+
+    Enter and exit live in one ``with`` block of one call: dynamo traces that inside a
+    compiled block, while an autocast entered in a pre-hook and exited in a forward hook
+    is not traceable (the hook pair failed with "'autocast' object has no attribute
+    'prev'"), and the ``with`` restores the outer state when forward raises.
 
     ``restore_output_dtype`` (switchable groups): outputs are cast back to the dtype the
     inputs had, so a bf16 group inside an fp32 model hands fp32 to modules that run with
     autocast off (else: a float/bf16 mismatch in their Linear)."""
 
-    def __init__(self, device_type: str, get_dtype: Callable[[], torch.dtype], restore_output_dtype: bool):
-        self.device_type, self.get_dtype, self.restore = device_type, get_dtype, restore_output_dtype
-        # One entry per active call (re-entrancy, activation-checkpoint recompute).
-        self._stack: list[tuple[torch.autocast, torch.dtype | None]] = []
-
-    def pre(self, module: nn.Module, args: tuple, kwargs: dict):
-        dtype = self.get_dtype()
-        in_dtype = _first_float_dtype((args, kwargs)) if self.restore else None
+    def autocast_forward(module: nn.Module, *args, **kwargs):
+        dtype = get_dtype()
+        in_dtype = _first_float_dtype((args, kwargs)) if restore_output_dtype else None
         if dtype == FP32:
-            ctx = torch.autocast(self.device_type, enabled=False)
             # With autocast off, fp32 weights next to bf16 inputs would be a dtype error.
             args, kwargs = _cast_floats(args, FP32), _cast_floats(kwargs, FP32)
+            ctx = torch.autocast(device_type, enabled=False)
         else:
-            ctx = torch.autocast(self.device_type, dtype=dtype)
-        ctx.__enter__()
-        self._stack.append((ctx, in_dtype))
-        return args, kwargs
+            ctx = torch.autocast(device_type, dtype=dtype)
+        with ctx:
+            output = forward(module, *args, **kwargs)
+        return _cast_floats(output, in_dtype) if in_dtype is not None else output
 
-    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
-        if not self._stack:
-            return None
-        ctx, in_dtype = self._stack.pop()
-        ctx.__exit__(None, None, None)
-        return _cast_floats(output, in_dtype) if in_dtype is not None else None
+    return autocast_forward
 
 
 class PrecisionRuntime:
@@ -110,7 +110,7 @@ class PrecisionRuntime:
         self.compute_dtypes.update({name: policy.compute_dtype for name, _ in policy.groups})
         self.fp32_modules: list[str] = []
         self.group_modules: dict[str, list[str]] = {name: [] for name, _ in policy.groups}
-        self._handles: list[Any] = []
+        self._wrapped: list[nn.Module] = []  # modules whose ``forward`` is bound here
 
     @contextlib.contextmanager
     def autocast(self, track_activations: bool = False):
@@ -147,29 +147,38 @@ class PrecisionRuntime:
 
     def rebind(self, model: nn.Module) -> None:
         """Point at the module that now holds the parameters: pipeline stages are deep
-        copies of the model this runtime was applied to (they carry the hooks, which still
+        copies of the model this runtime was applied to (they carry the wrappers, which still
         read ``compute_dtypes`` here). ``group_parameters`` needs the original FQNs."""
         self.model = self.activations.model = model
 
     def remove(self) -> None:
-        """Remove the hooks (parameter casts stay)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        """Restore the modules' own ``forward`` (parameter casts stay)."""
+        for module in self._wrapped:
+            module.__dict__.pop("forward", None)
+        self._wrapped.clear()
 
-    def _hook(self, module: nn.Module, get_dtype: Callable[[], torch.dtype], restore_output_dtype: bool) -> None:
-        rule = _AutocastRule(self.policy.device_type, get_dtype, restore_output_dtype)
-        self._handles.append(module.register_forward_pre_hook(rule.pre, with_kwargs=True))
-        self._handles.append(module.register_forward_hook(rule.post, with_kwargs=True, always_call=True))
+    def _wrap(self, module: nn.Module, get_dtype: Callable[[], torch.dtype], restore_output_dtype: bool) -> None:
+        # An instance attribute ``forward`` shadows the class's, and ``nn.Module.__call__``
+        # calls it between the module's hooks (FSDP2's, the monitor's) as usual. No wrapper
+        # module: parameter names and state-dict keys stay as they are. A bound method
+        # survives ``copy.deepcopy`` (pipeline stages): it is rebound to the copy, and the
+        # class function it wraps holds no module.
+        if "forward" in module.__dict__:
+            raise ValueError(f"{type(module).__name__} already has an instance-level forward; precision "
+                             "rules (precision.fp32_modules, dynamic_groups) must be applied before any "
+                             "other forward patch")
+        wrapped = _autocast_forward(type(module).forward, self.policy.device_type, get_dtype, restore_output_dtype)
+        module.forward = types.MethodType(wrapped, module)
+        self._wrapped.append(module)
 
 
 def apply_precision(model: nn.Module, policy: PrecisionPolicy, sharded: bool = False) -> PrecisionRuntime:
     """Mutates ``model``: parameters outside the fp32 rules are cast to
-    ``policy.param_dtype`` (buffers never), and hooks are registered. With master
+    ``policy.param_dtype`` (buffers never), and ``forward`` is wrapped on the rule modules. With master
     weights, ``runtime.master`` holds the fp32 mirror taken before the cast.
 
     ``sharded=True`` (FSDP2 follows): no cast and no mirror, FSDP2's
-    ``MixedPrecisionPolicy`` does both; the hooks are still installed. Then shard each
+    ``MixedPrecisionPolicy`` does both; the wrappers are still installed. Then shard each
     module of ``fsdp_fp32_modules`` with ``fsdp_fp32_policy`` before its block, or an
     fp32 module holding a Linear fails with a float/bf16 dtype mismatch."""
     fp32_mods = outermost_matches(model, policy.fp32_rules)
@@ -198,13 +207,13 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy, sharded: bool = F
         for fqn, module in outermost_matches(model, patterns):
             # fp32 rules win: a group module inside an fp32 module would re-enable autocast.
             if not inside_fp32(fqn):
-                runtime._hook(module, lambda name=name: runtime.compute_dtypes[name], restore_output_dtype=True)
+                runtime._wrap(module, lambda name=name: runtime.compute_dtypes[name], restore_output_dtype=True)
                 runtime.group_modules[name].append(fqn)
     # The fp32 rules only turn autocast off; when no group can ever compute below fp32
-    # (the default policy), autocast is never on and the hooks would be pure overhead.
+    # (the default policy), autocast is never on and the wrappers would be pure overhead.
     if policy.compute_dtype != FP32 or any(d != FP32 for d in policy.levels):
         for fqn, module in fp32_mods:
-            runtime._hook(module, lambda: FP32, restore_output_dtype=False)
+            runtime._wrap(module, lambda: FP32, restore_output_dtype=False)
             runtime.fp32_modules.append(fqn)
     return runtime
 

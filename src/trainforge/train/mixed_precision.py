@@ -61,6 +61,23 @@ def check_precision_layout(policy: PrecisionPolicy, dims, kind: str) -> str | No
     return None
 
 
+def compile_note(runtime: PrecisionRuntime) -> str | None:
+    """What ``parallel.compile`` changes about the installed techniques (None: nothing).
+
+    The saved-tensor hooks stay on under compile: a compiled block is one autograd
+    function whose saved tensors still pass the pack hook, so low-precision activation
+    storage applies to them. Weight recast does not: it recognises autocast's weight
+    copies by their ``ToCopyBackward0`` node, which a compiled block does not have (its
+    partitioner decides what backward keeps, here the bf16 copies)."""
+    acts = runtime.activations
+    if not acts.recast_weights:
+        return None
+    return ("parallel.compile: precision.recast_weights applies only to the weights used outside the compiled "
+            "blocks (the output projection); inside them the compiler keeps its own low-precision weight copies "
+            "for backward" + (f"; saved activations are still stored in {DTYPE_NAMES[acts.store_dtype]}"
+                              if acts.store_dtype is not None else ""))
+
+
 @dataclass
 class _Pending:
     """One step's signals for the controller: device tensors until read, then floats

@@ -48,7 +48,7 @@ from trainforge.train.bad_steps import StepAction
 from trainforge.train.lr_schedule import build_scheduler, warmup_decay
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
-from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout
+from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout, compile_note
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.step_stats import CommShareProbe, peak_memory_bytes
 
@@ -150,9 +150,12 @@ class Trainer:
         # Every rank builds the full model from the same seed, then keeps its part:
         # sharded/split results equal the single-process model's.
         full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
-        # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule hooks.
+        # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule wrappers.
         sharded = data_parallel_kind(self.dims) in ("fsdp", "hsdp")
         runtime = apply_precision(full_model, policy, sharded=sharded)
+        note = compile_note(runtime) if cfg.parallel.compile else None
+        if note and self.is_main:
+            self.log.info(f"precision: {note}")
         self.mp = TrainerPrecision(cfg.precision, policy, runtime, self.device, sharded=sharded,
                                    log=self.log if self.is_main else None,
                                    pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
