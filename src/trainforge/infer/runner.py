@@ -1,0 +1,328 @@
+"""Prefill and decode forward passes of a ``Transformer`` over a paged ``KVPool``.
+
+The runner reads the model's own modules (embedding, norms, linears: plain, fused by
+``fusion.py`` or quantised by ``quantize/``) and drives them in two paths:
+
+- ``prefill(tokens, slots)``: one sequence's prompt, T tokens at once. Writes its keys and
+  values into the pool at ``slots``; causal attention over the prompt itself through
+  ``scaled_dot_product_attention``. Allocates freely (once per request).
+- ``decode(B, S)``: one token for each of B sequences of different lengths. Inputs are the
+  runner's own buffers (``tokens``, ``positions``, ``slots``, ``gather``, ``bias``), which
+  the engine fills. Each layer appends the new keys/values at ``slots``, gathers every
+  sequence's first S slots (its page table, padded with the padding block) with one
+  ``index_select`` into (H_kv, B*S, D), and attends with two ``bmm`` and an additive
+  mask (-inf past each sequence's length). Every activation lives in a workspace allocated
+  once for ``max_rows`` x ``max_context``: all ops are ``out=`` or in place, so a float32
+  decode step allocates nothing (``count_allocations`` checks; a quantised linear or the
+  fused norm allocates only its result, having no ``out=`` form).
+
+Rotary embeddings fold the rotate-half sign into the sine table (x*cos + [x2, x1]*sin'),
+which is the model's formula term by term. Attention scales q before q.k, SDPA scales the
+product: logits agree to float rounding (HF parity within 1e-4, tests).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from trainforge.infer.fusion import FusedTransformerBlock, _unwrap, rms_norm
+from trainforge.infer.kv_pool import KVPool
+from trainforge.model.llama import Transformer
+
+
+def linear_into(mod: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = mod(x) for x (M, K), without allocating for a float ``nn.Linear``."""
+    if type(mod) is nn.Linear and mod.bias is None:
+        torch.mm(x, mod.weight.t(), out=out)
+    else:
+        mod.forward_into(x, out)
+
+
+class _Layer:
+    """One block's modules, resolved once (fused or not) so the decode loop does no lookups."""
+
+    def __init__(self, block: nn.Module):
+        attn, ffn = block.attention, block.feed_forward
+        self.qkv = [attn.wqkv] if hasattr(attn, "wqkv") else [attn.wq, attn.wk, attn.wv]
+        self.gate_up = [ffn.w13] if hasattr(ffn, "w13") else [ffn.w1, ffn.w3]
+        self.wo, self.w2 = attn.wo, ffn.w2
+        self.attn_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
+        self.fused_norm = isinstance(block, FusedTransformerBlock)
+
+
+class ModelRunner:
+    """Forward passes of ``model`` over ``pool`` for up to ``max_rows`` sequences of up to
+    ``max_context`` tokens each. Does not modify the model."""
+
+    def __init__(self, model: Transformer, pool: KVPool, max_rows: int, max_context: int):
+        cfg = model.cfg
+        if max_context > cfg.max_seq_len:
+            raise ValueError(f"max_context={max_context} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        self.model, self.pool, self.cfg = model, pool, cfg
+        self.max_rows, self.max_context = max_rows, max_context
+        # Gathers cover whole blocks, so the workspace's context is max_context rounded up.
+        self.context_slots = -(-max_context // pool.block_size) * pool.block_size
+        emb = model.tok_embeddings.weight
+        self.device, self.dtype = emb.device, emb.dtype
+        self.layers = [_Layer(_unwrap(b)) for b in model.layers.values()]
+        self.fused_norm = all(layer.fused_norm for layer in self.layers)
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.H, self.Hkv, self.D, self.G, self.F = H, Hkv, D, H // Hkv, cfg.ffn_hidden_dim
+        half = D // 2
+        # Rotate-half sign folded into the sine: rotate_half(x) * sin == [x2, x1] * sin'.
+        self.rope_cos = model.rope_cos.to(self.dtype)
+        sin = model.rope_sin.to(self.dtype).clone()
+        sin[:, :half].neg_()
+        self.rope_sin = sin
+        dev = dict(device=self.device)
+        R, C = max_rows, self.context_slots
+        # Decode inputs, filled by the engine (host views of these on CPU).
+        self.tokens = torch.zeros(R, dtype=torch.long, **dev)
+        self.positions = torch.zeros(R, dtype=torch.long, **dev)
+        self.slots = torch.zeros(R, dtype=torch.long, **dev)
+        self.gather = torch.zeros(R * C, dtype=torch.long, **dev)
+        self.bias = torch.zeros(R * C, dtype=self.dtype, **dev)
+        # Workspace: every decode activation, allocated once.
+        f = dict(dtype=self.dtype, **dev)
+        d, Fh = cfg.dim, self.F
+        self._x, self._h, self._sq, self._delta = (torch.empty(R, d, **f) for _ in range(4))
+        self._ms = torch.empty(R, 1, **f)
+        self._qkv = torch.empty(R * (H + 2 * Hkv) * D, **f)
+        self._rot = torch.empty(R * (H + Hkv) * D, **f)
+        self._cos, self._sin = torch.empty(R, D, **f), torch.empty(R, D, **f)
+        self._kg, self._vg = torch.empty(Hkv * R * C * D, **f), torch.empty(Hkv * R * C * D, **f)
+        self._qt, self._ao = torch.empty(H * R * D, **f), torch.empty(H * R * D, **f)
+        self._scores, self._probs = torch.empty(H * R * C, **f), torch.empty(H * R * C, **f)
+        self._at = torch.empty(R, H * D, **f)
+        self._gu = torch.empty(R * 2 * Fh, **f)
+        self._act = torch.empty(R, Fh, **f)
+        self.logits = torch.empty(R, cfg.vocab_size, **f)
+        self._scale = torch.tensor(D ** -0.5, **f)
+        self._eps = torch.tensor(cfg.norm_eps, **f)
+        self._d = torch.tensor(float(d), **f)
+        self._d_eps = torch.tensor(d * cfg.norm_eps, **f)
+        # Fused norms fold sqrt(d) into their weight (fusion.py), once here.
+        norms = [n for layer in self.layers for n in (layer.attn_norm, layer.ffn_norm)] + [model.norm]
+        self._scaled_weight = {id(n): (n.weight.detach() * d ** 0.5).to(self.dtype) for n in norms}
+        self._decode_fn = self._decode
+        self.compile_s: float | None = None
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
+
+    # -- shared pieces ----------------------------------------------------------------------
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module, fused: bool) -> torch.Tensor:
+        """RMSNorm of x (B, dim) into the workspace, without allocating (fp32). Unfused: the
+        model's arithmetic op for op (sum / d is what ``mean`` computes). Fused: see fusion.py."""
+        B, d = x.shape
+        out, ms = self._h[:B], self._ms[:B]
+        if self.dtype != torch.float32:
+            out.copy_(norm(x))
+            return out
+        if fused:
+            if x.is_cuda:
+                return rms_norm(x, norm)
+            torch.bmm(x.view(B, 1, d), x.view(B, d, 1), out=ms.view(B, 1, 1))  # sum of squares
+            ms.add_(self._d_eps).rsqrt_()
+            torch.mul(x, ms, out=out)
+            return out.mul_(self._scaled_weight[id(norm)])
+        sq = self._sq[:B]
+        torch.mul(x, x, out=sq)
+        torch.sum(sq, dim=-1, keepdim=True, out=ms)
+        ms.div_(self._d).add_(self._eps).rsqrt_()
+        torch.mul(x, ms, out=out)
+        return out.mul_(norm.weight)
+
+    def _rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """In place: x (B, n, D) <- x*cos + [x2, x1]*sin'; cos/sin (B, 1, D)."""
+        B, n, D = x.shape
+        half = D // 2
+        t = self._rot[:B * n * D].view(B, n, D)
+        t[..., :half].copy_(x[..., half:])
+        t[..., half:].copy_(x[..., :half])
+        t.mul_(sin)
+        x.mul_(cos)
+        x.add_(t)
+
+    # -- decode -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(self, B: int, S: int) -> torch.Tensor:
+        """One token for rows 0..B-1 (inputs in ``tokens``, ``positions``, ``slots``, and
+        ``gather`` / ``bias`` laid out (B, S)); returns logits (B, V), a workspace view."""
+        if not 0 < B <= self.max_rows or not 0 < S <= self.context_slots:
+            raise ValueError(f"decode(B={B}, S={S}) outside the workspace ({self.max_rows} x {self.context_slots})")
+        return self._decode_fn(B, S)
+
+    def _decode(self, B: int, S: int) -> torch.Tensor:
+        x = self._x[:B]
+        torch.index_select(self.model.tok_embeddings.weight, 0, self.tokens[:B], out=x)
+        pos = self.positions[:B]
+        cos, sin = self._cos[:B], self._sin[:B]
+        torch.index_select(self.rope_cos, 0, pos, out=cos)
+        torch.index_select(self.rope_sin, 0, pos, out=sin)
+        cos, sin = cos.view(B, 1, self.D), sin.view(B, 1, self.D)
+        layers = self.layers
+        h = self._norm(x, layers[0].attn_norm, self.fused_norm)
+        for i, layer in enumerate(layers):
+            delta = self._attention_decode(i, layer, h, cos, sin, B, S)
+            x.add_(delta)
+            h = self._norm(x, layer.ffn_norm, layer.fused_norm)
+            delta = self._ffn_decode(layer, h, B)
+            x.add_(delta)
+            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.model.norm
+            h = self._norm(x, nxt, layer.fused_norm)
+        logits = self.logits[:B]
+        linear_into(self.model.output, h, logits)
+        return logits
+
+    def _attention_decode(self, i: int, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          B: int, S: int) -> torch.Tensor:
+        H, Hkv, D, G = self.H, self.Hkv, self.D, self.G
+        if len(layer.qkv) == 1:
+            qkv = self._qkv[:B * (H + 2 * Hkv) * D].view(B, (H + 2 * Hkv) * D)
+            linear_into(layer.qkv[0], h, qkv)
+            q, k, v = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
+            self._rope_(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), cos, sin)  # q and k in one pass
+        else:
+            q = self._qkv[:B * H * D].view(B, H * D)
+            k = self._qkv[B * H * D:B * (H + Hkv) * D].view(B, Hkv * D)
+            v = self._qkv[B * (H + Hkv) * D:B * (H + 2 * Hkv) * D].view(B, Hkv * D)
+            for mod, out in zip(layer.qkv, (q, k, v)):
+                linear_into(mod, h, out)
+            self._rope_(q.view(B, H, D), cos, sin)
+            self._rope_(k.view(B, Hkv, D), cos, sin)
+        kp, vp = self.pool.k[i], self.pool.v[i]  # (Hkv, slots, D)
+        slots = self.slots[:B]
+        kp.index_copy_(1, slots, k.view(B, Hkv, D).transpose(0, 1))
+        vp.index_copy_(1, slots, v.view(B, Hkv, D).transpose(0, 1))
+        n = B * S
+        gather = self.gather[:n]
+        kg = self._kg[:Hkv * n * D].view(Hkv, n, D)  # every row's first S slots, (H_kv, B*S, D)
+        vg = self._vg[:Hkv * n * D].view(Hkv, n, D)
+        torch.index_select(kp, 1, gather, out=kg)
+        torch.index_select(vp, 1, gather, out=vg)
+        qt = self._qt[:H * B * D].view(Hkv, B, G, D)
+        torch.mul(q.view(B, Hkv, G, D).permute(1, 0, 2, 3), self._scale, out=qt)
+        scores = self._scores[:H * B * S].view(Hkv * B, G, S)
+        torch.bmm(qt.view(Hkv * B, G, D), kg.view(Hkv * B, S, D).transpose(1, 2), out=scores)
+        scores.view(Hkv, B, G, S).add_(self.bias[:n].view(1, B, 1, S))
+        probs = self._probs[:H * B * S].view(Hkv * B, G, S)
+        torch.ops.aten._softmax.out(scores, -1, False, out=probs)
+        ao = self._ao[:H * B * D].view(Hkv * B, G, D)
+        torch.bmm(probs, vg.view(Hkv * B, S, D), out=ao)
+        at = self._at[:B]
+        at.view(B, Hkv, G, D).copy_(ao.view(Hkv, B, G, D).permute(1, 0, 2, 3))
+        delta = self._delta[:B]
+        linear_into(layer.wo, at, delta)
+        return delta
+
+    def _ffn_decode(self, layer: _Layer, h: torch.Tensor, B: int) -> torch.Tensor:
+        Fh = self.F
+        if len(layer.gate_up) == 1:
+            gu = self._gu[:B * 2 * Fh].view(B, 2 * Fh)
+            linear_into(layer.gate_up[0], h, gu)
+            g, u = gu[:, :Fh], gu[:, Fh:]
+            F.silu(g, inplace=True)
+            act = self._act[:B]
+            torch.mul(g, u, out=act)
+        else:
+            g = self._gu[:B * Fh].view(B, Fh)
+            u = self._gu[B * Fh:2 * B * Fh].view(B, Fh)
+            linear_into(layer.gate_up[0], h, g)
+            linear_into(layer.gate_up[1], h, u)
+            F.silu(g, inplace=True)
+            act = g.mul_(u)
+        delta = self._delta[:B]
+        linear_into(layer.w2, act, delta)
+        return delta
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """tokens, slots: (T,) for one new sequence (positions 0..T-1). Writes its keys and
+        values into the pool; returns logits (1, V) of the last position, or (T, V)."""
+        T = tokens.shape[0]
+        if not 0 < T <= self.max_context:
+            raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")
+        x = F.embedding(tokens, self.model.tok_embeddings.weight)  # (T, dim)
+        cos, sin = self.rope_cos[:T].view(T, 1, self.D), self.rope_sin[:T].view(T, 1, self.D)
+        layers = self.layers
+        h = self._prefill_norm(x, layers[0].attn_norm, self.fused_norm)
+        for i, layer in enumerate(layers):
+            x = x + self._attention_prefill(i, layer, h, cos, sin, slots)
+            h = self._prefill_norm(x, layer.ffn_norm, layer.fused_norm)
+            x = x + self._ffn_prefill(layer, h)
+            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.model.norm
+            h = self._prefill_norm(x, nxt, layer.fused_norm)
+        return self.model.output(h if all_logits else h[-1:])
+
+    @staticmethod
+    def _prefill_norm(x: torch.Tensor, norm: nn.Module, fused: bool) -> torch.Tensor:
+        return rms_norm(x, norm) if fused else norm(x)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.D // 2
+        return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def _attention_prefill(self, i: int, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           slots: torch.Tensor) -> torch.Tensor:
+        T = h.shape[0]
+        H, Hkv, D = self.H, self.Hkv, self.D
+        if len(layer.qkv) == 1:
+            q, k, v = layer.qkv[0](h).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        else:
+            q, k, v = (mod(h) for mod in layer.qkv)
+        q = self._rope(q.reshape(T, H, D), cos, sin).transpose(0, 1)  # (H, T, D)
+        k = self._rope(k.reshape(T, Hkv, D), cos, sin).transpose(0, 1)  # (Hkv, T, D)
+        v = v.reshape(T, Hkv, D).transpose(0, 1)
+        self.pool.k[i].index_copy_(1, slots, k)
+        self.pool.v[i].index_copy_(1, slots, v)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=H != Hkv)
+        return layer.wo(out[0].transpose(0, 1).reshape(T, H * D))
+
+    def _ffn_prefill(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        if len(layer.gate_up) == 1:
+            g, u = layer.gate_up[0](h).split(self.F, dim=-1)
+        else:
+            g, u = layer.gate_up[0](h), layer.gate_up[1](h)
+        return layer.w2(F.silu(g) * u)
+
+    # -- torch.compile ----------------------------------------------------------------------
+
+    def compile(self, warmup_rows: int = 1, warmup_context: int | None = None) -> float:
+        """Compile the decode step with ``torch.compile`` (dynamic B and S) and run it once so
+        the compile happens now; returns (and keeps in ``compile_s``) the seconds it took.
+        The warm-up writes into the pool's padding block only."""
+        self._decode_fn = torch.compile(self._decode, dynamic=True)
+        bs = self.pool.block_size
+        S = warmup_context or bs
+        saved = [t[:warmup_rows * S].clone() for t in (self.gather, self.bias)]
+        self.slots[:warmup_rows] = 0  # slot 0 lies in the padding block
+        self.gather[:warmup_rows * S] = 0
+        self.bias[:warmup_rows * S] = 0
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self._decode_fn(warmup_rows, S)
+        self.compile_s = time.perf_counter() - t0
+        self.gather[:warmup_rows * S], self.bias[:warmup_rows * S] = saved
+        self.pool.k[:, :, :bs].zero_()
+        self.pool.v[:, :, :bs].zero_()
+        return self.compile_s
+
+
+def count_allocations(fn, *args, **kwargs) -> dict[str, int]:
+    """Memory allocations made while ``fn(*args, **kwargs)`` runs, from the profiler's memory
+    events (every allocator call, CPU or CUDA): {"count": n, "bytes": total}."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn(*args, **kwargs)
+    sizes = [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
+    return {"count": len(sizes), "bytes": int(sum(sizes))}
