@@ -142,8 +142,10 @@ class QuantLinear(nn.Module):
 # -- kernel choice ----------------------------------------------------------------------------
 
 def torchao_available() -> bool:
+    import importlib
+
     try:
-        import torchao  # noqa: F401
+        importlib.import_module("torchao")
     except Exception:  # ImportError, or a torchao built against another torch
         return False
     return True
