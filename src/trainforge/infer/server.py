@@ -33,6 +33,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.requests import Request as HTTPRequest  # at module level: FastAPI resolves annotations here
+
 from trainforge.infer.engine import Engine, QueueFull, Request, RequestTooLong
 from trainforge.infer.sampling import SamplingParams
 
@@ -70,7 +72,8 @@ def _field(body: dict, key: str, types: tuple, default: Any, ok=None, want: str 
 
 
 def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    """OpenAI request fields -> ``SamplingParams`` (``top_k`` and ``repetition_penalty`` are extensions)."""
+    """OpenAI request fields -> ``SamplingParams`` (``top_k``, ``repetition_penalty`` and
+    ``ignore_eos`` are extensions, spelled as vLLM spells them)."""
     num = (int, float)
     if _field(body, "n", (int,), 1) != 1:
         raise APIError(400, "'n' must be 1: send one request per completion", param="n")
@@ -98,6 +101,7 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         top_k=_field(body, "top_k", (int,), 0, lambda v: v >= 0, "an integer >= 0"),
         repetition_penalty=float(_field(body, "repetition_penalty", num, 1.0, lambda v: v > 0, "a number > 0")),
         stop=tuple(stop or ()),
+        ignore_eos=_field(body, "ignore_eos", (bool,), False),
         seed=_field(body, "seed", (int,), None),
     )
 
@@ -123,7 +127,7 @@ def chat_prompt(messages: Any) -> str:
 
 def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
     """The FastAPI app. The caller runs ``engine.start()`` (``serve`` does)."""
-    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
     from starlette.exceptions import HTTPException
