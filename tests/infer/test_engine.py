@@ -139,3 +139,14 @@ def test_a_float32_decode_step_allocates_nothing(fuse):
     engine.submit(PROMPTS[2], SamplingParams(max_new_tokens=60, temperature=0.8, top_p=0.9, seed=2))
     engine.step()
     assert count_allocations(engine.step)["count"] == 1
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_eager():
+    """EngineConfig.compile: same greedy tokens as the eager engine; the compile time is
+    reported. Slow: inductor compiles for tens of seconds on CPU."""
+    want = [r.output_ids for r in Engine(model_for("gqa2"), EngineConfig(max_batch_size=3, max_context=64))
+            .generate(PROMPTS[:3], GREEDY)]
+    engine = Engine(model_for("gqa2"), EngineConfig(max_batch_size=3, max_context=64, compile=True))
+    assert engine.stats()["compile_s"] > 0
+    assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == want

@@ -298,10 +298,18 @@ class Engine:
             self._bias_rows[r, p] = 0.0
             longest = max(longest, p + 1)
         S = -(-longest // bs) * bs
-        self._positions.np[:B] = pos[:B]
-        self._gather.np[:B * S].reshape(B, S)[:] = self._index_rows[:B, :S]
-        self._bias.np[:B * S].reshape(B, S)[:] = self._bias_rows[:B, :S]
-        for buf, n in ((self._positions, B), (self._slots, B), (self._gather, B * S), (self._bias, B * S)):
+        rows, cols = B, S
+        if self.runner.static_shape is not None:  # compiled: every row, the whole context
+            rows, cols = self.runner.static_shape
+            self._slots.np[B:rows] = 0  # idle rows write into the padding block...
+            pos[B:rows] = 0
+        self._positions.np[:rows] = pos[:rows]
+        self._gather.np[:rows * cols].reshape(rows, cols)[:] = self._index_rows[:rows, :cols]
+        bias = self._bias.np[:rows * cols].reshape(rows, cols)
+        bias[:] = self._bias_rows[:rows, :cols]
+        bias[B:] = 0.0  # ...and attend to it, so their (ignored) rows stay finite
+        for buf, n in ((self._positions, rows), (self._slots, rows), (self._gather, rows * cols),
+                       (self._bias, rows * cols)):
             buf.push(n)
         t0 = time.perf_counter()
         logits = self.runner.decode(B, S)

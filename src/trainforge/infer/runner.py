@@ -111,6 +111,7 @@ class ModelRunner:
         self._scaled_weight = {id(n): (n.weight.detach() * d ** 0.5).to(self.dtype) for n in norms}
         self._decode_fn = self._decode
         self.compile_s: float | None = None
+        self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
 
     @property
     def workspace_bytes(self) -> int:
@@ -156,9 +157,12 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, B: int, S: int) -> torch.Tensor:
         """One token for rows 0..B-1 (inputs in ``tokens``, ``positions``, ``slots``, and
-        ``gather`` / ``bias`` laid out (B, S)); returns logits (B, V), a workspace view."""
+        ``gather`` / ``bias`` laid out (B, S), or ``static_shape`` once compiled); returns
+        logits (B, V), a workspace view (a fresh tensor when compiled)."""
         if not 0 < B <= self.max_rows or not 0 < S <= self.context_slots:
             raise ValueError(f"decode(B={B}, S={S}) outside the workspace ({self.max_rows} x {self.context_slots})")
+        if self.static_shape is not None:  # compiled: inputs are laid out for the static shape
+            return self._decode_fn(*self.static_shape)[:B]
         return self._decode_fn(B, S)
 
     def _decode(self, B: int, S: int) -> torch.Tensor:
@@ -298,22 +302,54 @@ class ModelRunner:
 
     # -- torch.compile ----------------------------------------------------------------------
 
-    def compile(self, warmup_rows: int = 1, warmup_context: int | None = None) -> float:
-        """Compile the decode step with ``torch.compile`` (dynamic B and S) and run it once so
-        the compile happens now; returns (and keeps in ``compile_s``) the seconds it took.
-        The warm-up writes into the pool's padding block only."""
-        self._decode_fn = torch.compile(self._decode, dynamic=True)
-        bs = self.pool.block_size
-        S = warmup_context or bs
-        saved = [t[:warmup_rows * S].clone() for t in (self.gather, self.bias)]
-        self.slots[:warmup_rows] = 0  # slot 0 lies in the padding block
-        self.gather[:warmup_rows * S] = 0
-        self.bias[:warmup_rows * S] = 0
+    def _decode_graph(self, B: int, S: int) -> torch.Tensor:
+        """The decode step written functionally (no ``out=``, no workspace), for
+        ``torch.compile``: inductor plans its own buffers and fuses the elementwise ops,
+        residual add and norm included. Same inputs and pool writes as ``_decode``."""
+        H, Hkv, D, G = self.H, self.Hkv, self.D, self.G
+        x = F.embedding(self.tokens[:B], self.model.tok_embeddings.weight)
+        pos = self.positions[:B]
+        cos, sin = self.rope_cos[pos].unsqueeze(1), self.rope_sin[pos].unsqueeze(1)  # (B, 1, D)
+        slots, gather = self.slots[:B], self.gather[:B * S]
+        bias = self.bias[:B * S].view(1, B, 1, S)
+        layers = self.layers
+        h = self._prefill_norm(x, layers[0].attn_norm, self.fused_norm)
+        for i, layer in enumerate(layers):
+            if len(layer.qkv) == 1:
+                q, k, v = layer.qkv[0](h).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            else:
+                q, k, v = (mod(h) for mod in layer.qkv)
+            q = self._rope(q.reshape(B, H, D), cos, sin)
+            k = self._rope(k.reshape(B, Hkv, D), cos, sin)
+            self.pool.k[i].index_copy_(1, slots, k.transpose(0, 1))
+            self.pool.v[i].index_copy_(1, slots, v.reshape(B, Hkv, D).transpose(0, 1))
+            kg = self.pool.k[i].index_select(1, gather).view(Hkv, B, S, D)
+            vg = self.pool.v[i].index_select(1, gather).view(Hkv, B, S, D)
+            qt = q.view(B, Hkv, G, D).permute(1, 0, 2, 3) * self._scale  # (Hkv, B, G, D)
+            probs = (qt @ kg.transpose(-1, -2) + bias).softmax(dim=-1)  # (Hkv, B, G, S)
+            out = (probs @ vg).permute(1, 0, 2, 3).reshape(B, H * D)
+            x = x + layer.wo(out)
+            h = self._prefill_norm(x, layer.ffn_norm, layer.fused_norm)
+            x = x + self._ffn_prefill(layer, h)
+            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.model.norm
+            h = self._prefill_norm(x, nxt, layer.fused_norm)
+        return self.model.output(h)
+
+    def compile(self) -> float:
+        """Compile the decode step with ``torch.compile`` at one static shape, all
+        ``max_rows`` rows x the whole context (gpt-fast's static-cache approach: one graph,
+        no recompiles; unused rows attend to the padding block and are ignored), and run it
+        once so the compile happens now. Returns (and keeps in ``compile_s``) the seconds taken."""
+        self._decode_fn = torch.compile(self._decode_graph, dynamic=False)
+        self.static_shape = (self.max_rows, self.context_slots)
+        self.slots.zero_()  # every row writes into and reads from the padding block
+        self.gather.zero_()
+        self.bias.zero_()
         t0 = time.perf_counter()
         with torch.no_grad():
-            self._decode_fn(warmup_rows, S)
+            self._decode_fn(*self.static_shape)
         self.compile_s = time.perf_counter() - t0
-        self.gather[:warmup_rows * S], self.bias[:warmup_rows * S] = saved
+        bs = self.pool.block_size
         self.pool.k[:, :, :bs].zero_()
         self.pool.v[:, :, :bs].zero_()
         return self.compile_s

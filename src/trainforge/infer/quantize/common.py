@@ -53,6 +53,7 @@ class QuantLinear(nn.Module):
         self.kernel = kernel
         self._impl: Kernel | None = None
         self.kernel_name: str | None = None  # the kernel actually used, after pack()
+        self.weight_bytes = 0  # set by pack()
 
     # -- stored form ------------------------------------------------------------------------
 
@@ -111,6 +112,8 @@ class QuantLinear(nn.Module):
             name = choose_kernel(self.MODE, device)
         if self.supports(name) is not None:
             name = "reference"
+        # Bytes a forward pass reads: the codes and their scales (the kernel forms are the same size).
+        self.weight_bytes = sum(t.nbytes for t in self.stored().values())
         self._impl = self.build_kernel(name)
         self.kernel_name = name
         if name != "reference":
