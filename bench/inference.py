@@ -66,7 +66,7 @@ from torch import nn
 from bench.train_throughput import cpu_counters, cpu_model, load_note, process_cpu_s
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.fusion import count_ops
-from trainforge.infer.quantize import QuantLinear, quantize_model
+from trainforge.infer.quantize import QuantLinear, measure_kernels, quantize_model
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model import FLAVORS, build_model
 from trainforge.model.hf import to_hf_config_dict, to_hf_state_dict
@@ -424,6 +424,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
     before_procs, c0, t0 = process_cpu_s(), cpu_counters(), time.perf_counter()
+    kernels = {"int8": measure_kernels("int8", "cpu"), "int4": measure_kernels("int4", "cpu", group_size=128)}
+    print("kernel ms per call, batch-1 4096 x 4096: " + json.dumps(kernels), flush=True)
     results = {size: bench_size(size, args) for size in args.sizes}
     trained = checkpoint_agreement(args.agreement_checkpoint, args.group_size) if args.agreement_checkpoint else None
     wall = time.perf_counter() - t0
@@ -434,7 +436,8 @@ def main() -> None:
                "transformers": transformers.__version__,
                "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "wall_s": round(wall, 1),
                "load": load_note(c0, cpu_counters(), wall),
-               "busiest_other_processes_cpu_s": [(round(s, 1), cmd) for s, cmd in busiest]}
+               "busiest_other_processes_cpu_s": [(round(s, 1), cmd) for s, cmd in busiest],
+               "kernel_ms_4096x4096": kernels}
     report(results, machine, trained)
     if args.json:
         with open(args.json, "w") as fh:

@@ -150,3 +150,16 @@ def test_compiled_decode_step_matches_eager():
     engine = Engine(model_for("gqa2"), EngineConfig(max_batch_size=3, max_context=64, compile=True))
     assert engine.stats()["compile_s"] > 0
     assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == want
+
+
+def test_a_failing_step_in_the_engine_thread_aborts_requests_instead_of_hanging():
+    engine = Engine(model_for("gqa2"), EngineConfig(max_batch_size=2, max_context=64))
+    engine.runner.decode = lambda B, S: (_ for _ in ()).throw(RuntimeError("boom"))
+    engine.start()
+    try:
+        reqs = [engine.submit(p, GREEDY) for p in PROMPTS[:3]]
+        assert all(r.done.wait(timeout=30) for r in reqs)
+    finally:
+        engine.stop()
+    assert {r.finish_reason for r in reqs} == {"abort"} and "boom" in engine.last_error
+    assert engine.pool.utilisation()["blocks_reserved"] == 0 and not engine.has_work()

@@ -166,6 +166,7 @@ class Engine:
         self._events: list[tuple[Request, list[int], str, bool]] = []
         self._thread: threading.Thread | None = None
         self._stop = False
+        self.last_error: str | None = None
         self.counters: dict[str, float] = {k: 0 for k in (
             "submitted", "rejected", "finished_stop", "finished_length", "finished_abort", "prompt_tokens",
             "generated_tokens", "decode_steps", "decode_s", "prefill_s", "peak_batch")}
@@ -457,7 +458,28 @@ class Engine:
                     self._lock.wait()
                 if self._stop:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a failing step must not leave clients waiting forever
+                self._fail_all(e)
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every request (reason "abort") after an unexpected error, freeing the pool."""
+        from trainforge.log import get_logger
+
+        get_logger().error(f"engine step failed, aborting {self.load()} requests: {error!r}")
+        self.last_error = repr(error)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        self._ring_rows.clear()
+        for row in range(len(self._rows) - 1, -1, -1):
+            req = self._rows[row]
+            if req.finish_reason is None:
+                self._finish(req, "abort")
+            self._remove_row(row)
+        for req in waiting:
+            self._finish(req, "abort")
+        self._dispatch()
 
     # -- reporting --------------------------------------------------------------------------
 
