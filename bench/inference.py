@@ -226,9 +226,13 @@ def bench_size(size: str, args) -> dict:
     prompt = torch.randint(0, cfg.vocab_size, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
     ctx = PROMPT_TOKENS + n
     variants = [HFGenerate(base), PlainLoop(base), Ours("fp32", copy.deepcopy(base), ctx)]
-    for mode, kw in (("int8", {}), ("int4", {"group_size": args.group_size})):
+    # int4 groups: the largest of 128 / 64 / 32 that divides every linear's input size, so no
+    # layer is left in fp32 (tiny's 704-wide MLP takes 64).
+    group_size = args.group_size or next(g for g in (128, 64, 32) if cfg.dim % g == 0 and cfg.ffn_hidden_dim % g == 0)
+    for mode, kw in (("int8", {}), ("int4", {"group_size": group_size})):
         m = copy.deepcopy(base)
-        quantize_model(m, mode, pack=False, **kw)
+        info = quantize_model(m, mode, pack=False, **kw)
+        assert not info["skipped"], info["skipped"]
         variants.append(Ours(mode, m, ctx))
     if args.compile:
         compiled = Ours("compiled", variants[2].model, ctx, compile=True)
@@ -249,7 +253,8 @@ def bench_size(size: str, args) -> dict:
               flush=True)
     bw_after = copy_bandwidth_gbs()
     bw = (bw_before + bw_after) / 2
-    out: dict = {"params": cfg.num_params(), "new_tokens": n, "rounds": rounds, "copy_bandwidth_gbs":
+    out: dict = {"params": cfg.num_params(), "new_tokens": n, "rounds": rounds, "int4_group_size": group_size,
+                 "copy_bandwidth_gbs":
                  {"before": bw_before, "after": bw_after}, "variants": {}, "other_processes_share": summary(loads)}
     fp32_ids = samples["fp32"][0].ids
     for v in variants:
@@ -361,9 +366,9 @@ def report(results: dict, machine: dict, trained: dict | None) -> None:
     print("\n" + json.dumps(machine, indent=1))
     for size, r in results.items():
         bw = r["copy_bandwidth_gbs"]
-        print(f"\n### {size} ({r['params'] / 1e6:.1f}M params; copy bandwidth {bw['before']:.1f} / {bw['after']:.1f} "
-              f"GB/s before/after; other processes {100 * r['other_processes_share']['median']:.0f}% of the "
-              f"machine, median over samples)\n")
+        print(f"\n### {size} ({r['params'] / 1e6:.1f}M params, int4 group {r['int4_group_size']}; copy bandwidth "
+              f"{bw['before']:.1f} / {bw['after']:.1f} GB/s before/after; other processes "
+              f"{100 * r['other_processes_share']['median']:.0f}% of the machine, median over samples)\n")
         print("| variant | decode tok/s median [min, max] | x plain (IQR) | x HF (IQR) | TTFT ms | "
               "bound tok/s | share of bound | peak MB | agreement (teacher-forced / free) |")
         print("|---|---|---|---|---|---|---|---|---|")
@@ -385,7 +390,8 @@ def report(results: dict, machine: dict, trained: dict | None) -> None:
                   f"KV pool peak {100 * b['pool_peak_block_utilisation']:.0f}% of {b['pool_mb']:.0f} MB)")
     if trained:
         print(f"\ngreedy-token agreement with fp32 on the trained checkpoint {trained['checkpoint']} "
-              f"({trained['params'] / 1e6:.1f}M params, {trained['prompts']} prompts x {trained['new_tokens']} tokens): "
+              f"({trained['params'] / 1e6:.1f}M params, {trained['prompts']} prompts x {trained['new_tokens']} "
+              "tokens): "
               + ", ".join(f"{m} {100 * trained[m]['teacher_forced']:.1f}% teacher-forced / "
                           f"{100 * trained[m]['free_running']:.1f}% free-running" for m in ("int8", "int4")))
     print("\ntargets:")
@@ -415,7 +421,8 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=0, help="0 = 64 (tiny) / 32 (90m)")
     p.add_argument("--batch_new_tokens", type=int, default=0, help="0 = 64 (tiny) / 32 (90m)")
     p.add_argument("--batch_rounds", type=int, default=2)
-    p.add_argument("--group_size", type=int, default=128, help="int4 group size")
+    p.add_argument("--group_size", type=int, default=0,
+                   help="int4 group size; 0 = the largest of 128/64/32 dividing every layer's input size")
     p.add_argument("--compile", action="store_true", help="also a torch.compile'd decode step (minutes to compile)")
     p.add_argument("--agreement_checkpoint", default=None,
                    help="a trained checkpoint on which to also measure int8 / int4 greedy-token agreement")
@@ -427,7 +434,8 @@ def main() -> None:
     kernels = {"int8": measure_kernels("int8", "cpu"), "int4": measure_kernels("int4", "cpu", group_size=128)}
     print("kernel ms per call, batch-1 4096 x 4096: " + json.dumps(kernels), flush=True)
     results = {size: bench_size(size, args) for size in args.sizes}
-    trained = checkpoint_agreement(args.agreement_checkpoint, args.group_size) if args.agreement_checkpoint else None
+    trained = checkpoint_agreement(args.agreement_checkpoint, args.group_size or 64) if args.agreement_checkpoint \
+        else None
     wall = time.perf_counter() - t0
     after_procs = process_cpu_s()
     busiest = sorted(((after_procs[pid][0] - before_procs[pid][0], after_procs[pid][1]) for pid in after_procs

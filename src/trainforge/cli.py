@@ -206,7 +206,8 @@ def _quantize(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="trainforge quantize",
                                 description="Offline quantisation: write a checkpoint with int8 / int4 linear weights "
                                             "(scales beside them) that `generate` and `serve` load directly.")
-    p.add_argument("--checkpoint", required=True, help="float trainforge checkpoint / run directory, or an HF directory")
+    p.add_argument("--checkpoint", required=True,
+                   help="float trainforge checkpoint / run directory, or a Hugging Face directory")
     p.add_argument("--output", required=True, help="new directory for the quantised checkpoint")
     p.add_argument("--mode", required=True, choices=["int8", "int4"])
     p.add_argument("--group_size", type=int, default=128, help="int4 group size (32, 64, 128 or 256 on CPU)")

@@ -59,8 +59,9 @@ def test_fused_engine_matches_unfused_and_counts_fewer_ops():
 
     before, after = decode_ops(plain), decode_ops(fused)
     L = 3
-    # Per layer: 3 QKV matmuls -> 1, 2 gate/up -> 1, one rope pass fewer, 7 -> 5 ops per norm (2 per layer + final).
-    assert before["by_op"]["mm"] - after["by_op"]["mm"] == 3 * L
+    # Per layer: 3 QKV matmuls -> 1, 2 gate/up -> 1, one rope pass fewer (5 ops); 7 -> 5 ops per norm
+    # (2 per layer + the final one).
+    assert len(plain.runner._into) - len(fused.runner._into) == 3 * L  # linears launched per step
     assert before["compute"] - after["compute"] >= 3 * L + 5 * L + 2 * (2 * L + 1)
     print(f"decode step ops: {before['compute']} -> {after['compute']} (compute), "
           f"{before['total']} -> {after['total']} (with views)")

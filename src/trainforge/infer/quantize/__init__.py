@@ -51,7 +51,8 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
     if mode not in MODES:
         raise ValueError(f"quantization mode {mode!r}: use one of {MODES}")
     if mode == "int4" and (group_size < 2 or group_size % 2):
-        raise ValueError(f"group_size={group_size}: must be an even number >= 2 (32, 64, 128 or 256 for the CPU kernel)")
+        raise ValueError(f"group_size={group_size}: must be an even number >= 2 "
+                         "(32, 64, 128 or 256 for the CPU kernel)")
     out = dict(sd)
     info: dict[str, Any] = {"mode": mode, "layers": [], "skipped": {}}
     if mode == "int4":

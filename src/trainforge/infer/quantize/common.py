@@ -139,7 +139,8 @@ class QuantLinear(nn.Module):
         return x @ self.dequantize().to(x.dtype).t()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel_name or self.kernel}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"kernel={self.kernel_name or self.kernel}")
 
 
 # -- kernel choice ----------------------------------------------------------------------------
