@@ -8,19 +8,15 @@ The runner reads the model's own modules (embedding, norms, linears: plain, fuse
   ``scaled_dot_product_attention``. Allocates freely (once per request).
 - ``decode(B, S)``: one token for each of B sequences of different lengths. Inputs are the
   runner's own buffers (``tokens``, ``positions``, ``slots``, ``gather``, ``bias``), which
-  the engine fills. Each layer appends the new keys/values at ``slots``, gathers every
-  sequence's first S slots (its page table, padded with the padding block) with one
-  ``index_select`` into (H_kv, B*S, D), and attends with two ``bmm`` and an additive
-  mask (-inf past each sequence's length). Every activation lives in a workspace allocated
-  once for ``max_rows`` x ``max_context``: all ops are ``out=`` or in place, so a float32
-  decode step allocates nothing (``count_allocations`` checks; a quantised linear or the
-  fused norm allocates only its result, having no ``out=`` form).
+  the engine fills; ``gather`` / ``bias`` hold each row's first S slots (its page table,
+  padded with the padding block) and the mask (-inf past its length). The step itself is
+  in ``decode.py``: workspace allocated here once for ``max_rows`` x ``max_context``, no
+  allocation in float32 (``count_allocations`` checks).
 
-Float linears in decode run as a ``bmm`` over row blocks of the weight so that every thread
-streams part of it (``_LinearInto``): the batch-1 GEMM is memory-bound and MKL gives it one
-thread. Rotary embeddings fold the rotate-half sign into the sine table (x*cos + [x2, x1]*sin'),
+Rotary embeddings fold the rotate-half sign into the sine table (x*cos + [x2, x1]*sin'),
 which is the model's formula term by term. Attention scales q before q.k, SDPA scales the
-product: logits agree to float rounding (HF parity within 1e-4, tests).
+product: logits agree to float rounding (HF parity within 1e-4, tests). ``compile``
+swaps in a functional decode step for ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -32,47 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from trainforge.infer.decode import DecodePlan, LinearInto, decode_step
 from trainforge.infer.fusion import FusedTransformerBlock, _unwrap, rms_norm
 from trainforge.infer.kv_pool import KVPool
 from trainforge.model.llama import Transformer
-
-
-class _LinearInto:
-    """out = mod(x) for x (M, K) into a preallocated ``out``, without allocating.
-
-    A float ``nn.Linear`` on CPU with a few rows (decode) runs as a ``bmm`` over ``split``
-    row blocks of W (views, no copy): MKL computes a GEMM of 1-32 rows on one thread (it
-    streamed ~12 GB/s at 1 or 2 threads here, 4096 x 4096 and the 90M model's layers), while
-    ``bmm`` spreads its batch over the OpenMP threads (~22 GB/s on 2 threads). Same dot
-    products, same results. Quantised layers call their kernel (which threads itself)."""
-
-    MAX_ROWS = 64  # above this the GEMM has work enough for MKL's own threading
-
-    def __init__(self, mod: nn.Module, split: int, scratch: torch.Tensor):
-        self.mod = mod
-        self.float = type(mod) is nn.Linear and mod.bias is None
-        if self.float:
-            w = mod.weight.detach()
-            n, k = w.shape
-            self.wt = w.t()
-            self.split = split if split > 1 and n % split == 0 and w.device.type == "cpu" else 1
-            self.blocks = w.view(self.split, n // self.split, k).transpose(1, 2)  # (split, K, N/split)
-            self.scratch = scratch
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
-        if not self.float:
-            self.mod.forward_into(x, out)
-            return
-        m, k = x.shape
-        if self.split == 1 or m > self.MAX_ROWS:
-            torch.mm(x, self.wt, out=out)
-        elif m == 1:  # (split, 1, N/split) is out's own layout
-            torch.bmm(x.expand(self.split, 1, k), self.blocks, out=out.view(self.split, 1, -1))
-        else:
-            n_part = out.shape[1] // self.split
-            tmp = (self.scratch if scratch is None else scratch)[:self.split * m * n_part].view(self.split, m, n_part)
-            torch.bmm(x.expand(self.split, m, k), self.blocks, out=tmp)
-            out.view(m, self.split, n_part).copy_(tmp.transpose(0, 1))
 
 
 class _Layer:
@@ -90,6 +49,8 @@ class _Layer:
 class ModelRunner:
     """Forward passes of ``model`` over ``pool`` for up to ``max_rows`` sequences of up to
     ``max_context`` tokens each. Does not modify the model."""
+
+    MAX_PLANS = 64  # decode shapes whose workspace views are kept (decode.py)
 
     def __init__(self, model: Transformer, pool: KVPool, max_rows: int, max_context: int):
         cfg = model.cfg
@@ -145,9 +106,10 @@ class ModelRunner:
         linears.append(model.output)
         self.split = torch.get_num_threads() if self.device.type == "cpu" else 1
         widest = max(getattr(m, "out_features", 0) for m in linears)
-        scratch = torch.empty(min(R, _LinearInto.MAX_ROWS) * widest, **f) if self.split > 1 else None
+        scratch = torch.empty(min(R, LinearInto.MAX_ROWS) * widest, **f) if self.split > 1 else None
         self._split_scratch = scratch
-        self._into = {id(m): _LinearInto(m, self.split, scratch) for m in linears}
+        self._into = {id(m): LinearInto(m, self.split, scratch) for m in linears}
+        self._plans: dict[tuple[int, int], DecodePlan] = {}  # views per decode shape (B, S), oldest first
         self._decode_fn = self._decode
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
@@ -155,41 +117,6 @@ class ModelRunner:
     @property
     def workspace_bytes(self) -> int:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
-
-    # -- shared pieces ----------------------------------------------------------------------
-
-    def _norm(self, x: torch.Tensor, norm: nn.Module, fused: bool) -> torch.Tensor:
-        """RMSNorm of x (B, dim) into the workspace, without allocating (fp32). Unfused: the
-        model's arithmetic op for op (sum / d is what ``mean`` computes). Fused: see fusion.py."""
-        B, d = x.shape
-        out, ms = self._h[:B], self._ms[:B]
-        if self.dtype != torch.float32:
-            out.copy_(norm(x))
-            return out
-        if fused:
-            if x.is_cuda:
-                return rms_norm(x, norm)
-            torch.bmm(x.view(B, 1, d), x.view(B, d, 1), out=ms.view(B, 1, 1))  # sum of squares
-            ms.add_(self._d_eps).rsqrt_()
-            torch.mul(x, ms, out=out)
-            return out.mul_(self._scaled_weight[id(norm)])
-        sq = self._sq[:B]
-        torch.mul(x, x, out=sq)
-        torch.sum(sq, dim=-1, keepdim=True, out=ms)
-        ms.div_(self._d).add_(self._eps).rsqrt_()
-        torch.mul(x, ms, out=out)
-        return out.mul_(norm.weight)
-
-    def _rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """In place: x (B, n, D) <- x*cos + [x2, x1]*sin'; cos/sin (B, 1, D)."""
-        B, n, D = x.shape
-        half = D // 2
-        t = self._rot[:B * n * D].view(B, n, D)
-        t[..., :half].copy_(x[..., half:])
-        t[..., half:].copy_(x[..., :half])
-        t.mul_(sin)
-        x.mul_(cos)
-        x.add_(t)
 
     # -- decode -----------------------------------------------------------------------------
 
@@ -205,87 +132,12 @@ class ModelRunner:
         return self._decode_fn(B, S)
 
     def _decode(self, B: int, S: int) -> torch.Tensor:
-        x = self._x[:B]
-        torch.index_select(self.model.tok_embeddings.weight, 0, self.tokens[:B], out=x)
-        pos = self.positions[:B]
-        cos, sin = self._cos[:B], self._sin[:B]
-        torch.index_select(self.rope_cos, 0, pos, out=cos)
-        torch.index_select(self.rope_sin, 0, pos, out=sin)
-        cos, sin = cos.view(B, 1, self.D), sin.view(B, 1, self.D)
-        layers = self.layers
-        h = self._norm(x, layers[0].attn_norm, self.fused_norm)
-        for i, layer in enumerate(layers):
-            delta = self._attention_decode(i, layer, h, cos, sin, B, S)
-            x.add_(delta)
-            h = self._norm(x, layer.ffn_norm, layer.fused_norm)
-            delta = self._ffn_decode(layer, h, B)
-            x.add_(delta)
-            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else self.model.norm
-            h = self._norm(x, nxt, layer.fused_norm)
-        logits = self.logits[:B]
-        self._into[id(self.model.output)](h, logits)
-        return logits
-
-    def _attention_decode(self, i: int, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          B: int, S: int) -> torch.Tensor:
-        H, Hkv, D, G = self.H, self.Hkv, self.D, self.G
-        if len(layer.qkv) == 1:
-            qkv = self._qkv[:B * (H + 2 * Hkv) * D].view(B, (H + 2 * Hkv) * D)
-            self._into[id(layer.qkv[0])](h, qkv)
-            q, k, v = qkv[:, :H * D], qkv[:, H * D:(H + Hkv) * D], qkv[:, (H + Hkv) * D:]
-            self._rope_(qkv[:, :(H + Hkv) * D].view(B, H + Hkv, D), cos, sin)  # q and k in one pass
-        else:
-            q = self._qkv[:B * H * D].view(B, H * D)
-            k = self._qkv[B * H * D:B * (H + Hkv) * D].view(B, Hkv * D)
-            v = self._qkv[B * (H + Hkv) * D:B * (H + 2 * Hkv) * D].view(B, Hkv * D)
-            for mod, out in zip(layer.qkv, (q, k, v)):
-                self._into[id(mod)](h, out)
-            self._rope_(q.view(B, H, D), cos, sin)
-            self._rope_(k.view(B, Hkv, D), cos, sin)
-        kp, vp = self.pool.k[i], self.pool.v[i]  # (Hkv, slots, D)
-        slots = self.slots[:B]
-        kp.index_copy_(1, slots, k.view(B, Hkv, D).transpose(0, 1))
-        vp.index_copy_(1, slots, v.view(B, Hkv, D).transpose(0, 1))
-        n = B * S
-        gather = self.gather[:n]
-        kg = self._kg[:Hkv * n * D].view(Hkv, n, D)  # every row's first S slots, (H_kv, B*S, D)
-        vg = self._vg[:Hkv * n * D].view(Hkv, n, D)
-        torch.index_select(kp, 1, gather, out=kg)
-        torch.index_select(vp, 1, gather, out=vg)
-        qt = self._qt[:H * B * D].view(Hkv, B, G, D)
-        torch.mul(q.view(B, Hkv, G, D).permute(1, 0, 2, 3), self._scale, out=qt)
-        scores = self._scores[:H * B * S].view(Hkv * B, G, S)
-        torch.bmm(qt.view(Hkv * B, G, D), kg.view(Hkv * B, S, D).transpose(1, 2), out=scores)
-        scores.view(Hkv, B, G, S).add_(self.bias[:n].view(1, B, 1, S))
-        probs = self._probs[:H * B * S].view(Hkv * B, G, S)
-        torch.ops.aten._softmax.out(scores, -1, False, out=probs)
-        ao = self._ao[:H * B * D].view(Hkv * B, G, D)
-        torch.bmm(probs, vg.view(Hkv * B, S, D), out=ao)
-        at = self._at[:B]
-        at.view(B, Hkv, G, D).copy_(ao.view(Hkv, B, G, D).permute(1, 0, 2, 3))
-        delta = self._delta[:B]
-        self._into[id(layer.wo)](at, delta)
-        return delta
-
-    def _ffn_decode(self, layer: _Layer, h: torch.Tensor, B: int) -> torch.Tensor:
-        Fh = self.F
-        if len(layer.gate_up) == 1:
-            gu = self._gu[:B * 2 * Fh].view(B, 2 * Fh)
-            self._into[id(layer.gate_up[0])](h, gu)
-            g, u = gu[:, :Fh], gu[:, Fh:]
-            F.silu(g, inplace=True)
-            act = self._act[:B]
-            torch.mul(g, u, out=act)
-        else:
-            g = self._gu[:B * Fh].view(B, Fh)
-            u = self._gu[B * Fh:2 * B * Fh].view(B, Fh)
-            self._into[id(layer.gate_up[0])](h, g)
-            self._into[id(layer.gate_up[1])](h, u)
-            F.silu(g, inplace=True)
-            act = g.mul_(u)
-        delta = self._delta[:B]
-        self._into[id(layer.w2)](act, delta)
-        return delta
+        plan = self._plans.get((B, S))
+        if plan is None:
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.pop(next(iter(self._plans)))  # the oldest
+            plan = self._plans[(B, S)] = DecodePlan(self, B, S)
+        return decode_step(self, plan)
 
     # -- prefill ----------------------------------------------------------------------------
 
