@@ -27,7 +27,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -36,6 +36,7 @@ import torch
 from trainforge.infer.fusion import fuse_model
 from trainforge.infer.kv_pool import KVPool
 from trainforge.infer.quantize import pack_quantized
+from trainforge.infer.request import Request
 from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import BatchSampler, SamplingParams
 from trainforge.model.llama import Transformer
@@ -68,32 +69,6 @@ class EngineConfig:
         for name in ("n_blocks", "max_context", "sync_interval_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation. Read ``output_ids`` / ``text`` / ``finish_reason`` after ``done`` is set.
-    ``on_update(request, new_ids, new_text, finished)`` is called from the engine's thread."""
-
-    id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    on_update: Callable[["Request", list[int], str, bool], None] | None = None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    created_s: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
-    finished_s: float | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    row: int | None = None
-    _sampled: int = 0  # tokens sampled so far (some maybe not read to the host yet)
-    _abort: bool = False
-    _emitted: int = 0  # characters of text already streamed
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.created_s
 
 
 class _HostBuffer:
@@ -365,37 +340,9 @@ class Engine:
     # -- outputs ----------------------------------------------------------------------------
 
     def _append(self, req: Request, ids: list[int]) -> None:
-        """Add sampled ids to ``req`` (stop ids end it, uncounted) and queue the text delta."""
-        p = req.params
-        new: list[int] = []
-        reason = None
-        for t in ids:
-            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
-                reason = "stop"
-                break
-            new.append(t)
-            if len(req.output_ids) + len(new) >= p.max_new_tokens:
-                reason = "length"
-                break
-        if req.first_token_s is None:
-            req.first_token_s = time.perf_counter()
-        req.output_ids.extend(new)
+        """Hand sampled ids to ``req`` and queue what it streams (request.py)."""
+        new, delta, reason = req.add_tokens(ids, self.eos_ids, self.tokenizer)
         self.counters["generated_tokens"] += len(new)
-        delta = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_ids)
-            for s in p.stop:
-                at = text.find(s, max(0, req._emitted - len(s)))
-                if at >= 0:
-                    text, reason = text[:at], "stop"
-            req.text = text
-            safe = len(text)
-            if reason is None:  # hold back what a stop string or an unfinished UTF-8 char may still change
-                safe -= max((len(s) - 1 for s in p.stop), default=0)
-                while safe > req._emitted and text[safe - 1] == "\ufffd":
-                    safe -= 1
-            safe = max(safe, req._emitted)
-            delta, req._emitted = text[req._emitted:safe], safe
         if reason is not None:
             self._finish(req, reason, new, delta)
         elif new or delta:

@@ -35,7 +35,8 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest  # at module level: FastAPI resolves annotations here
 
-from trainforge.infer.engine import Engine, QueueFull, Request, RequestTooLong
+from trainforge.infer.engine import Engine, QueueFull, RequestTooLong
+from trainforge.infer.request import Request
 from trainforge.infer.sampling import SamplingParams
 
 
