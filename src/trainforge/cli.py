@@ -114,8 +114,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "for the offline step)")
     p.add_argument("--group_size", type=int, default=128, help="int4 group size (32, 64, 128 or 256 on CPU)")
     p.add_argument("--quant_kernel", default=None,
-                   help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, reference); "
-                        "default: the fastest measured for the device")
+                   help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, reference), or "
+                        "'measure' (time them here once, cached); default: the order measured for the device")
     p.add_argument("--no_fuse", action="store_true", help="skip the fusion pass (QKV, gate+up, add+RMSNorm)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start on CPU)")
 

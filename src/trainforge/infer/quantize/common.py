@@ -83,6 +83,10 @@ class QuantLinear(nn.Module):
     def _init_kwargs(self) -> dict:
         return {"kernel": self.kernel}
 
+    def _kernel_kwargs(self) -> dict:
+        """Arguments of ``quantize`` that shape the kernel (int4: the group size)."""
+        return {}
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self.stored()  # raises when packed
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -101,15 +105,15 @@ class QuantLinear(nn.Module):
         return None
 
     def pack(self, kernel: str | None = None) -> str:
-        """Build the kernel form (``kernel`` overrides ``self.kernel``; "auto" = ``choose_kernel``)
-        and release the stored tensors. Falls back to "reference" for a shape the kernel cannot
+        """Build the kernel form (``kernel`` overrides ``self.kernel``; "auto" = ``choose_kernel``'s
+        measured preference, "measure" = measure here, cached) and release the stored tensors. Falls back to "reference" for a shape the kernel cannot
         take. Returns the kernel used."""
         if self._impl is not None:
             return self.kernel_name
         name = kernel or self.kernel
         device = next(iter(self.buffers())).device
-        if name == "auto":
-            name = choose_kernel(self.MODE, device)
+        if name in ("auto", "measure"):
+            name = choose_kernel(self.MODE, device, measure=name == "measure", **self._kernel_kwargs())
         if self.supports(name) is not None:
             name = "reference"
         # Bytes a forward pass reads: the codes and their scales (the kernel forms are the same size).
