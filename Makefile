@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # torch first, pinned: the CPU build lies on local disk; an unpinned torch pulls a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench clean prometheus
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,11 +19,16 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/trainforge train
 
-test: install
+# Prometheus + promtool unpacked into .prometheus/ for the monitoring end-to-end test
+# (skipped, with the reason, when the package cannot be downloaded).
+prometheus:
+	bash .ci/fetch_prometheus.sh
+
+test: install prometheus
 	$(BIN)/python -m pytest -q
 
 bench: install
 	$(BIN)/python bench/train_throughput.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .prometheus

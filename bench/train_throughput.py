@@ -11,9 +11,9 @@ What is compared (same model flavor and seed, same data shards, batch, seq_len, 
 fused AdamW with the same two param groups, same clipping and LR schedule):
 
 A  trainforge: a ``Trainer`` built from ``load_config(None, overrides)`` and driven
-   through one uninterrupted ``Trainer.fit()``: ``TokenBatches`` batching, the loss
-   accumulator, JSONL metrics every step, the host sync + console log line once per
-   ``log_interval``, callbacks dispatch.
+   through one uninterrupted ``Trainer.fit()``: ``ShardLoader`` batching (assembled ahead
+   in a background thread), the loss accumulator, JSONL metrics every step, the host
+   sync + console log line once per ``log_interval``, callbacks dispatch.
 B  plain: ``build_model`` + ``torch.optim.AdamW(fused=True)`` + ``LambdaLR``; batches
    cut from ``np.memmap`` shards by plain numpy indexing; forward, cross_entropy,
    backward, clip_grad_norm_, step, zero_grad, scheduler step; one ``.item()`` per sample.

@@ -44,3 +44,14 @@ def small_data(tmp_path_factory) -> Path:
 
 def debug_config(data: Path, *extra: str):
     return load_config(None, [*DEBUG_TRAIN, "--data.path", str(data), *extra])
+
+
+class StopAt:
+    """Callback: stop the run (checkpointing) at ``step``, as an interruption would."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, trainer, step):
+        if step == self.step:
+            trainer.request_stop("test interruption")

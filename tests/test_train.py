@@ -7,20 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import debug_config
+from conftest import StopAt, debug_config
 from trainforge.config import load_config
 from trainforge.errors import CheckpointError
 from trainforge.train.metrics import read_jsonl
 from trainforge.train.trainer import Trainer
-
-
-class StopAt:
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer, step):
-        if step == self.step:
-            trainer.request_stop("test interruption")
 
 
 def run(cfg, run_dir, resume=False, callbacks=None):

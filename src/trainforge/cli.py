@@ -1,4 +1,4 @@
-"""``trainforge <command>``: prepare, train, generate, quantize, serve.
+"""``trainforge <command>``: prepare, train, generate, quantize, serve, report.
 
 User errors (config, data, checkpoints) print one line naming the key or file and
 the fix, and exit with status 2; no traceback, nothing half-written.
@@ -82,15 +82,19 @@ def _train(argv: list[str]) -> int:
     # Only after success: a barrier after a failure would wait forever for the failed rank
     # (torchrun then stops the others).
     destroy_distributed()
+    # Early stopping ends a run as complete as reaching training.steps.
+    completed = summary.get("stop_reason") is None or summary.get("early_stopped", False)
     if not trainer.is_main:
-        return 0 if summary.get("stop_reason") is None else 130
+        return 0 if completed else 130
     print(f"run directory: {run_dir}")
     if "checkpoint" in summary:
         print(f"checkpoint: {summary['checkpoint']}")
     if "first_val_loss" in summary and "final_val_loss" in summary:
         print(f"val_loss: {summary['first_val_loss']:.4f} -> {summary['final_val_loss']:.4f}")
     s = cfg.sample
-    if summary.get("stop_reason") is None and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1:
+    if summary.get("early_stopped"):
+        print(f"stopped early at step {summary['step']}: {summary['stop_reason']}")
+    if completed and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1:
         from trainforge.infer.generate import SamplingParams, generate_text
 
         opts = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
@@ -98,8 +102,9 @@ def _train(argv: list[str]) -> int:
         from trainforge.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(trainer.data.tokenizer_path)
-        print("sample:\n" + generate_text(trainer.model, tok, s.prompt, opts))
-    return 0 if summary.get("stop_reason") is None else 130
+        with trainer.mp.autocast():  # low-precision weights need the run's autocast
+            print("sample:\n" + generate_text(trainer.inference_model, tok, s.prompt, opts))
+    return 0 if completed else 130
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -274,8 +279,20 @@ def _serve(argv: list[str]) -> int:
     return 0
 
 
+def _report(argv: list[str]) -> int:
+    from trainforge.monitor.report import write_report
+
+    p = argparse.ArgumentParser(prog="trainforge report",
+                                description="Write an HTML report of a run's metrics (plots embedded; no server needed).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="output file (default RUN_DIR/report.html)")
+    a = p.parse_args(argv)
+    print(f"report: {write_report(a.run_dir, a.out)}")
+    return 0
+
+
 COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quantize": _quantize,
-            "serve": _serve}
+            "serve": _serve, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

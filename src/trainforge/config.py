@@ -19,7 +19,11 @@ from typing import Any, Literal
 
 from trainforge.compression.section import CompressionSection
 from trainforge.config_base import _f, _require
+from trainforge.data.section import AugmentSection, CacheSection, is_list_of_tables
 from trainforge.errors import ConfigError
+from trainforge.monitor.section import MonitorSection
+from trainforge.precision.section import PrecisionSection
+from trainforge.train.control_section import AdaptiveLRSection, BadStepsSection, EarlyStopSection
 
 
 @dataclass
@@ -45,18 +49,39 @@ class ModelSection:
 class DataSection:
     path: str | None = _f(
         None,
-        "directory written by `trainforge prepare` (holds manifest.json); unset = the built-in "
+        "directory written by `trainforge prepare` (holds manifest.json), or an fsspec URL of one (file://, "
+        "http://, s3:// with its backend installed; read through the tiered cache); unset = the built-in "
         "corpus (Python standard library sources), prepared on first use",
     )
     vocab_size: int = _f(8192, "tokenizer vocabulary size when preparing the built-in corpus")
-    cache_dir: str | None = _f(None, "where the built-in corpus is prepared; default ~/.cache/trainforge")
+    cache_dir: str | None = _f(None, "where the built-in corpus is prepared; default ~/.cache/trainforge "
+                                     "(not the shard cache: that is data.cache.dir)")
+    prefetch_depth: int = _f(8, "tiered cache: shards fetched ahead of use, in the order the sampler will read them")
+    fetch_workers: int = _f(4, "tiered cache: background threads fetching shards")
+    on_corrupt: Literal["fail", "skip"] = _f(
+        "fail", "a shard that fails its manifest sha256 (or is missing/truncated) in every tier: fail = stop the "
+                "run naming it; skip = quarantine it (logged, counted) and read other windows in its place")
+    timeout_s: float = _f(60.0, "longest wait for one shard (or the manifest) from data.path before the run "
+                                "stops with an error")
+    cache: CacheSection = field(default_factory=CacheSection, metadata={"help": "[data.cache] sub-table"})
+    augment: AugmentSection = field(default_factory=AugmentSection, metadata={"help": "[data.augment] sub-table"})
 
     def validate(self) -> None:
         _require(257 <= self.vocab_size <= 1 << 20, "data.vocab_size", self.vocab_size,
                  "an integer in [257, 1048576] (byte-level BPE needs 256 byte tokens + specials)")
+        _require(self.prefetch_depth >= 0, "data.prefetch_depth", self.prefetch_depth, "an integer >= 0 (0 = off)")
+        _require(self.fetch_workers >= 1, "data.fetch_workers", self.fetch_workers, "an integer >= 1")
+        _require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "data.timeout_s", self.timeout_s,
+                 "a number of seconds > 0")
+        self.cache.validate()
+        self.augment.validate()
         if self.path is not None:
-            _require(self.path != "", "data.path", self.path, "a directory path, or leave unset")
-            if not (Path(self.path) / "manifest.json").is_file():
+            _require(self.path != "", "data.path", self.path, "a directory path or URL, or leave unset")
+            from trainforge.data.sources import check_url, is_url
+
+            if is_url(self.path):
+                check_url(self.path)  # the protocol's fsspec backend is importable; nothing is fetched
+            elif not (Path(self.path) / "manifest.json").is_file():
                 raise ConfigError(
                     f"config key 'data.path' = {self.path!r}: no manifest.json there; "
                     "run `trainforge prepare --input ... --output DIR` first, or unset data.path "
@@ -70,7 +95,12 @@ class TrainingSection:
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
     seq_len: int = _f(256, "tokens per sequence")
     lr: float = _f(1e-3, "peak learning rate, reached after warmup")
-    min_lr_ratio: float = _f(0.1, "cosine decay floor as a fraction of lr")
+    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _f(
+        "cosine", "after the linear warmup: cosine or linear decay to min_lr_ratio at training.steps, wsd "
+                  "(warmup-stable-decay: constant, then decay over the last decay_ratio of the steps), or constant")
+    min_lr_ratio: float = _f(0.1, "decay floor as a fraction of lr (cosine, linear, wsd)")
+    decay_ratio: float = _f(0.1, "wsd: fraction of training.steps spent decaying")
+    decay_shape: Literal["linear", "sqrt", "cosine"] = _f("linear", "wsd: shape of the final decay")
     warmup_steps: int = _f(30, "linear warmup steps")
     grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 = off")
     seed: int = _f(1234, "seed for weights, data order and sampling")
@@ -89,6 +119,12 @@ class TrainingSection:
             _require(v >= 0, f"training.{name}", v, "an integer >= 0")
         _require(math.isfinite(self.lr) and self.lr > 0, "training.lr", self.lr, "a finite number > 0")
         _require(0.0 <= self.min_lr_ratio <= 1.0, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _require(0.0 < self.decay_ratio <= 1.0, "training.decay_ratio", self.decay_ratio, "a number in (0, 1]")
+        if self.lr_schedule == "wsd":
+            decay_steps = max(1, round(self.decay_ratio * self.steps))
+            _require(self.warmup_steps + decay_steps <= self.steps, "training.decay_ratio", self.decay_ratio,
+                     f"with lr_schedule = wsd, warmup_steps ({self.warmup_steps}) + decay_ratio x steps "
+                     f"({decay_steps}) must not exceed training.steps ({self.steps}); lower one of them")
         _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, "training.grad_clip", self.grad_clip,
                  "a number >= 0 (0 turns clipping off)")
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
@@ -192,10 +228,18 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     sample: SampleSection = field(default_factory=SampleSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    adaptive_lr: AdaptiveLRSection = field(default_factory=AdaptiveLRSection)
+    early_stop: EarlyStopSection = field(default_factory=EarlyStopSection)
+    bad_steps: BadStepsSection = field(default_factory=BadStepsSection)
+    monitor: MonitorSection = field(default_factory=MonitorSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        if self.parallel.pp > 1 and any(t.get("name") == "seq_curriculum" for t in self.data.augment.transforms):
+            raise ConfigError("config key 'data.augment.transforms': seq_curriculum changes the sequence length, "
+                              "which pipeline parallelism (parallel.pp > 1) fixes; remove it or use pp = 1")
         return self
 
 
@@ -218,6 +262,18 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
         choices = typing.get_args(tp)
         _require(value in choices, key, value, f"one of {list(choices)}")
         return value
+    if tp is list or origin is list:
+        # Lists of tables (data.augment.transforms). On the command line the value is TOML text.
+        if from_cli and isinstance(value, str):
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config key '{key}' = {value!r} is not a TOML list ({e}); write e.g. "
+                                  "'[{name = \"token_replace\", p = 0.1}]'") from None
+        if is_list_of_tables(value):
+            return [dict(v) for v in value]
+        raise ConfigError(f"config key '{key}' = {value!r} has the wrong type: expected a list of tables, "
+                          "e.g. [{name = \"token_replace\", p = 0.1}]")
     try:
         if tp is bool:
             if from_cli and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
@@ -242,8 +298,28 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
     raise ConfigError(f"config key '{key}' = {value!r} has the wrong type: expected {getattr(tp, '__name__', tp)}")
 
 
-def _section_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _set(obj: Any, table: str, parts: list[str], value: Any, from_cli: bool) -> None:
+    """Set ``table.<parts>`` on the section object ``obj``. A part naming a nested section
+    (``data.cache``) descends; a dict value there sets that sub-table's keys."""
+    hints = typing.get_type_hints(type(obj))
+    name = f"{table}.{parts[0]}"
+    if parts[0] not in hints:
+        raise ConfigError(f"unknown config key '{name}': known keys in [{table}] are {sorted(hints)}")
+    tp = hints[parts[0]]
+    if dataclasses.is_dataclass(tp):
+        sub = getattr(obj, parts[0])
+        if len(parts) > 1:
+            _set(sub, name, parts[1:], value, from_cli)
+            return
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{name}' = {value!r}: it is a table; write [{name}] with keys "
+                              f"{sorted(typing.get_type_hints(tp))}, or --{name}.KEY VALUE")
+        for key, v in value.items():
+            _set(sub, name, [key], v, from_cli)
+        return
+    if len(parts) > 1:
+        raise ConfigError(f"unknown config key '{name}.{'.'.join(parts[1:])}': '{name}' is a value, not a table")
+    setattr(obj, parts[0], _coerce(name, value, tp, from_cli))
 
 
 def _apply(cfg: Config, section: str, key: str, value: Any, from_cli: bool) -> None:
@@ -251,15 +327,12 @@ def _apply(cfg: Config, section: str, key: str, value: Any, from_cli: bool) -> N
     if section not in sections:
         raise ConfigError(f"unknown config section '{section}' (in '{section}.{key}'): "
                           f"known sections are {sorted(sections)}")
-    sec = getattr(cfg, section)
-    hints = _section_types(type(sec))
-    if key not in hints:
-        raise ConfigError(f"unknown config key '{section}.{key}': known keys in [{section}] are {sorted(hints)}")
-    setattr(sec, key, _coerce(f"{section}.{key}", value, hints[key], from_cli))
+    _set(getattr(cfg, section), section, key.split("."), value, from_cli)
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
-    """Build a Config from nested ``{section: {key: value}}`` (TOML or JSON shaped).
+    """Build a Config from nested ``{section: {key: value}}`` (TOML or JSON shaped);
+    a sub-table (``[data.cache]``) is a nested dict.
 
     Unknown sections/keys and wrong types raise ConfigError; ranges are checked by
     ``Config.validate``, which the caller runs after applying overrides."""
@@ -270,6 +343,14 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> Config:
         for key, value in values.items():
             _apply(cfg, section, key, value, from_cli=False)
     return cfg
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, table by table (a file's [data.cache] keeps the base's other keys)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
@@ -310,11 +391,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             file_data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-        for section, values in file_data.items():
-            if isinstance(values, dict) and isinstance(data.get(section), dict):
-                data[section] = {**data[section], **values}
-            else:
-                data[section] = values
+        data = _merge(data, file_data)
     cfg = config_from_dict(data, source)
     for section, key, raw in parse_overrides(overrides or []):
         _apply(cfg, section, key, raw, from_cli=True)
@@ -325,11 +402,19 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
 
+def _toml_key(key: str) -> str:
+    return key if key and all(c.isalnum() or c in "_-" for c in key) else _toml_value(key)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # inline table
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     # TOML basic string: escape quote, backslash and control characters; everything
     # else literal (JSON's \ud800-style surrogate pairs are not valid TOML escapes).
     out = []
@@ -343,25 +428,40 @@ def _toml_value(value: Any) -> str:
     return '"' + "".join(out) + '"'
 
 
+def _toml_table(lines: list[str], name: str, values: dict[str, Any]) -> None:
+    # A table's own keys first: TOML puts every key after [data.cache] into data.cache.
+    lines.append(f"[{name}]")
+    for key, value in values.items():
+        if value is not None and not isinstance(value, dict):
+            lines.append(f"{key} = {_toml_value(value)}")
+    lines.append("")
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _toml_table(lines, f"{name}.{key}", value)
+
+
 def config_to_toml(cfg: Config) -> str:
     """TOML text of the resolved config (unset optional keys are omitted: TOML has no null)."""
     lines = ["# resolved trainforge config: `trainforge train --config` accepts this file", ""]
     for section, values in config_to_dict(cfg).items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                continue
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
+        _toml_table(lines, section, values)
     return "\n".join(lines)
+
+
+def _help_rows(prefix: str, cls: type) -> list[str]:
+    rows = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):  # type: ignore[arg-type]
+            rows += _help_rows(f"{prefix}.{f.name}", f.default_factory)  # type: ignore[arg-type]
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        rows.append(f"  --{prefix}.{f.name} (default {default!r}): {f.metadata.get('help', '')}")
+    return rows
 
 
 def config_help() -> str:
     """One line per key, for ``trainforge train --help``."""
     rows = []
     for sec_field in dataclasses.fields(Config):
-        sec_cls = sec_field.default_factory  # type: ignore[misc]
-        for f in dataclasses.fields(sec_cls):
-            default = f.default
-            rows.append(f"  --{sec_field.name}.{f.name} (default {default!r}): {f.metadata.get('help', '')}")
+        rows += _help_rows(sec_field.name, sec_field.default_factory)  # type: ignore[arg-type]
     return "\n".join(rows)

@@ -54,3 +54,21 @@ def test_fsdp2_keeps_fp32_modules_in_fp32(mesh, capability, debug_model, tokens)
     wq = debug_model.layers["0"].attention.wq.weight
     assert isinstance(wq, DTensor) and wq.dtype == torch.float32  # sharded fp32 master weights
     assert wq.grad.dtype == torch.float32  # reduced in reduce_dtype
+
+
+def test_saved_activations_are_counted_the_same_under_fsdp2(mesh, debug_model, tokens):
+    """Sharded parameters are DTensors with no storage of their own: the activation
+    counter (and the low-precision packing) works on local shards, and the weights
+    FSDP2 gathers for the forward are still not counted as activations."""
+    from trainforge.precision.activations import SavedActivations
+    from trainforge.precision.memory import measure_activation_bytes
+
+    forward = lambda: debug_model(tokens[:, :-1])  # noqa: E731
+    plain = measure_activation_bytes(debug_model, forward)
+    packed = measure_activation_bytes(debug_model, forward, SavedActivations(debug_model, torch.bfloat16))
+    for block in debug_model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(debug_model, mesh=mesh)
+    assert isinstance(debug_model.output.weight, DTensor)
+    assert measure_activation_bytes(debug_model, forward) == plain
+    assert measure_activation_bytes(debug_model, forward, SavedActivations(debug_model, torch.bfloat16)) == packed

@@ -117,3 +117,20 @@ def test_disabled_scaler_passes_through():
     enabled = LossScaler(True, "cpu", init_scale=512.0)
     enabled.load_state_dict(scaler.state_dict())
     assert enabled.get_scale() == 512.0
+
+
+def test_a_rank_that_never_scales_a_loss_still_steps_in_step():
+    """Pipeline stages before the last hold no loss: ``ensure_scale`` gives them the scale,
+    so unscale_/step/update run as on the last stage (GradScaler would refuse otherwise)."""
+    model = tiny()
+    opt = make_optimizer("sgd", model)
+    scaler = LossScaler(True, "cpu", init_scale=2.0**10, growth_steps=1)
+    model(torch.randn(4, 8)).pow(2).mean().mul(2.0**10).backward()  # as if scaled on another rank
+    with pytest.raises(AssertionError, match="_scale is None"):
+        scaler.unscale_(opt)
+    scaler.ensure_scale(torch.device("cpu"))
+    scaler.unscale_(opt)
+    before = model[0].weight.detach().clone()
+    scaler.step(opt)
+    assert scaler.update().item() == 0 and scaler.get_scale() == 2.0**11  # grown after one clean step
+    assert not torch.equal(model[0].weight, before)

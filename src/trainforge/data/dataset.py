@@ -1,9 +1,10 @@
-"""Reading prepared token shards: integrity checks and deterministic, resumable batches.
+"""Reading prepared token shards from a local directory: integrity checks, memory
+maps, and ``TokenBatches``, the plain synchronous batch reader.
 
-The batch order is a pure function of (seed, epoch, position): each epoch is a
-seeded permutation of fixed-length windows, so a loader's whole state is two
-integers and a resumed run reads exactly the batches an uninterrupted run would.
-With several data-parallel ranks, each global batch is cut into disjoint slices.
+The batch order is a pure function of (seed, epoch, position) (``sampler.BatchPlan``),
+so a loader's whole state is two integers and a resumed run reads exactly the batches
+an uninterrupted run would. With several data-parallel ranks, each global batch is cut
+into disjoint slices.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from trainforge.data.prepare import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file
+from trainforge.data.sampler import BatchPlan
 from trainforge.errors import DataError
 
 
@@ -43,6 +45,32 @@ class PreparedData:
         return sum(len(s) for s in self.splits[split])
 
 
+def parse_manifest(text: str, where: str) -> tuple[dict, np.dtype]:
+    """The manifest's JSON and token dtype; DataError naming ``where`` if it is not a
+    ``trainforge prepare`` manifest of this format version."""
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where} is not valid JSON ({e}); re-run `trainforge prepare`") from None
+    if not isinstance(manifest, dict):
+        manifest = {}
+    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
+        raise DataError(f"{where}: format {manifest.get('format')!r} v{manifest.get('version')!r} is not "
+                        f"{FORMAT!r} v{FORMAT_VERSION}; re-run `trainforge prepare`")
+    try:
+        dtype = np.dtype(manifest["dtype"])
+        manifest["tokenizer"]["file"], manifest["tokenizer"]["sha256"]
+        for split in ("train", "val"):
+            if split not in manifest["splits"] or not manifest["splits"][split]:
+                raise DataError(f"{where}: no '{split}' split; re-run `trainforge prepare`")
+            for entry in manifest["splits"][split]:
+                entry["file"], int(entry["tokens"]), entry["sha256"]
+        int(manifest["vocab_size"]), int(manifest["eos_id"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{where}: missing or malformed field {e}; re-run `trainforge prepare`") from None
+    return manifest, dtype
+
+
 def load_prepared(path: str | Path, verify: str = "full") -> PreparedData:
     """Open ``path`` (a ``trainforge prepare`` output). ``verify="full"`` checks every
     shard's sha256 and the tokenizer's; ``"size"`` only checks lengths (fast for huge sets).
@@ -52,20 +80,8 @@ def load_prepared(path: str | Path, verify: str = "full") -> PreparedData:
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise DataError(f"{mpath} does not exist; run `trainforge prepare --input ... --output {path}` first")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{mpath} is not valid JSON ({e}); re-run `trainforge prepare`") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
-        raise DataError(f"{mpath}: format {manifest.get('format')!r} v{manifest.get('version')!r} is not "
-                        f"{FORMAT!r} v{FORMAT_VERSION}; re-run `trainforge prepare`")
-    try:
-        dtype = np.dtype(manifest["dtype"])
-        tok = manifest["tokenizer"]
-        split_entries = manifest["splits"]
-        int(manifest["vocab_size"]), int(manifest["eos_id"])
-    except (KeyError, TypeError) as e:
-        raise DataError(f"{mpath}: missing or malformed field {e}; re-run `trainforge prepare`") from None
+    manifest, dtype = parse_manifest(mpath.read_text(), str(mpath))
+    tok, split_entries = manifest["tokenizer"], manifest["splits"]
     tok_file = path / tok["file"]
     if not tok_file.is_file():
         raise DataError(f"{tok_file} is missing (named in {mpath})")
@@ -73,8 +89,6 @@ def load_prepared(path: str | Path, verify: str = "full") -> PreparedData:
         raise DataError(f"{tok_file}: sha256 does not match {mpath}; the tokenizer was changed after prepare")
     splits: dict[str, list[np.memmap]] = {}
     for split in ("train", "val"):
-        if split not in split_entries or not split_entries[split]:
-            raise DataError(f"{mpath}: no '{split}' split; re-run `trainforge prepare`")
         arrays = []
         for entry in split_entries[split]:
             f = path / entry["file"]
@@ -93,7 +107,9 @@ def load_prepared(path: str | Path, verify: str = "full") -> PreparedData:
 
 
 class TokenBatches:
-    """Seeded, resumable stream of (inputs, targets) batches, each (batch_size, seq_len) int64.
+    """Seeded, resumable stream of (inputs, targets) batches, each (batch_size, seq_len) int64,
+    read synchronously from in-memory or memory-mapped shards (the plain reference the
+    trainer's ``ShardLoader`` is tested against; the order is ``BatchPlan``'s).
 
     Windows of ``seq_len + 1`` tokens start every ``seq_len`` tokens within a shard;
     targets are inputs shifted by one. ``shuffle=False`` reads windows in order
@@ -101,64 +117,28 @@ class TokenBatches:
 
     def __init__(self, shards: list[np.ndarray], seq_len: int, batch_size: int, seed: int,
                  rank: int = 0, world_size: int = 1, shuffle: bool = True, name: str = "train"):
-        starts = []
-        for i, shard in enumerate(shards):
-            n = (len(shard) - 1) // seq_len
-            if n > 0:
-                starts.append(np.stack([np.full(n, i), np.arange(n) * seq_len], axis=1))
-        self.windows = np.concatenate(starts) if starts else np.zeros((0, 2), dtype=np.int64)
-        global_batch = batch_size * world_size
-        if len(self.windows) < global_batch:
-            raise DataError(
-                f"{name} split has {len(self.windows)} windows of {seq_len + 1} tokens, fewer than one global "
-                f"batch ({batch_size} x {world_size} ranks); lower training.batch_size or training.seq_len, "
-                "or prepare more text")
+        self.plan = BatchPlan([len(s) for s in shards], seq_len, batch_size, seed, rank, world_size, shuffle, name)
         self.shards, self.seq_len, self.batch_size = shards, seq_len, batch_size
-        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
-        self.batches_per_epoch = len(self.windows) // global_batch
-        self.epoch, self.position = 0, 0
-        self._order: np.ndarray | None = None
+        self.windows, self.batches_per_epoch = self.plan.windows, self.plan.batches_per_epoch
 
-    def _epoch_order(self) -> np.ndarray:
-        if self._order is None:
-            if self.shuffle:
-                self._order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.windows))
-            else:
-                self._order = np.arange(len(self.windows))
-        return self._order
+    @property
+    def epoch(self) -> int:
+        return self.plan.epoch
+
+    @property
+    def position(self) -> int:
+        return self.plan.position
+
+    def global_batch_windows(self, epoch: int, position: int) -> np.ndarray:
+        return self.plan.global_batch_windows(epoch, position)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
-        order = self._epoch_order()
-        start = (self.position * self.world_size + self.rank) * self.batch_size
-        rows = []
-        for shard_idx, offset in self.windows[order[start:start + self.batch_size]]:
-            rows.append(self.shards[shard_idx][offset:offset + self.seq_len + 1])
-        self.position += 1
+        rows = [self.shards[s][o:o + self.seq_len + 1] for s, o in self.plan.batch_windows(*self.plan.advance())]
         batch = torch.from_numpy(np.stack(rows).astype(np.int64))  # (B, T+1)
         return batch[:, :-1], batch[:, 1:]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "world_size": self.world_size, "batch_size": self.batch_size, "seq_len": self.seq_len}
+        return self.plan.state_dict()
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Restore a position. The number of data-parallel ranks may change as long as the
-        global batch (batch_size x ranks) stays the same: positions count global batches,
-        so the remapped run reads exactly the windows the old layout would have."""
-        for key, name in (("seed", "training.seed"), ("seq_len", "training.seq_len")):
-            if int(state[key]) != getattr(self, key):
-                raise DataError(
-                    f"the checkpoint's data position was saved with {name} = {state[key]}, this run has "
-                    f"{getattr(self, key)}: resume with the same value, or start a new run")
-        saved_global = int(state["batch_size"]) * int(state["world_size"])
-        if saved_global != self.batch_size * self.world_size:
-            raise DataError(
-                f"the checkpoint was saved with a global batch of {state['batch_size']} (training.batch_size) x "
-                f"{state['world_size']} data-parallel ranks = {saved_global} sequences; this run has "
-                f"{self.batch_size} x {self.world_size} = {self.batch_size * self.world_size}. The data position "
-                f"can only be remapped at the same global batch: set training.batch_size = "
-                f"{saved_global // self.world_size if saved_global % self.world_size == 0 else '(not possible)'} "
-                "for this number of ranks")
-        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
+        self.plan.load_state_dict(state)

@@ -1,5 +1,7 @@
 """Apply parallelism to a single-device model, in one documented order:
 
+0. precision (the trainer calls ``precision.apply_precision`` on the whole model first:
+   parameter casts, fp32 master copy, autocast rule hooks, which every later step keeps)
 1. pipeline split (each rank keeps its stages; FQNs unchanged)  -- ``pipeline.py``
 2. tensor parallel (DTensor plans; must see plain modules)        -- ``tensor_parallel.py``
 3. activation checkpointing (wraps whole blocks)                  -- ``activation_checkpoint.py``
@@ -19,9 +21,10 @@ from trainforge.parallel.dims import ParallelDims, ParallelMesh
 
 
 def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims, section,
-                             device: torch.device, compressor=None) -> nn.Module:
+                             device: torch.device, compressor=None, precision=None) -> nn.Module:
     """Steps 2-5 for one model or pipeline-stage module. Returns the module to call.
-    ``compressor`` compresses gradients on the dp_replicate axis (step 5)."""
+    ``compressor`` compresses gradients on the dp_replicate axis (step 5); ``precision``
+    (a ``PrecisionPolicy``) gives FSDP2 its mixed-precision policy (step 5)."""
     if dims.tp > 1 and mesh is not None:
         from trainforge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -33,7 +36,7 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
         # FSDP's per-block hooks stay outside the compiled regions.
         for block in model.layers.values():
             block.compile()
-    return apply_data_parallel(model, mesh, dims, device, compressor)
+    return apply_data_parallel(model, mesh, dims, device, compressor, precision)
 
 
 def explicit_split(section) -> list[int] | None:
@@ -84,7 +87,7 @@ def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size:
 
 def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims, section, device: torch.device,
                          batch_size: int, seq_len: int, layout: tuple[int, int], loss_fn, log=None,
-                         compressor=None):
+                         compressor=None, precision=None):
     """Step 1 (pipeline split) then steps 2-5 on each stage. ``layout`` is
     ``check_pipeline_layout``'s (stages, microbatches), validated before the mesh existed.
     Returns (Pipeline, stage modules, predicted seconds per stage or None)."""
@@ -96,7 +99,7 @@ def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDim
                                                 device, log)
     pp_rank = mesh.local_rank("pp")
     parts = split_model(model, pp_rank, dims.pp, boundaries, schedule)
-    parts = [parallelize_module_stack(p, mesh, dims, section, device, compressor) for p in parts]
+    parts = [parallelize_module_stack(p, mesh, dims, section, device, compressor, precision) for p in parts]
     pipeline = build_pipeline(parts, mesh["pp"], pp_rank, dims.pp, schedule, microbatches, loss_fn, device,
                               batch_size)
     return pipeline, parts, predicted

@@ -12,6 +12,11 @@ With gradient compression (``[compression]``) the ``dp_replicate`` axis carries
 compressed gradients: DDP gets a communication hook, and HSDP becomes FSDP2 over
 ``dp_shard`` alone plus an all-reduce hook per FSDP unit that averages over
 ``dp_replicate`` (see ``compression/hooks.py``).
+
+With a low-precision ``[precision]`` policy, FSDP2's ``MixedPrecisionPolicy`` gathers
+parameters in the compute dtype and reduces gradients in ``reduce_dtype``; the sharded
+fp32 parameters are the master weights. Modules of the fp32 rules that own parameters
+(norms, a router) become their own units gathered in fp32, sharded before their block.
 """
 
 from __future__ import annotations
@@ -33,7 +38,15 @@ def data_parallel_kind(dims: ParallelDims) -> str:
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
-               mp_policy: MixedPrecisionPolicy | None = None, compressor=None) -> nn.Module:
+               mp_policy: MixedPrecisionPolicy | None = None, compressor=None, precision=None) -> nn.Module:
+    """``precision``: a ``PrecisionPolicy`` (overrides ``mp_policy``); None or all-fp32 keeps
+    FSDP2's defaults, so fp32 runs are unchanged."""
+    fp32_units: list[nn.Module] = []
+    if precision is not None and precision.low_precision:
+        from trainforge.precision.policy import fsdp_fp32_modules, fsdp_fp32_policy, fsdp_mixed_precision
+
+        mp_policy = fsdp_mixed_precision(precision)
+        fp32_units = fsdp_fp32_modules(model, precision)
     if dims.dp_replicate > 1 and compressor is None:
         dp_mesh = mesh.world["dp_replicate", "dp_shard"]  # 2-D mesh: fully_shard does HSDP
     else:
@@ -41,6 +54,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
         # replicate axis is averaged by the compressed all-reduce hooks below.
         dp_mesh = mesh.world["dp_shard"]
     kw = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for unit in fp32_units:  # before the blocks holding them: a unit is claimed by its first fully_shard
+        fully_shard(unit, mesh=dp_mesh, mp_policy=fsdp_fp32_policy(precision))
     blocks = list(model.layers.items())
     for i, (_, block) in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.
@@ -50,9 +65,12 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
         from trainforge.compression.hooks import register_fsdp_hooks
 
         first = blocks[0][0] if blocks else "root"
+        fqns = {id(m): fqn for fqn, m in model.named_modules()}
         # The root unit's key names the stage too (its first block): pipeline stages
-        # on one rank each have a root unit.
-        register_fsdp_hooks([(f"layers.{name}", b) for name, b in blocks] + [(f"root@{first}", model)], compressor)
+        # on one rank each have a root unit. fp32 units (norms) need the hook as well, or
+        # their gradients would not be averaged over dp_replicate.
+        register_fsdp_hooks([(f"layers.{name}", b) for name, b in blocks] + [(fqns[id(u)], u) for u in fp32_units]
+                            + [(f"root@{first}", model)], compressor)
     return model
 
 
@@ -73,12 +91,14 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compre
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims,
-                        device: torch.device, compressor=None) -> nn.Module:
+                        device: torch.device, compressor=None, precision=None) -> nn.Module:
     """Wrap or shard ``model`` in place; returns the module to call (DDP returns a wrapper).
-    ``compressor`` (``compression.hooks.build_compressor``) compresses the dp_replicate axis."""
+    ``compressor`` (``compression.hooks.build_compressor``) compresses the dp_replicate axis;
+    ``precision`` (a ``PrecisionPolicy``) sets FSDP2's mixed precision (DDP reduces
+    gradients in the parameters' dtype)."""
     kind = data_parallel_kind(dims)
     if kind == "none" or mesh is None:
         return model
     if kind == "ddp":
         return apply_ddp(model, mesh, device, compressor)
-    return apply_fsdp(model, mesh, dims, compressor=compressor)
+    return apply_fsdp(model, mesh, dims, compressor=compressor, precision=precision)

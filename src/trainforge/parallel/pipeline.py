@@ -400,13 +400,15 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
 @torch.no_grad()
 def forward_only_loss(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.Tensor, pp_group,
                       pp_rank: int, pp_size: int, act_shape: tuple[int, ...],
-                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      act_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """Validation: run the whole batch through the stages in order, forward only.
 
     Written out with point-to-point sends because ``schedule.eval`` fails for the
     runtime (V-shaped) schedules in torch 2.13. ``act_shape`` is the activation passed
     between stages, (B, T, dim) or (B, T/tp, dim) under sequence parallelism. Every rank
-    passes the same ``inputs``/``targets``; returns the loss on the last stage's rank."""
+    passes the same ``inputs``/``targets``; returns the loss on the last stage's rank.
+    ``act_dtype``: the activations' dtype (bf16 where FSDP2 gathers bf16 weights)."""
     num_stages = len(pipeline.stages) * pp_size
     owner = {}
     for r in range(pp_size):
@@ -424,7 +426,7 @@ def forward_only_loss(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.T
         elif owner[sid - 1] == pp_rank:
             x = h
         else:
-            x = torch.empty(act_shape, device=device)
+            x = torch.empty(act_shape, device=device, dtype=act_dtype)
             dist.recv(x, group=pp_group, group_src=owner[sid - 1])
         h = mine[sid](x)
         if sid == num_stages - 1:

@@ -18,9 +18,27 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from trainforge.precision.hardware import DTYPE_NAMES
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores; a DTensor has no storage of its
+    own), any other tensor itself. No autograd: pack hooks run outside the graph."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """The storage this rank holds for ``t`` (a DTensor's local shard); None for wrapper
+    subclasses that have none (sequence parallelism's async-collective results)."""
+    try:
+        storage = _local(t).untyped_storage()
+        storage.data_ptr()
+        return storage
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -44,12 +62,13 @@ class SavedActivations:
         self.model, self.store_dtype, self.min_numel = model, store_dtype, min_numel
         self.bytes_by_dtype: dict[str, int] = {}
         self._track = False
-        self._seen: dict[int, torch.UntypedStorage] = {}
+        self._seen: dict[int | tuple[str, int], object] = {}
         self._packed = WeakIdKeyDictionary()
         self._skip: set[int] = set()
 
     def _is_weight(self, t: torch.Tensor) -> bool:
-        if t.untyped_storage().data_ptr() in self._skip:
+        storage = _storage(t)
+        if storage is not None and storage.data_ptr() in self._skip:
             return True
         # Parameters gathered per forward (FSDP2) have fresh storage: recognise them as leaves
         # that require grad, or views of one (linear saves weight.t()).
@@ -59,7 +78,8 @@ class SavedActivations:
     def _pack(self, t: torch.Tensor):
         out = t
         if (self.store_dtype is not None and t.is_floating_point() and t.dtype.itemsize > self.store_dtype.itemsize
-                and t.numel() >= self.min_numel and _dense(t) and not self._is_weight(t)):
+                and t.numel() >= self.min_numel and _storage(t) is not None and _dense(_local(t))
+                and not self._is_weight(t)):
             # One copy per tensor even when several ops save it (x feeds wq, wk and wv).
             # Keyed weakly on the tensor object: a freed tensor's address can be reused.
             packed = self._packed.get(t)
@@ -68,15 +88,17 @@ class SavedActivations:
                 self._packed[t] = packed
             out = (packed, t.dtype)
         if self._track:
-            stored = out[0] if isinstance(out, tuple) else out
+            stored = _local(out[0] if isinstance(out, tuple) else out)
             if not self._is_weight(t):
-                storage = stored.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in self._seen:
-                    # Held until the context exits, so no address is reused while counting.
-                    self._seen[ptr] = storage
+                storage = _storage(stored)
+                # Keyed by address (no storage: by object); held until the context exits,
+                # so no address or id is reused while counting.
+                key = storage.data_ptr() if storage is not None else ("id", id(stored))
+                if key not in self._seen:
+                    self._seen[key] = storage if storage is not None else stored
+                    nbytes = storage.nbytes() if storage is not None else stored.numel() * stored.element_size()
                     self.bytes_by_dtype[dtype_label(stored.dtype)] = (
-                        self.bytes_by_dtype.get(dtype_label(stored.dtype), 0) + storage.nbytes())
+                        self.bytes_by_dtype.get(dtype_label(stored.dtype), 0) + nbytes)
         return out
 
     @staticmethod
@@ -93,7 +115,8 @@ class SavedActivations:
         if self.store_dtype is None and not track:
             yield self
             return
-        self._skip = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]}
+        self._skip = {st.data_ptr() for t in [*self.model.parameters(), *self.model.buffers()]
+                      if (st := _storage(t)) is not None}
         self._track = track
         if track:
             self.bytes_by_dtype = defaultdict(int)

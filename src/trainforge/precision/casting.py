@@ -139,6 +139,12 @@ class PrecisionRuntime:
             out[owner.get(id(p), DEFAULT_GROUP)].append(p)
         return out
 
+    def rebind(self, model: nn.Module) -> None:
+        """Point at the module that now holds the parameters: pipeline stages are deep
+        copies of the model this runtime was applied to (they carry the hooks, which still
+        read ``compute_dtypes`` here). ``group_parameters`` needs the original FQNs."""
+        self.model = self.activations.model = model
+
     def remove(self) -> None:
         """Remove the hooks (parameter casts stay)."""
         for h in self._handles:
@@ -182,8 +188,11 @@ def apply_precision(model: nn.Module, policy: PrecisionPolicy, sharded: bool = F
             if not inside_fp32(fqn):
                 runtime._hook(module, lambda name=name: runtime.compute_dtypes[name], restore_output_dtype=True)
                 runtime.group_modules[name].append(fqn)
-    for fqn, module in fp32_mods:
-        runtime._hook(module, lambda: FP32, restore_output_dtype=False)
-        runtime.fp32_modules.append(fqn)
+    # The fp32 rules only turn autocast off; when no group can ever compute below fp32
+    # (the default policy), autocast is never on and the hooks would be pure overhead.
+    if policy.compute_dtype != FP32 or any(d != FP32 for d in policy.levels):
+        for fqn, module in fp32_mods:
+            runtime._hook(module, lambda: FP32, restore_output_dtype=False)
+            runtime.fp32_modules.append(fqn)
     return runtime
 

@@ -56,6 +56,12 @@ class LossScaler:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.unscale_(optimizer)
 
+    def ensure_scale(self, device: torch.device) -> None:
+        """A rank that never scales a loss (a pipeline stage before the last) still unscales,
+        steps and updates with the others: give it the scale (GradScaler creates it lazily)."""
+        if self.enabled and self.scaler._get_scale_async() is None:
+            self.scaler.scale(torch.zeros((), device=device))
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.step(optimizer)
         if not self.enabled:

@@ -48,6 +48,13 @@ class PrecisionPolicy:
     notes: tuple[str, ...] = ()  # one line per decision that differs from the request
 
     @property
+    def low_precision(self) -> bool:
+        """Anything below fp32 anywhere (storage, compute, saved activations, a dynamic
+        level). False for the default ``fp32`` policy: then nothing is installed."""
+        return (self.param_dtype != FP32 or self.compute_dtype != FP32 or self.activation_dtype is not None
+                or any(d != FP32 for d in self.levels))
+
+    @property
     def master_weights(self) -> bool:
         """Low-precision weights with an fp32 optimizer: keep fp32 master copies."""
         return self.param_dtype != FP32 and self.optimizer_state_dtype == FP32
@@ -69,11 +76,15 @@ def build_policy(section: PrecisionSection, device: torch.device | str, capabili
                  log: logging.Logger | None = None) -> PrecisionPolicy:
     """``section`` must be validated. ``capability`` defaults to ``detect_capability``
     (probes once per machine, cached), agreed over ranks when distributed, so
-    every rank must call this (one tiny all-reduce). Logs each adjustment."""
+    every rank must call this (one tiny all-reduce; none when the requested compute
+    dtype is fp32, which needs no probe). Logs each adjustment."""
     device = torch.device(device)
+    d = {k: DTYPES[v] for k, v in section.resolved_dtypes().items()}
+    if capability is None and d["compute_dtype"] == FP32 and section.policy != "dynamic":
+        # All-fp32 compute consults no capability: the default policy costs no probe and no collective.
+        capability = Capability(device.type, f"{device.type} (not probed: fp32 compute)")
     if capability is None:
         capability = agree_across_ranks(detect_capability(device), device)
-    d = {k: DTYPES[v] for k, v in section.resolved_dtypes().items()}
     requested = d["compute_dtype"]
     notes = []
     compute, why = resolve_compute_dtype(requested, device, section.force, capability, log=None)

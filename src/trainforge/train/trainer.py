@@ -1,17 +1,21 @@
-"""The single-process training loop: gradient accumulation, AdamW, clipping,
-warmup + cosine LR, periodic validation, throughput and MFU, JSONL metrics,
-atomic checkpoints and bit-exact resume.
+"""The training loop: gradient accumulation, AdamW, clipping, warmup + decay LR
+schedules, periodic validation, throughput and MFU, JSONL metrics, atomic checkpoints
+and bit-exact resume. Training control (adaptive LR, early stopping, bad-step
+handling; ``control.py``) is off unless configured.
 
-Parallelism, precision policies and compression plug in from outside in later
-issues; the loop stays the same. The only way anything outside the loop stops
-training is ``request_stop`` (signals and callbacks use it): the loop then saves
-a checkpoint at the current step and returns, so nothing done is lost.
+Parallelism (``parallel/apply.py``), precision (``train/mixed_precision.py`` over
+``trainforge.precision``) and compression plug in from outside; the loop stays the
+same. The only way anything outside the loop stops training is ``request_stop``
+(signals and callbacks use it): the loop then saves a checkpoint at the current step
+and returns, so nothing done is lost.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
+import shutil
 import signal
 import threading
 import time
@@ -25,21 +29,26 @@ from torch.distributed.tensor import DTensor
 
 from trainforge.compression.hooks import build_compressor, check_compression
 from trainforge.config import Config, config_to_dict, config_to_toml
-from trainforge.data.dataset import TokenBatches, load_prepared
-from trainforge.data.prepare import default_data_dir
+from trainforge.data.pipeline import build_loader, open_data
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
+from trainforge.monitor import Monitor
 from trainforge.parallel.apply import build_pipeline_parts, check_pipeline_layout, parallelize_module_stack
 from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
 from trainforge.parallel.tensor_parallel import cross_entropy_loss, loss_context
+from trainforge.precision.casting import apply_precision
+from trainforge.precision.policy import build_policy
 from trainforge.train import checkpoint as ckpt
+from trainforge.train import control
 from trainforge.train import dist_checkpoint as dckpt
-from trainforge.train.lr_schedule import WarmupCosine, warmup_cosine_scheduler
+from trainforge.train.bad_steps import StepAction
+from trainforge.train.lr_schedule import build_scheduler, warmup_decay
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
+from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.step_stats import CommShareProbe, peak_memory_bytes
 
@@ -62,7 +71,14 @@ class _NullSink:
 
 
 class Callback(Protocol):
-    """Observes named training events; may only influence training via ``trainer.request_stop``."""
+    """Observes named training events; may only influence training via ``trainer.request_stop``.
+
+    Events: ``on_step_end(trainer, step)`` after every step; optionally
+    ``on_evaluation(trainer, step, val_loss) -> dict | None`` after every validation
+    (step 0 included), whose returned record is merged into the ``val_loss`` metrics
+    line. A stop requested in ``on_evaluation`` is rank 0's decision on every rank.
+    A callback with ``state_dict``/``load_state_dict`` is checkpointed under its
+    ``state_key`` (default: its class name)."""
 
     def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
 
@@ -111,9 +127,8 @@ class Trainer:
                                   f"--resume {self.run_dir}, or pass a new --run_dir")
         seed_everything(tcfg.seed)
 
-        data_path = Path(cfg.data.path) if cfg.data.path else default_data_dir(cfg.data.vocab_size,
-                                                                                 cfg.data.cache_dir)
-        self.data = load_prepared(data_path)
+        # Local shards are memory-mapped; a URL or data.cache.dir reads through the tiered cache.
+        self.data = open_data(cfg.data, self.dist.rank, self.dist.world_size, log=self.log.warning)
         self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
         self.dims.check_model(self.model_config)
         pp_layout = None
@@ -122,6 +137,12 @@ class Trainer:
         warning = check_compression(cfg.compression, self.dims, data_parallel_kind(self.dims))
         if warning and self.is_main:
             self.log.warning(warning)
+        # Resolved identically on every rank (a hardware probe, agreed by one all-reduce
+        # unless compute is fp32), so a refused combination fails everywhere before the mesh.
+        policy = build_policy(cfg.precision, self.device, log=self.log if self.is_main else None)
+        note = check_precision_layout(policy, self.dims, data_parallel_kind(self.dims))
+        if note and self.is_main:
+            self.log.info(f"precision: {note}")
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
         self.compressor = build_compressor(cfg.compression, self.dims,
                                            self.mesh["dp_replicate"].get_group() if self.mesh else None,
@@ -129,6 +150,12 @@ class Trainer:
         # Every rank builds the full model from the same seed, then keeps its part:
         # sharded/split results equal the single-process model's.
         full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
+        # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule hooks.
+        sharded = data_parallel_kind(self.dims) in ("fsdp", "hsdp")
+        runtime = apply_precision(full_model, policy, sharded=sharded)
+        self.mp = TrainerPrecision(cfg.precision, policy, runtime, self.device, sharded=sharded,
+                                   log=self.log if self.is_main else None,
+                                   pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
         self.pipeline = None
         self.pp_predicted: list[float] | None = None
         if self.dims.pp > 1:
@@ -136,22 +163,35 @@ class Trainer:
             self.pipeline, self.model_parts, self.pp_predicted = build_pipeline_parts(
                 full_model, self.mesh, self.dims, cfg.parallel, self.device, tcfg.batch_size, tcfg.seq_len,
                 pp_layout, self._pipeline_loss, log=self.log.info if self.is_main else None,
-                compressor=self.compressor)
+                compressor=self.compressor, precision=policy)
             self.model = None
+            runtime.rebind(torch.nn.ModuleList(self.model_parts))  # the stages are copies; free the whole model
         else:
             self.model = parallelize_module_stack(full_model, self.mesh, self.dims, cfg.parallel, self.device,
-                                                  self.compressor)
+                                                  self.compressor, precision=policy)
             self.model_parts = [getattr(self.model, "module", self.model)]  # DDP wraps; state dicts use raw FQNs
         del full_model
+        # What the optimizers step, clipping measures and checkpoints hold: the fp32 master
+        # copy when parameters are stored low (same FQNs), else the model parts.
+        self.opt_parts = self.mp.opt_parts(self.model_parts)
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
         self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, self.device,
-                                           distributed=self.dims.world_size > 1) for part in self.model_parts]
-        self.schedulers = [warmup_cosine_scheduler(o, tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
-                           for o in self.optimizers]
-        self.train_batches = TokenBatches(self.data.splits["train"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
-                                          rank=dp_rank(self.mesh), world_size=self.dims.dp)
-        val_stream = TokenBatches(self.data.splits["val"], tcfg.seq_len, tcfg.batch_size, tcfg.seed,
-                                  rank=dp_rank(self.mesh), world_size=self.dims.dp, shuffle=False, name="val")
+                                           distributed=self.dims.world_size > 1) for part in self.opt_parts]
+        self.schedulers = [build_scheduler(o, *self._schedule_args()) for o in self.optimizers]
+        # Training control; each None (absent) unless its section enables it.
+        self.adaptive_lr = cfg.adaptive_lr.build()
+        self.bad_steps = cfg.bad_steps.build()
+        self._step_decision = None  # the bad-step policy's verdict on the latest step
+        early_stop = cfg.early_stop.build(tcfg.steps)
+        if early_stop is not None:
+            self.callbacks.append(early_stop)
+        self.early_stopped = False
+        # Train batches are assembled (and on CUDA staged to the device) ahead of use, in the
+        # deterministic order of data/sampler.py; the loader's position goes into checkpoints.
+        self.train_batches = build_loader(self.data, "train", cfg.data, tcfg.seq_len, tcfg.batch_size, tcfg.seed,
+                                          rank=dp_rank(self.mesh), world_size=self.dims.dp, device=self.device)
+        val_stream = build_loader(self.data, "val", cfg.data, tcfg.seq_len, tcfg.batch_size, tcfg.seed,
+                                  rank=dp_rank(self.mesh), world_size=self.dims.dp, train=False)
         # A fixed validation set (the first global batches, in order; each data-parallel rank
         # holds its slice), so val_loss is comparable across steps and across layouts.
         self.val_set = [val_stream.next() for _ in range(min(tcfg.val_batches, val_stream.batches_per_epoch))]
@@ -160,6 +200,9 @@ class Trainer:
         # MFU is per device: achieved FLOP/s of the job over (peak of one device x devices).
         self.peak_flops = matmul_peak_flops(self.device) * self.dims.world_size
         self.comm_probe = CommShareProbe(self.device)
+        # Memory per dtype on the next train_step (fit sets it for the last step of each
+        # logging window; set it yourself when calling train_step directly).
+        self.measure_memory = False
         self.step = 0
         self._last_balance_step = 0
         self.stop_reason: str | None = None
@@ -172,10 +215,13 @@ class Trainer:
             (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
             if resume_from is not None:
                 JsonlSink.truncate_after(self.run_dir / METRICS_FILE, self.step)
-        self.metrics = JsonlSink(self.run_dir / METRICS_FILE) if self.is_main else _NullSink()
+        # Every record goes through the monitor: JSONL on rank 0, registry, Prometheus/TensorBoard.
+        self.metrics = Monitor(cfg.monitor, self.run_dir / METRICS_FILE if self.is_main else None, self.model_parts,
+                               self.optimizers, self.device, self.dims, self.dist, step_fn=lambda: self.step,
+                               opt_parts=self.opt_parts)
         n_params = self.model_config.num_params()
         self.log.info(f"model {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, vocab {self.data.vocab_size}; "
-                      f"data {data_path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
+                      f"data {self.data.path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
                       f"layout {self.dims} ({data_parallel_kind(self.dims)})")
 
     # -- control -------------------------------------------------------------------
@@ -188,8 +234,13 @@ class Trainer:
     # -- checkpointing -----------------------------------------------------------------
 
     def _train_state(self) -> dict[str, Any]:
-        return {"step": self.step, "scheduler": self.schedulers[0].state_dict(), "data": self.train_batches.state_dict(),
-                "rng": ckpt.capture_rng_state()}
+        state = {"step": self.step, "scheduler": self.schedulers[0].state_dict(),
+                 "data": self.train_batches.state_dict(), "rng": ckpt.capture_rng_state(),
+                 **control.control_state(self.adaptive_lr, self.bad_steps, self.callbacks)}
+        precision = self.mp.state_dict()  # loss scaler, dynamic controller; None for fp32 runs
+        if precision is not None:
+            state["precision"] = precision
+        return state
 
     def save(self) -> Path:
         """Write a checkpoint (collective when distributed). Single process: full weights
@@ -198,14 +249,15 @@ class Trainer:
         root = self.run_dir / "checkpoints"
         args = (config_to_dict(self.cfg), dataclasses.asdict(self.model_config), self.data.tokenizer_path,
                 self.cfg.checkpoint.keep_last)
+        self.mp.resolve_pending(self._mean_over_dp)  # collective: every rank, before rank 0 writes
         if self.dims.world_size == 1:
             state = self._train_state()
-            state["optimizer"] = dckpt.model_and_optim_state(self.model_parts, self.optimizers)["optim"]
-            path = ckpt.save_checkpoint(root, self.step, self.model_parts[0], state, *args)
+            state["optimizer"] = dckpt.model_and_optim_state(self.opt_parts, self.optimizers)["optim"]
+            path = ckpt.save_checkpoint(root, self.step, self.opt_parts[0], state, *args)
         else:
             tmp = ckpt.begin_checkpoint(root, self.step) if self.is_main else root / f".{ckpt.step_dir_name(self.step)}.tmp"
             dist.barrier()
-            dckpt.save_sharded(tmp, self.model_parts, self.optimizers)
+            dckpt.save_sharded(tmp, self.opt_parts, self.optimizers)
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(ckpt.capture_rng_state(), tmp / "rng" / f"rank_{self.dist.rank:05d}.pt")
             if self.compressor is not None:  # residuals differ per rank
@@ -222,7 +274,9 @@ class Trainer:
                             "checkpoint_save_s": round(time.perf_counter() - t0, 4)})
         return path
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path, rollback: bool = False) -> None:
+        """Restore the checkpoint at ``path``. ``rollback``: keep the live data position
+        (so the batches since the checkpoint are not replayed) and bad-step policy."""
         meta = ckpt.read_meta(path)
         ckpt.check_model_compatible(meta, self.model_config, path)
         tok_digest = meta["files"].get(ckpt.TOKENIZER_FILE)
@@ -232,16 +286,25 @@ class Trainer:
         state = ckpt.load_train_state(path, self.device)
         try:
             if (path / dckpt.SHARDED_DIR).is_dir():
-                dckpt.load_sharded(path, self.model_parts, self.optimizers)
+                dckpt.load_sharded(path, self.opt_parts, self.optimizers)
             else:
                 weights = ckpt.load_full_weights(path, self.model_config.tie_embeddings)
-                dckpt.load_full(self.model_parts, self.optimizers, weights, state["optimizer"])
+                dckpt.load_full(self.opt_parts, self.optimizers, weights, state["optimizer"])
+            if self.mp.master is not None:
+                self.mp.master.master_to_model()
             for sched in self.schedulers:
                 sched.load_state_dict(state["scheduler"])
+            self.mp.load_state_dict(state.get("precision"))
         except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{path}: model/optimizer/scheduler state does not fit this run ({e})") from None
+            raise CheckpointError(f"{path}: model/optimizer/scheduler/precision state does not fit this run "
+                                  f"({e})") from None
+        control.load_control_state(state, self.adaptive_lr, None if rollback else self.bad_steps, self.callbacks)
         self._keep_configured_schedule()
-        self.train_batches.load_state_dict(state["data"])
+        if self.adaptive_lr is not None:
+            for opt, sched in zip(self.optimizers, self.schedulers):
+                self.adaptive_lr.apply(opt, sched)
+        if not rollback:
+            self.train_batches.load_state_dict(state["data"])
         rng_file = path / "rng" / f"rank_{self.dist.rank:05d}.pt"
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
@@ -250,7 +313,7 @@ class Trainer:
         self._load_compression(path)
         self.step = int(state["step"])
         self._last_balance_step = self.step
-        self.log.info(f"resumed from {path} at step {self.step}")
+        self.log.info(f"{'rolled back to' if rollback else 'resumed from'} {path} at step {self.step}")
 
     def _load_compression(self, path: Path) -> None:
         """Error-feedback residuals, bit widths and warm-up count of this rank, if saved."""
@@ -275,7 +338,7 @@ class Trainer:
         changed it on resume (e.g. ``--training.steps`` to extend a run, or a new
         ``--training.lr``), follow the config from the current step on, and say so."""
         tcfg = self.cfg.training
-        want = WarmupCosine(tcfg.warmup_steps, tcfg.steps, tcfg.min_lr_ratio)
+        want = warmup_decay(*self._schedule_args())
         have = self.schedulers[0].lr_lambdas[0]
         if vars(have) == vars(want) and self.schedulers[0].base_lrs[0] == tcfg.lr:
             return
@@ -288,6 +351,12 @@ class Trainer:
                 group["initial_lr"] = tcfg.lr
                 group["lr"] = tcfg.lr * want(sched.last_epoch)
             sched._last_lr = [g["lr"] for g in opt.param_groups]
+            if self.adaptive_lr is not None:
+                self.adaptive_lr.apply(opt, sched)
+
+    def _schedule_args(self) -> tuple:
+        t = self.cfg.training
+        return t.lr_schedule, t.warmup_steps, t.steps, t.min_lr_ratio, t.decay_ratio, t.decay_shape
 
     # -- steps -----------------------------------------------------------------------
 
@@ -301,8 +370,9 @@ class Trainer:
         return loss_context(self.dims.tp > 1 and self.cfg.parallel.loss_parallel)
 
     def _pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        # Each microbatch's mean, scaled so accumulated micro-batches sum to the mean.
-        return cross_entropy_loss(logits, targets) / self.cfg.training.grad_accum_steps
+        # Each microbatch's mean, scaled so accumulated micro-batches sum to the mean; the
+        # schedule runs backward on what this returns, so fp16 loss scaling goes here.
+        return self.mp.scaler.scale(cross_entropy_loss(logits, targets) / self.cfg.training.grad_accum_steps)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -319,46 +389,119 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` micro-batches.
-        Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here."""
+        Returns (mean loss, pre-clip grad norm) as device tensors: no host sync here,
+        unless the bad-step guard is on (see ``control.py``); its verdict on this step
+        is then in ``self._step_decision``, and a step it rejects changes no weights,
+        optimizer state or LR."""
         tcfg = self.cfg.training
         for part in self.model_parts:
             part.train()
+        data_before = (self.train_batches.epoch, self.train_batches.position)
         total = torch.zeros((), device=self.device)
-        for _ in range(tcfg.grad_accum_steps):
+        mp = self.mp
+        # Saved activations are counted on one forward per logging window (not through a
+        # pipeline schedule, whose tracking would hold every microbatch's activations).
+        track = self.measure_memory and self.pipeline is None and not self.cfg.parallel.compile
+        for micro in range(tcfg.grad_accum_steps):
             inputs, targets = self.train_batches.next()
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             with self._loss_ctx():
                 if self.pipeline is not None:
                     # The schedule runs forward and backward; the loss exists on the last stage only.
-                    loss = self.pipeline.step(inputs, targets)
+                    with mp.autocast():
+                        loss = self.pipeline.step(inputs, targets)
                     if loss is not None:
-                        total += loss
+                        total += mp.unscale_loss(loss)
                     continue
-                loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
-                loss.backward()
+                with mp.autocast(track_activations=track and micro == 0):
+                    loss = self._loss(inputs, targets) / tcfg.grad_accum_steps
+                mp.scaler.scale(loss).backward()
             total += loss.detach()
+        mp.unscale_(self.optimizers)
+        group_norms = mp.group_grad_norms(self.opt_parts, self._global_norm)  # pre-clip, as grad_norm
         grad_norm = self._clip_gradients(tcfg.grad_clip)
+        if self.measure_memory:
+            mp.record_memory(self.model_parts, self.optimizers, with_activations=track)
+        if self.bad_steps is not None:
+            self._judge_step(total, grad_norm, data_before)
+        apply = control.applies_update(self._step_decision)
         for opt, sched in zip(self.optimizers, self.schedulers):
-            opt.step()
+            if apply:
+                mp.scaler.step(opt)  # opt.step(), unless an fp16 overflow skips it
             opt.zero_grad(set_to_none=True)
-            sched.step()
+            if apply:
+                sched.step()
+                if self.adaptive_lr is not None:
+                    self.adaptive_lr.apply(opt, sched)
+        mp.finish_step(self.step + 1, total, grad_norm, group_norms)
         if self.compressor is not None:
             self.compressor.end_step()
         return total, grad_norm
 
+    def _judge_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, data_before: tuple[int, int]) -> None:
+        """Feed the policy this step's global values (identical on every rank) and keep its
+        verdict; a non-OK verdict is written to the metrics with the step's sample ids."""
+        loss_v, norm_v = control.step_health(loss, grad_norm, self.dims.world_size, self.dims.dp, self.dims.tp)
+        decision = self.bad_steps.observe(self.step + 1, loss_v, norm_v)
+        self._step_decision = decision
+        if decision.action is not StepAction.OK:
+            batches = control.step_batches(*data_before, self.cfg.training.grad_accum_steps,
+                                           self.train_batches.batches_per_epoch)
+            self.metrics.write(control.bad_step_record(decision, loss_v, norm_v, batches, self.train_batches))
+            if self.is_main:
+                self.log.warning(f"bad step {decision.step}: {decision.action.value}: {decision.reason}")
+            if decision.action is StepAction.STOP:
+                self.request_stop(decision.reason)
+
+    def _rollback(self, bad_steps: int) -> None:
+        """Reload the newest checkpoint from before the last ``bad_steps`` steps, keeping the
+        data position (the batches in between are not replayed) and the bad-step policy.
+        Stops the run when there is no such checkpoint. Collective when distributed."""
+        first_bad = self.step - bad_steps + 1
+        found = [p for p in ckpt.list_checkpoints(self.run_dir / "checkpoints")
+                 if int(ckpt.read_meta(p, verify=False)["step"]) < first_bad]
+        if not found:
+            self.request_stop(f"{bad_steps} bad steps in a row and no checkpoint from before step {first_bad} "
+                              "to roll back to")
+            return
+        from_step = self.step
+        self._load(found[-1], rollback=True)
+        if self.is_main:  # the abandoned timeline's checkpoints: --resume continues the rolled-back run
+            for newer in ckpt.list_checkpoints(self.run_dir / "checkpoints"):
+                if int(ckpt.read_meta(newer, verify=False)["step"]) > self.step:
+                    shutil.rmtree(newer, ignore_errors=True)
+        self.metrics.write({"step": self.step, "rolled_back_from_step": from_step, "rolled_back_to": str(found[-1]),
+                            "data": self.train_batches.state_dict()})
+
+    def _validation_record(self, val: float) -> dict[str, Any]:
+        """The metrics line of a validation at ``self.step``, with what evaluation
+        callbacks (early stopping) add; carries out their (rank 0's) stop request."""
+        extra, reason = control.run_evaluation_callbacks(self, self.callbacks, self.step, val,
+                                                         self.dims.world_size)
+        if reason is not None:
+            self.early_stopped = self.early_stopped or self.stop_reason is None
+            self.request_stop(reason)
+        return {"step": self.step, "val_loss": val, **extra}
+
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over all ranks' shards, then clip (0 = measure only)."""
-        params = [p for part in self.model_parts for p in part.parameters()]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=True)
+        """Global gradient norm over all ranks' shards, then clip (0 = measure only).
+        On the parameters the optimizers step (the fp32 master copy when there is one)."""
+        params = [p for part in self.opt_parts for p in part.parameters()]
+        norm = self._global_norm([p.grad for p in params if p.grad is not None])
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of ``grads`` over every rank's shards and pipeline stages (collective)."""
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         if isinstance(norm, DTensor):  # sharded grads: per-shard partial norms -> the full norm
             norm = norm.full_tensor()
         if self.dims.pp > 1:  # each pipeline rank holds different layers: combine squared norms
             sq = norm.pow(2)
             dist.all_reduce(sq, group=self.mesh["pp"].get_group())
             norm = sq.sqrt()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
 
     def _mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
@@ -383,10 +526,11 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         total = torch.zeros((), dtype=torch.float64)
-        with self._loss_ctx():
+        with self._loss_ctx(), self.mp.autocast():
             for x, y in self.val_set:
                 loss = forward_only_loss(self.pipeline, x, y, self.mesh["pp"].get_group(),
-                                         self.mesh.local_rank("pp"), self.dims.pp, act_shape, cross_entropy_loss)
+                                         self.mesh.local_rank("pp"), self.dims.pp, act_shape, cross_entropy_loss,
+                                         act_dtype=self.mp.stage_activation_dtype)
                 if loss is not None:
                     total += loss.double().cpu()
         for part in self.model_parts:
@@ -404,6 +548,8 @@ class Trainer:
                 dist.all_reduce(share)  # mean over ranks
                 stats["comm_share"] = share.item() / self.dims.world_size
         stats["peak_memory_bytes"] = int(peak.item())
+        stats.update(self.mp.window_metrics())  # precision per group, loss scale, memory per dtype
+        stats.update(self.train_batches.window_stats())  # this rank's data pipeline: I/O wait, cache tiers
         if self.compressor is not None:
             stats.update(self.compressor.window_stats())
         if self.pipeline is not None:
@@ -445,7 +591,7 @@ class Trainer:
             local = self._evaluate_pipeline()
         else:
             self.model.eval()
-            with self._loss_ctx():
+            with self._loss_ctx(), self.mp.autocast():
                 losses = [self._loss(x.to(self.device), y.to(self.device)) for x, y in self.val_set]
             self.model.train()
             local = torch.stack(losses).mean()
@@ -478,8 +624,9 @@ class Trainer:
             if self.step == 0:
                 val = self.evaluate()
                 summary["first_val_loss"] = val
-                self.metrics.write({"step": 0, "val_loss": val})
-                reporter.message(f"step 0 val_loss {val:.4f}")
+                record = self._validation_record(val)
+                self.metrics.write(record)
+                reporter.message(_validation_message(record))
             pending: list[tuple[int, float, torch.Tensor, torch.Tensor]] = []
             window_start, window_steps = time.perf_counter(), 0
             last_saved = -1
@@ -487,18 +634,23 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]
                 # Profile the last step of each logging window when there are collectives to see.
                 profile_now = self.dims.world_size > 1 and (self.step + 1) % tcfg.log_interval == 0
+                # Memory per dtype is taken on the step a logging window is likely to end with.
+                self.measure_memory = self.is_main and ((self.step + 1) % tcfg.log_interval == 0
+                                                       or self.step + 1 == tcfg.steps)
                 with self.comm_probe.measure(profile_now):
                     loss, grad_norm = self.train_step()
                 self.step += 1
                 window_steps += 1
                 pending.append((self.step, lr, loss, grad_norm))
-                last = self.step == tcfg.steps
-                do_val = last or (tcfg.val_interval and self.step % tcfg.val_interval == 0)
-                do_save = last or (ccfg.interval and self.step % ccfg.interval == 0)
+                decision = self._step_decision
+                rollback = decision is not None and decision.action is StepAction.ROLLBACK
+                last = self.step == tcfg.steps and not rollback
+                do_val = last or (tcfg.val_interval and self.step % tcfg.val_interval == 0 and not rollback)
+                do_save = last or (ccfg.interval and self.step % ccfg.interval == 0 and not rollback)
                 for cb in self.callbacks:
                     cb.on_step_end(self, self.step)
                 stopping = self.stop_reason is not None
-                if self.step % tcfg.log_interval == 0 or do_val or do_save or stopping:
+                if self.step % tcfg.log_interval == 0 or do_val or do_save or stopping or rollback:
                     # The only host sync of the loop: one per logging interval.
                     losses = self._mean_over_dp(torch.stack([p[2] for p in pending])).tolist()
                     norms = torch.stack([p[3] for p in pending]).tolist()
@@ -508,6 +660,11 @@ class Trainer:
                     tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
                     mfu = tps * self.flops_per_token / self.peak_flops
                     extra = self._window_stats()
+                    if self.bad_steps is not None:
+                        extra.update(skipped_steps=self.bad_steps.counts["skipped"],
+                                     rollbacks=self.bad_steps.rollbacks)
+                    if self.adaptive_lr is not None:
+                        self._adapt_lr(pending[0][0], losses)
                     for (step, step_lr, _, _), loss_v, norm_v in zip(pending, losses, norms):
                         record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
                                   "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **extra}
@@ -518,15 +675,21 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 else:
                     reporter.advance(self.step)
+                if self.mp.controller is not None and self.step % self.mp.interval_steps == 0:
+                    self._observe_precision()  # after the records of the steps it read
                 if do_val:
                     val = self.evaluate()
                     summary["final_val_loss"] = val
-                    self.metrics.write({"step": self.step, "val_loss": val})
-                    reporter.message(f"step {self.step} val_loss {val:.4f}")
+                    record = self._validation_record(val)
+                    self.metrics.write(record)
+                    reporter.message(_validation_message(record))
                 if do_save or stopping:
                     summary["checkpoint"] = str(self.save())
                     last_saved = self.step
                     window_start = time.perf_counter()  # saving is not training throughput
+                if rollback and not stopping:  # a pending stop (signal) wins: it saved the current state
+                    self._rollback(decision.consecutive_bad)
+                    window_start = time.perf_counter()
             if self.stop_reason is not None and last_saved != self.step:
                 summary["checkpoint"] = str(self.save())
         finally:
@@ -536,8 +699,51 @@ class Trainer:
                 signal.signal(sig, h)
         if self.stop_reason is not None:
             self.log.info(f"stopped at step {self.step}: {self.stop_reason}; resume with --resume {self.run_dir}")
-        summary.update(step=self.step, stop_reason=self.stop_reason, run_dir=str(self.run_dir))
+        summary.update(step=self.step, stop_reason=self.stop_reason, run_dir=str(self.run_dir),
+                       early_stopped=self.early_stopped)
+        if self.bad_steps is not None:
+            summary["bad_steps"] = {**self.bad_steps.counts, "rollbacks": self.bad_steps.rollbacks}
         return summary
 
+    def _observe_precision(self) -> None:
+        """Dynamic precision: the controller sees the buffered steps (one host sync);
+        its switches apply from the next step and each is a metrics record with its reason."""
+        for sw in self.mp.observe(self._mean_over_dp):
+            self.metrics.write({"step": self.step, "precision_switch": f"{sw.group} {sw.old} -> {sw.new}",
+                                "group": sw.group, "from": sw.old, "to": sw.new, "reason": sw.reason,
+                                "decided_at_step": sw.step})
+
+    @property
+    def inference_model(self) -> torch.nn.Module:
+        """The model to sample from after training (single process): the fp32 master copy
+        when parameters are stored low, else the trained model."""
+        return self.mp.master.module if self.mp.master is not None else self.model
+
+    def _adapt_lr(self, first_step: int, losses: list[float]) -> None:
+        """Feed the adaptive LR one logging window's mean training loss (after warmup;
+        the same host values on every rank) and apply a changed multiplier at once."""
+        finite = [x for x in losses if math.isfinite(x)]
+        if first_step <= self.cfg.training.warmup_steps or not finite:
+            return
+        before = self.adaptive_lr.multiplier
+        self.adaptive_lr.observe(sum(finite) / len(finite))
+        if self.adaptive_lr.multiplier != before:
+            for opt, sched in zip(self.optimizers, self.schedulers):
+                self.adaptive_lr.apply(opt, sched)
+            self.metrics.write({"step": self.step, "lr_multiplier": self.adaptive_lr.multiplier,
+                                "lr_event": self.adaptive_lr.last_event})
+            if self.is_main:
+                self.log.info(f"step {self.step}: adaptive LR {self.adaptive_lr.last_event}: multiplier "
+                              f"{before:.3g} -> {self.adaptive_lr.multiplier:.3g}")
+
     def close(self) -> None:
+        self.train_batches.close()
         self.metrics.close()
+
+
+def _validation_message(record: dict[str, Any]) -> str:
+    text = f"step {record['step']} val_loss {record['val_loss']:.4f}"
+    if record.get("predicted_final_loss") is not None:
+        text += (f" (predicted final {record['predicted_final_loss']:.4f} +- {record['predicted_final_loss_std']:.4f}"
+                 f", improvement below min_delta from step {record['predicted_stop_step']})")
+    return text

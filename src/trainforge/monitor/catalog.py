@@ -1,0 +1,285 @@
+"""The table of known metrics: record key -> Prometheus name, type, unit, level, help.
+
+Everything the trainer (or the monitor) puts into a metrics record is looked up here.
+A key with a spec becomes a typed, documented metric; a numeric key without one is
+still exported, as ``trainforge_record_value{key="..."}`` (so a branch that adds a
+record key never breaks monitoring), until someone adds a row here. Adding a metric
+is one ``MetricSpec`` line; ``docs/metrics.md`` is generated from this table
+(``python -m trainforge.monitor.catalog > docs/metrics.md``; a test checks it).
+
+Value shapes a record may hold under a key:
+
+- a number: one sample (labels: ``rank`` plus the spec's fixed labels);
+- a dict ``{label value: number}``: one sample per item, the key filling
+  ``spec.labels[0]`` (e.g. ``grad_norm_group = {"layers.0": 0.3}`` -> ``group="layers.0"``);
+- a list of numbers: one sample per index (``stage_compute_s`` -> ``stage="0"``);
+- ``precision``-style ``{group: dtype name}``: ``encode="dtype_bytes"`` turns the dtype
+  into a ``dtype`` label and its width in bytes into the value (promtool wants base
+  units: bytes, not bits; ``scale`` converts other bit counts the same way).
+
+How a record value updates the metric (``update``):
+
+- ``set``: gauges; the latest record wins.
+- ``cumulative``: counters whose record value is already a running total (``tokens``);
+  a smaller value (resume from an earlier checkpoint, rollback) is a counter reset,
+  as Prometheus' ``rate()`` expects.
+- ``window``: counters whose record value is an amount per logging window; every
+  record of one window carries the same amount, so it is added once per window.
+- ``observe``: histograms; one observation per record that carries the key.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["counter", "gauge", "histogram"]
+Level = Literal["system", "framework", "model"]
+Update = Literal["set", "cumulative", "window", "observe"]
+
+PREFIX = "trainforge_"
+UNKNOWN_NAME = "trainforge_record_value"
+# Step and checkpoint times span CPU toy runs (ms) to large jobs (minutes).
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   300.0, 900.0)
+DTYPE_BYTES = {"fp64": 8, "float64": 8, "fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2,
+               "fp16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    key: str  # record key; a regex when ``pattern`` (its named groups become labels)
+    name: str  # Prometheus name; counters end in _total
+    kind: Kind
+    unit: str
+    level: Level
+    help: str  # what it is and how it is measured (the docs table's last column)
+    labels: tuple[str, ...] = ()  # labels filled from dict keys / list indices / the pattern
+    const_labels: tuple[tuple[str, str], ...] = ()  # fixed labels, e.g. the parallel axis
+    when: str = "always"  # when the value exists
+    pattern: bool = False
+    update: Update | None = None  # default: gauge set, histogram observe, counter cumulative
+    encode: Literal["number", "dtype_bytes"] = "number"
+    scale: float = 1.0  # registry value = record value x scale (record bits -> exported bytes)
+    buckets: tuple[float, ...] = SECONDS_BUCKETS
+
+    @property
+    def how_updated(self) -> Update:
+        if self.update is not None:
+            return self.update
+        return {"gauge": "set", "histogram": "observe", "counter": "cumulative"}[self.kind]
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        extra = ("dtype",) if self.encode == "dtype_bytes" else ()
+        return ("rank", *(k for k, _ in self.const_labels), *self.labels, *extra)
+
+
+def _s(key, name, kind, unit, level, help, **kw) -> MetricSpec:
+    return MetricSpec(key, PREFIX + name, kind, unit, level, help, **kw)
+
+
+CUDA = "CUDA device"
+NVML = "CUDA device and nvidia-ml-py (the `gpu` extra)"
+SAMPLED = "steps sampled every monitor.interval_steps"
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # -- system ------------------------------------------------------------------------
+    _s("cpu_util", "process_cpu_utilization_ratio", "gauge", "ratio", "system",
+       "CPU time this process used over the logging window / (wall time x logical CPUs), from os.times"),
+    _s("cpu_seconds", "process_cpu_seconds_total", "counter", "seconds", "system",
+       "user + system CPU seconds of this process since it started (os.times)"),
+    _s("host_cpu_util", "host_cpu_utilization_ratio", "gauge", "ratio", "system",
+       "busy share of all CPUs of the machine over the logging window, any process (/proc/stat)", when="Linux"),
+    _s("rss_bytes", "process_resident_memory_bytes", "gauge", "bytes", "system",
+       "resident set size of this process at the logging interval (/proc/self/statm)"),
+    _s("peak_memory_bytes", "peak_memory_bytes", "gauge", "bytes", "system",
+       "CUDA allocator peak, or peak RSS on CPU; maximum over ranks (trainer, all-reduce MAX)"),
+    _s("gpu_util", "gpu_utilization_ratio", "gauge", "ratio", "system",
+       "share of the last sample period in which a kernel ran on this rank's GPU (NVML via "
+       "torch.cuda.utilization)", when=NVML),
+    _s("gpu_memory_allocated_bytes", "gpu_memory_allocated_bytes", "gauge", "bytes", "system",
+       "bytes held by tensors in the CUDA caching allocator (torch.cuda.memory_allocated)", when=CUDA),
+    _s("gpu_memory_reserved_bytes", "gpu_memory_reserved_bytes", "gauge", "bytes", "system",
+       "bytes the CUDA caching allocator reserved from the driver (torch.cuda.memory_reserved)", when=CUDA),
+    _s("pcie_bytes_per_s", "host_device_copy_bytes_per_second", "gauge", "bytes/s", "system",
+       "PCIe traffic of this rank's GPU, direction h2d (host to device) or d2h, NVML throughput counters "
+       "(a 20 ms sample at the logging interval)", labels=("direction",), when=NVML),
+    _s("data_wait_s", "data_wait_seconds", "gauge", "seconds", "system",
+       "per step: from the end of the previous optimizer step (or of the logging, validation or "
+       "checkpoint record written since) to the first forward: batch fetch, host-to-device copy issue, "
+       "callbacks (hooks)"),
+    _s("io_read_bytes", "io_read_bytes_total", "counter", "bytes", "system",
+       "bytes this process read: tier=storage from block devices (disk, not page cache), tier=syscall "
+       "through read() calls of any kind (/proc/self/io read_bytes, rchar); memory-mapped shards count "
+       "under storage only when they miss the page cache", labels=("tier",), when="Linux"),
+    _s("data_io_wait_frac", "data_wait_ratio", "gauge", "ratio", "system",
+       "share of the window the training loop waited for the data loader", when="always (the data loader's own clock)"),
+    _s(r"data_hit_rate_(?P<tier>[a-z]+)", "data_cache_hit_ratio", "gauge", "ratio", "system",
+       "share of shard reads served by each cache tier in the window", pattern=True, labels=("tier",),
+       when="data.cache.dir set"),
+    _s(r"data_bytes_(?P<tier>[a-z]+)", "data_cache_read_bytes_total", "counter", "bytes", "system",
+       "bytes read per cache tier (memory, disk, source)", pattern=True, labels=("tier",), update="window",
+       when="data.cache.dir set"),
+    _s("data_prefetch_depth", "data_prefetch_depth", "gauge", "batches", "system",
+       "mean number of batches ready ahead of the loop in the window", when="data.cache.dir set"),
+    _s("data_corrupt_refetched", "data_corrupt_refetched_total", "counter", "shards", "system",
+       "shards that failed an integrity check and were fetched again", update="window",
+       when="data.cache.dir set"),
+    _s("data_quarantined", "data_quarantined_total", "counter", "shards", "system",
+       "shards quarantined after repeated integrity failures", update="window", when="data.cache.dir set"),
+    # -- framework ---------------------------------------------------------------------
+    _s("step", "step", "gauge", "steps", "framework", "optimizer steps completed (the record's step)"),
+    _s("step_s", "step_seconds", "histogram", "seconds", "framework",
+       "per step: first forward to the end of the last optimizer step, plus the data wait before it "
+       "(forward/optimizer hooks; host clock on CPU, CUDA events on GPU)"),
+    _s("forward_s", "forward_seconds", "gauge", "seconds", "framework",
+       "per step: time inside the model's forward, summed over micro-batches and stages (forward hooks)"),
+    _s("backward_s", "backward_seconds", "gauge", "seconds", "framework",
+       "per step: first forward to the optimizer, minus forward time: backward, loss, gradient "
+       "clipping, later micro-batches' data"),
+    _s("optimizer_s", "optimizer_seconds", "gauge", "seconds", "framework",
+       "per step: optimizer.step of all model parts (optimizer step hooks)"),
+    _s("collective_s", "collective_seconds", "gauge", "seconds", "framework",
+       "per step: comm_share x step time (0 for a single process: it has no collectives)"),
+    _s("comm_share", "communication_ratio", "gauge", "ratio", "framework",
+       "time in gloo/NCCL collectives / step time on one profiled step per window (torch.profiler), mean "
+       "over ranks; 0 for a single process"),
+    _s("bubble_fraction", "pipeline_bubble_ratio", "gauge", "ratio", "framework",
+       "pipeline idle time / step time, mean over stages (0 without pipeline parallelism)",
+       const_labels=(("axis", "pp"),)),
+    _s("stage_compute_s", "pipeline_stage_compute_seconds", "gauge", "seconds", "framework",
+       "compute seconds per pipeline stage in the last step, mean over the ranks holding it",
+       labels=("stage",), const_labels=(("axis", "pp"),), when="pipeline parallelism"),
+    _s("tokens", "tokens_total", "counter", "tokens", "framework",
+       "tokens trained on so far, all data-parallel ranks (step x tokens per step)"),
+    _s("tokens_per_s", "tokens_per_second", "gauge", "tokens/s", "framework",
+       "training throughput over the logging window, whole job (wall clock, device synchronised)"),
+    _s("mfu", "mfu_ratio", "gauge", "ratio", "framework",
+       "model FLOPs utilisation: achieved FLOP/s / (measured matmul peak x devices)"),
+    _s("wire_bytes_per_step", "wire_bytes_per_step", "gauge", "bytes", "framework",
+       "gradient bytes this rank sent per step on the data-parallel replicate axis (compression hooks; 0 for "
+       "a single process)", const_labels=(("axis", "dp_replicate"),),
+       when="gradient compression, or a single process"),
+    _s("wire_ratio_vs_fp32", "wire_fp32_ratio", "gauge", "ratio", "framework",
+       "bytes sent / bytes of an fp32 ring all-reduce of the same gradients",
+       const_labels=(("axis", "dp_replicate"),), when="gradient compression"),
+    _s("compression_bits", "compression_value_bytes", "gauge", "bytes", "framework",
+       "bytes per gradient value each bucket used last (the record's bits / 8)", labels=("bucket",), scale=1 / 8,
+       const_labels=(("axis", "dp_replicate"),), when="gradient compression"),
+    _s("checkpoint_save_s", "checkpoint_save_seconds", "histogram", "seconds", "framework",
+       "wall time of one checkpoint save, all ranks (Trainer.save)"),
+    _s("top_ops", "operator_self_seconds", "gauge", "seconds", "framework",
+       "self time of the most expensive operators in one profiled step (torch.profiler: CPU self time from "
+       "its raw events, equal to key_averages; on CUDA key_averages' device self time)", labels=("op",),
+       when="monitor.profile_every > 0"),
+    _s("optimizer_skipped_steps", "optimizer_skipped_steps_total", "counter", "steps", "framework",
+       "training steps on which no optimizer step ran since this process started (loss-scale overflow, "
+       "bad-step skip), counted by optimizer step hooks"),
+    _s("monitor_s", "monitor_seconds_total", "counter", "seconds", "framework",
+       "host seconds this process spent in monitoring (its hooks, record enrichment, registry, sinks; "
+       "not the profiler's slowdown of a profiled step), measured around each of them"),
+    _s("parallel_degree", "parallel_degree", "gauge", "ranks", "framework",
+       "size of each parallel axis of the layout (pp, dp_replicate, dp_shard, tp)", labels=("axis",)),
+    # -- model -------------------------------------------------------------------------
+    _s("loss", "loss", "gauge", "nats", "model", "training loss of the step, mean over data-parallel ranks"),
+    _s("val_loss", "validation_loss", "gauge", "nats", "model",
+       "mean loss over the fixed validation set (every training.val_interval steps)"),
+    _s("lr", "learning_rate", "gauge", "1", "model", "learning rate of the step (first parameter group)"),
+    _s("grad_norm", "gradient_norm", "gauge", "1", "model",
+       "global L2 norm of all gradients before clipping, all ranks' shards"),
+    _s("grad_norm_group", "gradient_group_norm", "gauge", "1", "model",
+       "L2 norm of one layer group's gradients after clipping (what the optimizer applies; optimizer "
+       "pre-step hook)", labels=("group",), when=SAMPLED),
+    _s("param_norm", "parameter_norm", "gauge", "1", "model", "L2 norm of all parameters after the step",
+       when=SAMPLED),
+    _s("param_norm_group", "parameter_group_norm", "gauge", "1", "model",
+       "L2 norm of one layer group's parameters after the step", labels=("group",), when=SAMPLED),
+    _s("update_ratio", "update_weight_ratio", "gauge", "ratio", "model",
+       "||w_after - w_before|| / ||w_before|| over all parameters for one optimizer step (a parameter copy "
+       "taken in the pre-step hook)", when=SAMPLED),
+    _s("update_ratio_group", "update_weight_group_ratio", "gauge", "ratio", "model",
+       "the update/weight ratio per layer group", labels=("group",), when=SAMPLED),
+    _s("act_mean", "activation_mean", "gauge", "1", "model",
+       "mean of each transformer block's output (forward hooks on the sampled step, mean over micro-batches)",
+       labels=("block",), when="monitor.activation_stats"),
+    _s("act_std", "activation_std", "gauge", "1", "model", "standard deviation of each block's output",
+       labels=("block",), when="monitor.activation_stats"),
+    _s("act_max", "activation_abs_max", "gauge", "1", "model", "largest |value| of each block's output",
+       labels=("block",), when="monitor.activation_stats"),
+    _s("skipped_steps", "skipped_steps_total", "counter", "steps", "model",
+       "steps skipped by the loss scaler (fp16 overflow) or the bad-step policy, as the trainer counts them",
+       when="fp16 loss scaling or bad_steps.enabled"),
+    _s("loss_scale", "loss_scale", "gauge", "1", "model",
+       "factor the loss is multiplied by before backward; 1 without loss scaling"),
+    _s("precision", "precision_value_bytes", "gauge", "bytes", "model",
+       "compute precision of each module group (label dtype; value its width in bytes): the parameters' "
+       "dtype unless a precision policy reports otherwise", labels=("group",), encode="dtype_bytes"),
+    _s(r"mem_(?P<category>[a-z_]+)_(?P<dtype>[a-z]+[0-9][a-z0-9]*)_bytes", "memory_bytes", "gauge", "bytes",
+       "model", "bytes of parameters, gradients, optimizer state and saved activations per dtype",
+       pattern=True, labels=("category", "dtype"), when="rank 0, last step of each logging window"),
+    _s("mem_tracked_bytes", "memory_tracked_bytes", "gauge", "bytes", "model",
+       "sum of the per-dtype memory categories", when="rank 0, last step of each logging window"),
+    _s("rollbacks", "rollbacks_total", "counter", "rollbacks", "model",
+       "rollbacks to an earlier checkpoint by the bad-step policy", when="bad_steps.enabled"),
+    _s("lr_multiplier", "learning_rate_multiplier", "gauge", "1", "model",
+       "adaptive LR multiplier applied on top of the schedule", when="adaptive_lr.enabled (on its events)"),
+    _s("predicted_final_loss", "predicted_final_loss", "gauge", "nats", "model",
+       "learning-curve prediction of the final validation loss", when="early_stop.mode = predict"),
+    _s("predicted_final_loss_std", "predicted_final_loss_std", "gauge", "nats", "model",
+       "spread of that prediction (bootstrap)", when="early_stop.mode = predict"),
+)
+
+# Keys the monitor adds whose values come from clocks and OS counters (or count from this
+# process's start), so two runs of the same training differ in them: tests that compare
+# records of an interrupted+resumed run with an uninterrupted one leave them out.
+MEASURED_KEYS = frozenset({"step_s", "forward_s", "backward_s", "optimizer_s", "data_wait_s", "collective_s",
+                           "cpu_util", "cpu_seconds", "host_cpu_util", "rss_bytes", "io_read_bytes", "gpu_util",
+                           "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes", "pcie_bytes_per_s", "top_ops",
+                           "monitor_s", "optimizer_skipped_steps"})
+
+# Record keys that are bookkeeping, not measurements.
+IGNORED_KEYS = frozenset({"checkpoint", "decided_at_step", "predicted_stop_step", "mem_peak_bytes"})
+
+_EXACT = {s.key: s for s in CATALOG if not s.pattern}
+_PATTERNS = [(re.compile(s.key + "$"), s) for s in CATALOG if s.pattern]
+
+
+def lookup(key: str) -> tuple[MetricSpec | None, dict[str, str]]:
+    """The spec for a record key and the labels its pattern captured; (None, {}) if unknown."""
+    spec = _EXACT.get(key)
+    if spec is not None:
+        return spec, {}
+    for regex, spec in _PATTERNS:
+        m = regex.match(key)
+        if m:
+            return spec, m.groupdict()
+    return None, {}
+
+
+def markdown_table() -> str:
+    """The docs table (docs/metrics.md), one row per metric."""
+    lines = ["# trainforge metrics", "",
+             "Generated from `src/trainforge/monitor/catalog.py` by "
+             "`python -m trainforge.monitor.catalog > docs/metrics.md`; do not edit by hand.", "",
+             "Every metric carries a `rank` label (the global rank that exported it). A record key not in this",
+             f"table is still exported, as `{UNKNOWN_NAME}{{key=\"...\"}}`.", ""]
+    for level in ("system", "framework", "model"):
+        lines += [f"## {level}", "", "| name | type | unit | level | labels | record key | when | how measured |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for s in CATALOG:
+            if s.level != level:
+                continue
+            const = dict(s.const_labels)
+            labels = ", ".join(f"`{n}={const[n]}`" if n in const else f"`{n}`" for n in s.label_names)
+            key = f"`{s.key}` (pattern)" if s.pattern else f"`{s.key}`"
+            cells = [f"`{s.name}`", s.kind, s.unit, s.level, labels, key, s.when, s.help.replace("|", "\\|")]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

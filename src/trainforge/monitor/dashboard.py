@@ -1,0 +1,239 @@
+"""The Grafana dashboard, generated from code with grafana-foundation-sdk (pinned in
+the ``dev`` extra), plus the provisioning files that load it.
+
+    python -m trainforge.monitor.dashboard deploy/grafana   # rewrites the shipped files
+
+One row per level (system, framework, model). Every query uses only metrics from
+``catalog.py`` and a ``rank`` variable; ``tests/monitor/test_prometheus_e2e.py`` runs
+every query against a real Prometheus scraping a real run. Panels whose description
+says "Needs: CUDA" have no data on a CPU run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+UID = "trainforge-training"
+DATASOURCE_UID = "prometheus"  # the provisioned data source (deploy/grafana/provisioning/datasources)
+R = '{rank=~"$rank"}'
+CUDA_NOTE = "Needs: CUDA"
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    level: str
+    title: str
+    unit: str
+    targets: tuple[tuple[str, str], ...]  # (PromQL, legend)
+    description: str = ""
+    kind: str = "timeseries"  # or "bargauge"
+
+
+def q(metric: str, legend: str) -> tuple[str, str]:
+    return f"{metric}{R}", legend
+
+
+PANELS: tuple[PanelSpec, ...] = (
+    # -- system -------------------------------------------------------------------------
+    PanelSpec("system", "CPU utilisation", "percentunit",
+              (q("trainforge_process_cpu_utilization_ratio", "process, rank {{rank}}"),
+               q("trainforge_host_cpu_utilization_ratio", "whole machine, rank {{rank}}'s host")),
+              "Share of all CPUs: this process (os.times) and every process (/proc/stat)."),
+    PanelSpec("system", "Process memory", "bytes",
+              (q("trainforge_process_resident_memory_bytes", "RSS rank {{rank}}"),
+               q("trainforge_peak_memory_bytes", "peak (max over ranks)"))),
+    PanelSpec("system", "GPU utilisation", "percentunit",
+              (q("trainforge_gpu_utilization_ratio", "rank {{rank}}"),), f"NVML. {CUDA_NOTE}"),
+    PanelSpec("system", "GPU memory", "bytes",
+              (q("trainforge_gpu_memory_allocated_bytes", "allocated rank {{rank}}"),
+               q("trainforge_gpu_memory_reserved_bytes", "reserved rank {{rank}}")),
+              f"CUDA caching allocator. {CUDA_NOTE}"),
+    PanelSpec("system", "Host <-> device copies", "Bps",
+              (q("trainforge_host_device_copy_bytes_per_second", "{{direction}} rank {{rank}}"),),
+              f"PCIe throughput from NVML. {CUDA_NOTE}"),
+    PanelSpec("system", "Data-loader wait", "s",
+              (q("trainforge_data_wait_seconds", "rank {{rank}}"),),
+              "Per step: end of the previous optimizer step to the first forward."),
+    PanelSpec("system", "Data-loader wait share", "percentunit",
+              (q("trainforge_data_wait_ratio", "rank {{rank}}"),),
+              "Share of the logging window the loop waited for the data loader (data pipeline's own clock)."),
+    PanelSpec("system", "Cache hit ratio per tier", "percentunit",
+              (q("trainforge_data_cache_hit_ratio", "{{tier}} rank {{rank}}"),), "Needs: data.cache.dir"),
+    PanelSpec("system", "Bytes read per cache tier", "Bps",
+              (("rate(trainforge_data_cache_read_bytes_total" + R + "[1m])", "{{tier}} rank {{rank}}"),),
+              "Needs: data.cache.dir"),
+    PanelSpec("system", "Bytes read", "Bps",
+              (("rate(trainforge_io_read_bytes_total" + R + "[1m])", "{{tier}} rank {{rank}}"),),
+              "storage: from block devices; syscall: all read() calls, page cache included."),
+    # -- framework ----------------------------------------------------------------------
+    PanelSpec("framework", "Step time", "s",
+              (("histogram_quantile(0.5, sum by (le, rank) (rate(trainforge_step_seconds_bucket" + R + "[1m])))",
+                "p50 rank {{rank}}"),
+               ("histogram_quantile(0.95, sum by (le, rank) (rate(trainforge_step_seconds_bucket" + R + "[1m])))",
+                "p95 rank {{rank}}"),
+               ("rate(trainforge_step_seconds_sum" + R + "[1m]) / rate(trainforge_step_seconds_count" + R + "[1m])",
+                "mean rank {{rank}}"))),
+    PanelSpec("framework", "Step phases", "s",
+              (q("trainforge_forward_seconds", "forward rank {{rank}}"),
+               q("trainforge_backward_seconds", "backward rank {{rank}}"),
+               q("trainforge_optimizer_seconds", "optimizer rank {{rank}}"),
+               q("trainforge_collective_seconds", "collectives rank {{rank}}"),
+               q("trainforge_data_wait_seconds", "data wait rank {{rank}}")),
+              "Per step, from forward and optimizer hooks; collectives = communication share x step time."),
+    PanelSpec("framework", "Communication share and pipeline bubble", "percentunit",
+              (q("trainforge_communication_ratio", "in collectives rank {{rank}}"),
+               q("trainforge_pipeline_bubble_ratio", "pipeline bubble rank {{rank}}"))),
+    PanelSpec("framework", "Throughput", "short",
+              (q("trainforge_tokens_per_second", "tokens/s (window) rank {{rank}}"),
+               ("rate(trainforge_tokens_total" + R + "[1m])", "tokens/s (1m rate) rank {{rank}}"))),
+    PanelSpec("framework", "MFU", "percentunit", (q("trainforge_mfu_ratio", "rank {{rank}}"),),
+              "Against the measured dense matmul peak of the device."),
+    PanelSpec("framework", "Gradient bytes on the wire", "bytes",
+              (q("trainforge_wire_bytes_per_step", "per step, rank {{rank}}"),),
+              "Bytes this rank sent per step on the dp_replicate axis (gradient compression)."),
+    PanelSpec("framework", "Checkpoint save time", "s",
+              (("trainforge_checkpoint_save_seconds_sum" + R + " / trainforge_checkpoint_save_seconds_count" + R,
+                "mean rank {{rank}}"),
+               ("trainforge_checkpoint_save_seconds_count" + R, "saves rank {{rank}}"))),
+    PanelSpec("framework", "Monitoring cost", "percentunit",
+              (("rate(trainforge_monitor_seconds_total" + R + "[1m])", "rank {{rank}}"),),
+              "Share of wall time spent in the monitor's hooks and write path (not the profiler's slowdown)."),
+    PanelSpec("framework", "Top operators (profiled step)", "s",
+              (("topk(10, trainforge_operator_self_seconds" + R + ")", "{{op}} rank {{rank}}"),),
+              "Self time per operator in the latest profiled step (monitor.profile_every).", kind="bargauge"),
+    # -- model --------------------------------------------------------------------------
+    PanelSpec("model", "Loss", "short",
+              (q("trainforge_loss", "train rank {{rank}}"), q("trainforge_validation_loss", "validation rank {{rank}}"))),
+    PanelSpec("model", "Learning rate", "short", (q("trainforge_learning_rate", "rank {{rank}}"),)),
+    PanelSpec("model", "Gradient norm", "short",
+              (q("trainforge_gradient_norm", "global, before clipping"),
+               q("trainforge_gradient_group_norm", "{{group}} (after clipping)"))),
+    PanelSpec("model", "Parameter norm", "short",
+              (q("trainforge_parameter_norm", "all parameters"), q("trainforge_parameter_group_norm", "{{group}}"))),
+    PanelSpec("model", "Update / weight ratio", "short",
+              (q("trainforge_update_weight_ratio", "all parameters"),
+               q("trainforge_update_weight_group_ratio", "{{group}}")),
+              "||w_after - w_before|| / ||w_before|| on sampled steps; ~1e-3 is typical for AdamW."),
+    PanelSpec("model", "Activations per block", "short",
+              (q("trainforge_activation_std", "std {{block}}"), q("trainforge_activation_abs_max", "max |x| {{block}}"),
+               q("trainforge_activation_mean", "mean {{block}}")),
+              "Transformer block outputs on sampled steps (monitor.activation_stats)."),
+    PanelSpec("model", "Skipped steps", "short",
+              (q("trainforge_optimizer_skipped_steps_total", "no optimizer step, rank {{rank}}"),
+               q("trainforge_skipped_steps_total", "skipped by the trainer, rank {{rank}}"),
+               q("trainforge_rollbacks_total", "rollbacks, rank {{rank}}")),
+              "No optimizer step ran (monitor's count); the trainer's count needs a loss scaler (fp16) or "
+              "bad_steps.enabled, rollbacks need bad_steps.enabled."),
+    PanelSpec("model", "Loss scale", "short", (q("trainforge_loss_scale", "rank {{rank}}"),),
+              "1 without loss scaling."),
+    PanelSpec("model", "Memory per dtype", "bytes",
+              (q("trainforge_memory_bytes", "{{category}} {{dtype}}"),),
+              "Parameters, gradients, optimizer state and saved activations (rank 0, last step of a window)."),
+    PanelSpec("model", "Precision per module group", "bytes",
+              (q("trainforge_precision_value_bytes", "{{group}} {{dtype}}"),), "Bytes per value of the compute dtype."),
+)
+
+
+def build_dashboard() -> dict:
+    """The dashboard as Grafana JSON (a plain dict)."""
+    from grafana_foundation_sdk.builders import bargauge, dashboard, prometheus, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
+
+    ds = DataSourceRef(type_val="prometheus", uid="${datasource}")
+    rank = (dashboard.QueryVariable("rank").label("rank").datasource(ds)
+            .query("label_values(trainforge_step, rank)").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .multi(True).include_all(True).all_value(".*"))
+    source = dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+    board = (dashboard.Dashboard("trainforge training").uid(UID).tags(["trainforge", "training"])
+             .refresh("10s").time("now-1h", "now").timezone("browser").with_variable(source).with_variable(rank))
+    for level in ("system", "framework", "model"):
+        board = board.with_row(dashboard.Row(f"{level.capitalize()} metrics"))
+        for spec in (p for p in PANELS if p.level == level):
+            panel = (bargauge.Panel() if spec.kind == "bargauge" else timeseries.Panel())
+            panel = panel.title(spec.title).unit(spec.unit).datasource(ds).height(8).span(8)
+            if spec.description:
+                panel = panel.description(spec.description)
+            for i, (expr, legend) in enumerate(spec.targets):
+                panel = panel.with_target(prometheus.Dataquery().expr(expr).legend_format(legend)
+                                          .ref_id(chr(ord("A") + i)).datasource(ds))
+            board = board.with_panel(panel)
+    out = _drop_nulls(json.loads(json.dumps(board.build(), cls=JSONEncoder)))
+    for i, panel in enumerate(out["panels"], start=1):
+        panel["id"] = i  # the SDK leaves every id at 0; Grafana keys panel links and edits by id
+    return out
+
+
+def _drop_nulls(obj):
+    """The SDK writes unset fields as null (e.g. ``"options": null``); Grafana expects them absent."""
+    if isinstance(obj, dict):
+        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_nulls(v) for v in obj]
+    return obj
+
+
+PROVISION_DASHBOARDS = """\
+# Grafana dashboard provisioning: copy to /etc/grafana/provisioning/dashboards/ and the
+# dashboard JSON to the path below.
+apiVersion: 1
+providers:
+  - name: trainforge
+    folder: trainforge
+    type: file
+    allowUiUpdates: true
+    options:
+      path: /var/lib/grafana/dashboards/trainforge
+"""
+
+PROVISION_DATASOURCE = f"""\
+# Grafana data source provisioning: copy to /etc/grafana/provisioning/datasources/.
+apiVersion: 1
+datasources:
+  - name: Prometheus
+    uid: {DATASOURCE_UID}
+    type: prometheus
+    access: proxy
+    url: http://127.0.0.1:9090
+    isDefault: true
+    jsonData:
+      timeInterval: 5s
+"""
+
+PROMETHEUS_CONFIG = """\
+# Prometheus scrape config for trainforge runs with --monitor.prometheus_port 9400.
+# Each process serves prometheus_port + LOCAL_RANK on its own node: list one target
+# per local rank and node (here: 2 nodes x 8 processes would be 16 targets).
+global:
+  scrape_interval: 5s
+scrape_configs:
+  - job_name: trainforge
+    static_configs:
+      - targets: ["127.0.0.1:9400"]  # add 127.0.0.1:9401 ... for more processes per node
+"""
+
+
+def files() -> dict[str, str]:
+    """Relative path -> content of everything under deploy/grafana and deploy/prometheus."""
+    return {"grafana/dashboards/trainforge.json": json.dumps(build_dashboard(), indent=2, sort_keys=True) + "\n",
+            "grafana/provisioning/dashboards/trainforge.yaml": PROVISION_DASHBOARDS,
+            "grafana/provisioning/datasources/prometheus.yaml": PROVISION_DATASOURCE,
+            "prometheus/prometheus.yml": PROMETHEUS_CONFIG}
+
+
+def write(root: Path) -> list[Path]:
+    out = []
+    for rel, text in files().items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        out.append(path)
+    return out
+
+
+if __name__ == "__main__":
+    for p in write(Path(sys.argv[1] if len(sys.argv) > 1 else "deploy")):
+        print(p)

@@ -1,0 +1,145 @@
+"""Destinations for the registry's values, beside the JSONL file (``train/metrics.py``).
+
+- ``PrometheusSink``: a prometheus_client HTTP endpoint that renders the registry at
+  each scrape (a custom collector, so a scrape sees exactly what the registry holds),
+  bound to ``monitor.prometheus_host`` (127.0.0.1 by default); one port per rank
+  (``prometheus_port + LOCAL_RANK``); at close, an optional push to a Pushgateway.
+- ``TensorBoardSink``: one scalar per changed sample per record, at the record's step.
+
+A sink implements ``emit(step, samples)``, ``flush()`` and ``close()``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+
+from trainforge.errors import ConfigError
+from trainforge.log import get_logger
+from trainforge.monitor.registry import Labels, Registry, Sample
+
+
+class RegistryCollector:
+    """prometheus_client collector rendering a ``Registry``."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    def describe(self):
+        return []  # no names up front: families appear as records bring them
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        for fam in self.registry.families():
+            names = list(fam.label_names)
+            if fam.kind == "histogram":
+                out = HistogramMetricFamily(fam.name, fam.help, labels=names)
+                for labels, h in fam.hists.items():
+                    out.add_metric(_values(labels, names), h.cumulative(), h.sum)
+            else:
+                cls = CounterMetricFamily if fam.kind == "counter" else GaugeMetricFamily
+                out = cls(fam.name, fam.help, labels=names)
+                for labels, v in fam.values.items():
+                    out.add_metric(_values(labels, names), v)
+            yield out
+
+
+def _values(labels: Labels, names: list[str]) -> list[str]:
+    d = dict(labels)
+    return [d.get(n, "") for n in names]
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class PrometheusSink:
+    def __init__(self, registry: Registry, host: str, port: int, pushgateway_url: str = "",
+                 pushgateway_job: str = "trainforge"):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self.registry, self.host, self.port = registry, host, port
+        self.pushgateway_url, self.pushgateway_job = pushgateway_url, pushgateway_job
+        self.collector_registry = CollectorRegistry(auto_describe=False)
+        self.collector_registry.register(RegistryCollector(registry))
+        self.server = self.thread = None
+        if port:
+            if port > 65535:
+                raise ConfigError(f"config key 'monitor.prometheus_port': this rank would serve port {port} "
+                                  "(prometheus_port + LOCAL_RANK), above 65535; pick a lower port")
+            try:
+                self.server, self.thread = start_http_server(port, addr=host, registry=self.collector_registry)
+            except OSError as e:
+                raise ConfigError(f"config key 'monitor.prometheus_port' = {port}: cannot listen on {host}:{port} "
+                                  f"({e.strerror or e}); pick a free port, or 0 to turn the endpoint off") from None
+            get_logger().info(f"metrics endpoint: http://{host}:{port}/metrics")
+            if not is_loopback(host):
+                get_logger().warning(f"metrics endpoint listens on {host}:{port}: reachable from the network "
+                                     "(monitor.prometheus_host = 127.0.0.1 keeps it local)")
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The address the endpoint is bound to (host, port), or None when off."""
+        return self.server.server_address[:2] if self.server is not None else None
+
+    def emit(self, step: int, samples: list[Sample]) -> None:
+        pass  # scrapes read the registry directly
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.pushgateway_url:
+            from prometheus_client import push_to_gateway
+
+            try:
+                push_to_gateway(self.pushgateway_url, job=self.pushgateway_job, registry=self.collector_registry,
+                                grouping_key={"rank": self.registry.rank}, timeout=10)
+            except OSError as e:  # the job's results are safe in metrics.jsonl; do not fail the run
+                get_logger().warning(f"push to Pushgateway {self.pushgateway_url} failed: {e}")
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.thread.join(timeout=5)
+            self.server = None
+
+
+class TensorBoardSink:
+    """Tags are ``level/name`` plus the labels other than rank, e.g.
+    ``model/trainforge_gradient_group_norm/group=layers.0``."""
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("config key 'monitor.tensorboard' = true needs the tensorboard package: "
+                              "pip install 'trainforge[tensorboard]', or set it to false") from None
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    @staticmethod
+    def tag(s: Sample) -> str:
+        level = s.spec.level if s.spec is not None else "other"
+        rest = ",".join(f"{k}={v}" for k, v in s.labels if k != "rank")
+        return f"{level}/{s.name}" + (f"/{rest}" if rest else "")
+
+    def emit(self, step: int, samples: list[Sample]) -> None:
+        for s in samples:
+            self.writer.add_scalar(self.tag(s), s.value, global_step=step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (for tests and examples)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
