@@ -28,6 +28,16 @@ def test_generate_leaves_a_training_model_as_it_was():
     assert generate(model, [1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0.8, seed=4)).output_ids == a
 
 
+def test_generate_inside_the_trainers_autocast_runs_in_the_models_dtype():
+    """The sample after a bf16-mixed run is drawn inside the trainer's autocast: the engine
+    must still compute in fp32 (the parameters' dtype) and give the fp32 tokens."""
+    model = build_model(FLAVORS["debug"], seed=0).eval()
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    want = generate(model, [5, 6, 7], params).output_ids
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert generate(model, [5, 6, 7], params).output_ids == want
+
+
 def test_cli_train_then_generate(tmp_path, small_data):
     run_dir = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "trainforge", "train", "--run_dir", str(run_dir),

@@ -102,8 +102,8 @@ def _train(argv: list[str]) -> int:
         from trainforge.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(trainer.data.tokenizer_path)
-        with trainer.mp.autocast():  # low-precision weights need the run's autocast
-            print("sample:\n" + generate_text(trainer.inference_model, tok, s.prompt, opts))
+        # The engine runs in the inference model's own dtype (generate turns autocast off).
+        print("sample:\n" + generate_text(trainer.inference_model, tok, s.prompt, opts))
     return 0 if completed else 130
 
 
@@ -242,7 +242,12 @@ def _serve(argv: list[str]) -> int:
     import os
 
     from trainforge.infer.engine import Engine
-    from trainforge.infer.server import ServerConfig, serve
+
+    try:
+        from trainforge.infer.server import ServerConfig, serve
+    except ImportError as e:
+        raise TrainforgeError(f"trainforge serve needs the server packages ({e.name} is missing): "
+                              "pip install 'trainforge[infer]'") from None
 
     p = argparse.ArgumentParser(prog="trainforge serve",
                                 description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "

@@ -4,6 +4,8 @@ mode restored), so it also serves a model that is still training."""
 
 from __future__ import annotations
 
+import torch
+
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model.llama import Transformer
@@ -25,9 +27,13 @@ def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, 
                          f"model's max_seq_len {model.cfg.max_seq_len}")
     was_training = model.training
     config = config or EngineConfig(max_batch_size=1, max_queue=1, max_context=total, fuse=False)
+    # The engine computes in the parameters' dtype into buffers of that dtype; a caller's
+    # autocast (the trainer's mixed precision) would hand it other dtypes.
+    device_type = model.tok_embeddings.weight.device.type
     try:
-        engine = Engine(model, config, tokenizer=tokenizer, eos_ids=eos_ids)
-        return engine.generate([list(prompt_ids)], params)[0]
+        with torch.autocast(device_type, enabled=False):
+            engine = Engine(model, config, tokenizer=tokenizer, eos_ids=eos_ids)
+            return engine.generate([list(prompt_ids)], params)[0]
     finally:
         model.train(was_training)
 
