@@ -191,8 +191,17 @@ def test_health_stays_ok_under_load_and_metrics_report(server):
     assert results == [200] * 4
     assert sum(b >= 2 for b in busy) >= 3, busy  # checks that ran while the engine was decoding a batch
     assert max(latencies) < 1.0, latencies
-    metrics = server.http.get("/metrics").text
-    for name in ("trainforge_running_requests", "trainforge_kv_block_utilisation", "trainforge_generated_tokens_total",
-                 "trainforge_time_to_first_token_seconds_count", 'trainforge_http_requests_total{path="/health"'):
-        assert name in metrics, name
+    # /metrics: the monitoring registry's names (monitor/catalog.py) and values that add up.
+    metrics = {}
+    for line in server.http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            metrics[name] = float(value)
+    s = engine.stats()
+    assert metrics['trainforge_inference_generated_tokens_total{rank="0"}'] == s["generated_tokens"] >= 400
+    assert metrics['trainforge_inference_requests_finished_total{rank="0",reason="length"}'] >= 4
+    assert metrics['trainforge_kv_cache_block_utilization_ratio{rank="0"}'] == 0.0  # all requests done
+    assert metrics['trainforge_kv_cache_blocks_capacity{rank="0"}'] == engine.pool.usable_blocks
+    assert metrics['trainforge_inference_time_to_first_token_seconds_count{rank="0"}'] >= 4
+    assert metrics['trainforge_http_requests_total{path="/health",rank="0",status="200"}'] >= len(latencies)
     print(json.dumps({"health_latency_max_s": round(max(latencies), 4), "load_during_checks": busy}))

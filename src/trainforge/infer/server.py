@@ -2,9 +2,11 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``"stream": true`` as server-sent events ending ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text, ``prometheus_client`` with a registry of
-its own). Binds 127.0.0.1 unless told otherwise; with an API key every endpoint but
-``/health`` wants ``Authorization: Bearer KEY``.
+``GET /health``, ``GET /metrics`` (Prometheus text: the monitoring ``Registry``, fed engine
+records and exposed through ``prometheus_client``, so metric names, types and help come
+from ``monitor/catalog.py`` and appear in ``docs/metrics.md``). Binds 127.0.0.1 unless
+told otherwise; with an API key every endpoint but ``/health`` wants ``Authorization:
+Bearer KEY``. Needs the ``infer`` extra (fastapi, uvicorn).
 
 The engine steps in its own thread; handlers only submit requests and await the tokens it
 hands back (``Request.on_update`` -> ``loop.call_soon_threadsafe``), so the event loop
@@ -130,24 +132,22 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
     """The FastAPI app. The caller runs ``engine.start()`` (``serve`` does)."""
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from starlette.exceptions import HTTPException
+
+    from trainforge.monitor.registry import Registry
+    from trainforge.monitor.sinks import RegistryCollector
 
     config = config or ServerConfig()
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer (the checkpoint has no tokenizer.json)")
     max_concurrent = config.max_concurrent or engine.config.max_batch_size + engine.config.max_queue
-    registry = CollectorRegistry()
-    http_requests = Counter("trainforge_http_requests", "HTTP requests by path and status", ["path", "status"],
-                            registry=registry)
-    ttft = Histogram("trainforge_time_to_first_token_seconds", "submit to first token", registry=registry,
-                     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-    latency = Histogram("trainforge_request_seconds", "submit to last token", registry=registry,
-                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-    registry.register(_EngineCollector(engine))
+    metrics_registry = Registry(rank=0)
+    exposition = CollectorRegistry(auto_describe=False)
+    exposition.register(RegistryCollector(metrics_registry))
 
     app = FastAPI(title="trainforge", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Gate, api_key=config.api_key, counter=http_requests)
+    app.add_middleware(_Gate, api_key=config.api_key, registry=metrics_registry)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -174,7 +174,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        metrics_registry.ingest(engine_record(engine))
+        return PlainTextResponse(generate_latest(exposition), media_type=CONTENT_TYPE_LATEST)
 
     async def read_body(request: HTTPRequest) -> dict:
         if engine.load() >= max_concurrent:  # before reading anything: the cheapest refusal
@@ -236,10 +237,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
         def observe() -> None:
-            if req.ttft_s is not None:
-                ttft.observe(req.ttft_s)
-            if req.finished_s is not None:
-                latency.observe(req.finished_s - req.created_s)
+            metrics_registry.ingest({"ttft_s": req.ttft_s,
+                                     "request_s": None if req.finished_s is None else req.finished_s - req.created_s})
 
         if not stream:
             try:
@@ -321,8 +320,9 @@ class _Gate:
 
     KNOWN = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app, api_key: str | None, counter):
-        self.app, self.api_key, self.counter = app, api_key, counter
+    def __init__(self, app, api_key: str | None, registry):
+        self.app, self.api_key, self.registry = app, api_key, registry
+        self.counts: dict[tuple[str, int], int] = {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -348,43 +348,21 @@ class _Gate:
                     return
             await self.app(scope, receive, counting_send)
         finally:
-            self.counter.labels(path=path if path in self.KNOWN else "other", status=str(status[0])).inc()
+            key = (path if path in self.KNOWN else "other", status[0])
+            self.counts[key] = n = self.counts.get(key, 0) + 1  # one event loop: no lock needed
+            self.registry.ingest({f"http_requests {key[0]} {key[1]}": n})
 
 
-class _EngineCollector:
-    """Engine gauges and counters, read at scrape time (no background updater)."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        s = self.engine.stats()
-        pool = s["kv_pool"]
-        gauges = {
-            "trainforge_running_requests": ("requests in the decode batch", s["running"]),
-            "trainforge_waiting_requests": ("requests waiting for a batch row", s["waiting"]),
-            "trainforge_kv_blocks_used": ("KV-cache blocks holding tokens", pool["blocks_used"]),
-            "trainforge_kv_blocks_reserved": ("KV-cache blocks reserved (used + promised)", pool["blocks_reserved"]),
-            "trainforge_kv_blocks_total": ("KV-cache blocks in the pool", pool["blocks_total"]),
-            "trainforge_kv_block_utilisation": ("used / total KV blocks", pool["block_utilisation"]),
-            "trainforge_kv_slot_utilisation": ("tokens stored / slots of used blocks", pool["slot_utilisation"]),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
-            "trainforge_prompt_tokens": ("prompt tokens prefilled", s["prompt_tokens"]),
-            "trainforge_generated_tokens": ("tokens generated", s["generated_tokens"]),
-            "trainforge_decode_steps": ("batched decode steps", s["decode_steps"]),
-            "trainforge_requests_rejected": ("requests refused: queue full", s["rejected"]),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
-        finished = CounterMetricFamily("trainforge_requests_finished", "finished requests by reason", labels=["reason"])
-        for reason in ("stop", "length", "abort"):
-            finished.add_metric([reason], s[f"finished_{reason}"])
-        yield finished
+def engine_record(engine: Engine) -> dict[str, Any]:
+    """The engine's state as a metrics record (keys in ``monitor/catalog.py``), read at scrape time."""
+    s = engine.stats()
+    pool = s["kv_pool"]
+    return {"infer_running": s["running"], "infer_waiting": s["waiting"], "kv_blocks_used": pool["blocks_used"],
+            "kv_blocks_reserved": pool["blocks_reserved"], "kv_blocks_capacity": pool["blocks_total"],
+            "kv_block_utilisation": pool["block_utilisation"], "kv_slot_utilisation": pool["slot_utilisation"],
+            "infer_prompt_tokens": s["prompt_tokens"], "infer_generated_tokens": s["generated_tokens"],
+            "infer_decode_steps": s["decode_steps"], "infer_rejected": s["rejected"],
+            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort")}}
 
 
 def serve(engine: Engine, tokenizer, config: ServerConfig) -> None:
