@@ -1,4 +1,4 @@
-"""``trainforge <command>``: prepare, train, generate, report.
+"""``trainforge <command>``: prepare, train, generate, quantize, serve, report.
 
 User errors (config, data, checkpoints) print one line naming the key or file and
 the fix, and exit with status 2; no traceback, nothing half-written.
@@ -95,39 +95,192 @@ def _train(argv: list[str]) -> int:
     if summary.get("early_stopped"):
         print(f"stopped early at step {summary['step']}: {summary['stop_reason']}")
     if completed and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1:
-        from trainforge.infer.generate import SamplingOptions, generate_text
+        from trainforge.infer.generate import SamplingParams, generate_text
 
-        opts = SamplingOptions(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
-                               seed=cfg.training.seed)
+        opts = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+                              seed=cfg.training.seed)
         from trainforge.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(trainer.data.tokenizer_path)
-        with trainer.mp.autocast():  # low-precision weights need the run's autocast
-            print("sample:\n" + generate_text(trainer.inference_model, tok, s.prompt, opts))
+        # The engine runs in the inference model's own dtype (generate turns autocast off).
+        print("sample:\n" + generate_text(trainer.inference_model, tok, s.prompt, opts))
     return 0 if completed else 130
 
 
-def _generate(argv: list[str]) -> int:
-    from trainforge.infer.generate import SamplingOptions, generate_text, load_checkpoint_for_inference
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="trainforge checkpoint or run directory (newest checkpoint), or a Hugging Face Llama "
+                        "directory (config.json + *.safetensors)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="parameter dtype (quantised layers keep their own)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+                   help="quantise a float checkpoint's linear layers at load time (see `trainforge quantize` "
+                        "for the offline step)")
+    p.add_argument("--group_size", type=int, default=128, help="int4 group size (32, 64, 128 or 256 on CPU)")
+    p.add_argument("--quant_kernel", default=None,
+                   help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, reference), or "
+                        "'measure' (time them here once, cached); default: the order measured for the device")
+    p.add_argument("--no_fuse", action="store_true", help="skip the fusion pass (QKV, gate+up, add+RMSNorm)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start on CPU)")
 
-    p = argparse.ArgumentParser(prog="trainforge generate", description="Sample text from a checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="checkpoint directory, or a run directory (newest checkpoint)")
-    p.add_argument("--prompt", required=True, help="text to continue")
+
+def _load_for_engine(a):
+    from trainforge.infer.loading import load_model
+    from trainforge.infer.quantize import quantize_model
+
+    loaded = load_model(a.checkpoint, a.device, a.dtype)
+    if a.quantize != "none":
+        if loaded.quantization:
+            raise TrainforgeError(f"--quantize {a.quantize}: {a.checkpoint} is already quantised "
+                                  f"({loaded.quantization['mode']})")
+        quantize_model(loaded.model, a.quantize, a.group_size, pack=False)
+    return loaded
+
+
+def _engine_config(a, **kw):
+    from trainforge.infer.engine import EngineConfig
+
+    return EngineConfig(fuse=not a.no_fuse, compile=a.compile, quant_kernel=a.quant_kernel, **kw)
+
+
+def _generate(argv: list[str]) -> int:
+    from trainforge.infer.engine import Engine
+    from trainforge.infer.sampling import SamplingParams
+
+    p = argparse.ArgumentParser(prog="trainforge generate", description="Generate from a checkpoint with the "
+                                "inference engine.")
+    _add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text to continue (needs the checkpoint's tokenizer.json)")
+    src.add_argument("--prompt_ids", help="token ids to continue, comma-separated: 1,2,3")
+    p.add_argument("--print_ids", action="store_true", help="print the generated token ids instead of text")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=0, help="0 = off")
     p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--repetition_penalty", type=float, default=1.0, help="1 = off")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore_eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--stats", action="store_true", help="print engine statistics (tok/s, KV pool) to stderr")
     a = p.parse_args(argv)
-    opts = SamplingOptions(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                           top_p=a.top_p, seed=a.seed)
+    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                            top_p=a.top_p, repetition_penalty=a.repetition_penalty, stop=tuple(a.stop),
+                            ignore_eos=a.ignore_eos, seed=a.seed)
     try:
-        opts.validate()
+        params.validate()
+        ids = [int(t) for t in a.prompt_ids.split(",") if t.strip()] if a.prompt_ids is not None else None
+    except ValueError as e:
+        raise TrainforgeError(f"--{str(e)}" if not str(e).startswith("invalid literal") else
+                              f"--prompt_ids {a.prompt_ids!r}: give comma-separated integers") from None
+    loaded = _load_for_engine(a)
+    tok = loaded.tokenizer
+    if ids is None:
+        if tok is None:
+            raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json: use --prompt_ids")
+        ids = tok.encode(a.prompt).ids
+    try:
+        engine = Engine(loaded.model, _engine_config(a, max_batch_size=1, max_queue=1,
+                                                     max_context=min(loaded.model.cfg.max_seq_len,
+                                                                     len(ids) + a.max_new_tokens)),
+                        tokenizer=tok, eos_ids=loaded.eos_ids)
+        req = engine.generate([ids], params)[0]
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
-    model, tok = load_checkpoint_for_inference(a.checkpoint, a.device)
-    print(generate_text(model, tok, a.prompt, opts))
+    if a.print_ids or tok is None:
+        print(",".join(map(str, req.output_ids)))
+    else:
+        # decode(prompt + output) keeps characters split across the boundary intact; a stop
+        # string cut the output's text, which then follows the prompt's.
+        cut = req.finish_reason == "stop" and params.stop
+        print(tok.decode(ids) + req.text if cut else tok.decode(ids + req.output_ids))
+    if a.stats:
+        import json
+
+        print(json.dumps(engine.stats(), default=str), file=sys.stderr)
+    return 0
+
+
+def _quantize(argv: list[str]) -> int:
+    import dataclasses
+
+    from trainforge.infer.loading import load_model
+    from trainforge.infer.quantize import linear_names, quantize_state_dict, save_quantized
+
+    p = argparse.ArgumentParser(prog="trainforge quantize",
+                                description="Offline quantisation: write a checkpoint with int8 / int4 linear weights "
+                                            "(scales beside them) that `generate` and `serve` load directly.")
+    p.add_argument("--checkpoint", required=True,
+                   help="float trainforge checkpoint / run directory, or a Hugging Face directory")
+    p.add_argument("--output", required=True, help="new directory for the quantised checkpoint")
+    p.add_argument("--mode", required=True, choices=["int8", "int4"])
+    p.add_argument("--group_size", type=int, default=128, help="int4 group size (32, 64, 128 or 256 on CPU)")
+    a = p.parse_args(argv)
+    if Path(a.output).exists():
+        raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
+    loaded = load_model(a.checkpoint)
+    if loaded.quantization:
+        raise TrainforgeError(f"{a.checkpoint} is already quantised ({loaded.quantization['mode']})")
+    model = loaded.model
+    try:
+        qsd, info = quantize_state_dict(model.state_dict(), linear_names(model), a.mode, a.group_size)
+    except ValueError as e:
+        raise TrainforgeError(f"--{e}") from None
+    tok_file = loaded.path / "tokenizer.json"
+    out = save_quantized(a.output, qsd, info, dataclasses.asdict(model.cfg),
+                         tok_file if tok_file.is_file() else None, {"path": str(loaded.path)})
+    before = sum(t.nbytes for t in model.state_dict().values())
+    after = (out / "model.safetensors").stat().st_size
+    print(f"quantised {len(info['layers'])} linear layers to {a.mode}"
+          + (f" (skipped {len(info['skipped'])}: {info['skipped']})" if info["skipped"] else ""))
+    print(f"weights: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB in {out}")
+    return 0
+
+
+def _serve(argv: list[str]) -> int:
+    import os
+
+    from trainforge.infer.engine import Engine
+
+    try:
+        from trainforge.infer.server import ServerConfig, serve
+    except ImportError as e:
+        raise TrainforgeError(f"trainforge serve needs the server packages ({e.name} is missing): "
+                              "pip install 'trainforge[infer]'") from None
+
+    p = argparse.ArgumentParser(prog="trainforge serve",
+                                description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                            "/v1/models, /health, /metrics) with continuous batching.")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api_key", default=os.environ.get("TRAINFORGE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on all endpoints but /health "
+                        "(default: $TRAINFORGE_API_KEY; unset = no key)")
+    p.add_argument("--model_name", default=None, help="model id in the API (default: the checkpoint's name)")
+    p.add_argument("--max_batch_size", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a batch row")
+    p.add_argument("--max_concurrent", type=int, default=0,
+                   help="running + waiting requests before answering 429; 0 = max_batch_size + max_queue")
+    p.add_argument("--block_size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--n_blocks", type=int, default=0, help="KV pool size in blocks; 0 = max_batch_size full contexts")
+    p.add_argument("--max_context", type=int, default=0, help="tokens per sequence; 0 = the model's max_seq_len")
+    p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    a = p.parse_args(argv)
+    loaded = _load_for_engine(a)
+    if loaded.tokenizer is None:
+        raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json; the server needs one")
+    try:
+        engine = Engine(loaded.model, _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue,
+                                                     block_size=a.block_size, n_blocks=a.n_blocks,
+                                                     max_context=a.max_context),
+                        tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids)
+    except ValueError as e:
+        raise TrainforgeError(str(e)) from None
+    serve(engine, loaded.tokenizer, ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
+                                                 model_name=a.model_name or loaded.name,
+                                                 max_body_bytes=a.max_body_bytes, max_concurrent=a.max_concurrent))
     return 0
 
 
@@ -143,7 +296,8 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "report": _report}
+COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quantize": _quantize,
+            "serve": _serve, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

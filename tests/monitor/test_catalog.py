@@ -54,7 +54,8 @@ def exposition_of_every_metric() -> str:
     reg = Registry(rank=0)
     record = {"some_new_key": 1.5}
     for s in CATALOG:
-        key = {"data_hit_rate_(?P<tier>[a-z]+)": "data_hit_rate_memory", "data_bytes_(?P<tier>[a-z]+)": "data_bytes_disk"}
+        key = {"data_hit_rate_(?P<tier>[a-z]+)": "data_hit_rate_memory", "data_bytes_(?P<tier>[a-z]+)": "data_bytes_disk",
+               r"http_requests (?P<path>\S+) (?P<status>\d+)": "http_requests /v1/completions 200"}
         key = key.get(s.key, "mem_params_bf16_bytes" if s.pattern else s.key)
         if s.encode == "dtype_bytes":
             record[key] = {"layers.0": "bf16"}

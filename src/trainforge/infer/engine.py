@@ -1,0 +1,439 @@
+"""The inference engine: continuous batching over a paged KV cache.
+
+``Engine(model, EngineConfig, tokenizer, eos_ids)`` owns the model (it applies the fusion
+pass and packs quantised layers), one ``KVPool``, one ``ModelRunner`` and one
+``BatchSampler``, all sized once. ``submit`` puts a request in a bounded FIFO queue
+(``QueueFull`` past ``max_queue``); each ``step``:
+
+1. drops aborted requests (their blocks go back to the pool);
+2. admits waiting requests while a batch row is free and the pool can reserve blocks for
+   the request's whole budget (prompt + max_new_tokens): prefill, first token;
+3. runs one decode step for every running request together, sampling the next tokens
+   straight into the runner's input buffer (no host round trip);
+4. every ``sync_interval_steps`` steps (1 on CPU, where reading a token costs nothing;
+   8 on CUDA) reads the sampled tokens to the host, applies stop tokens / stop strings /
+   length limits, streams text, and lets finished requests leave (the last row moves into
+   the hole, so rows 0..B-1 stay dense).
+
+New requests therefore join the running batch at decode-step boundaries and finished ones
+leave at the next sync, which is continuous batching (Orca / vLLM style) with FIFO
+admission and no preemption (reservations make it unnecessary). ``start`` runs ``step`` in
+a background thread for the server; ``generate`` runs it in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from trainforge.infer.fusion import fuse_model
+from trainforge.infer.kv_pool import KVPool
+from trainforge.infer.quantize import pack_quantized
+from trainforge.infer.request import Request
+from trainforge.infer.runner import ModelRunner
+from trainforge.infer.sampling import BatchSampler, SamplingParams
+from trainforge.model.llama import Transformer
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at ``max_queue``."""
+
+
+class RequestTooLong(ValueError):
+    """prompt + max_new_tokens does not fit the engine's context."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch_size: int = 8  # sequences decoded together
+    max_queue: int = 64  # requests waiting for a batch row; more are refused (QueueFull)
+    block_size: int = 16  # tokens per KV-cache block
+    n_blocks: int = 0  # KV pool size in blocks; 0 = max_batch_size full-context sequences
+    max_context: int = 0  # prompt + generated tokens per sequence; 0 = the model's max_seq_len
+    fuse: bool = True  # QKV, gate+up and add+RMSNorm fusion (fusion.py)
+    compile: bool = False  # torch.compile the decode step (slow to start on CPU)
+    sync_interval_steps: int = 0  # decode steps between host reads of tokens; 0 = 1 on CPU, 8 on CUDA
+    quant_kernel: str | None = None  # kernel for quantised layers; None = each layer's own choice
+
+    def validate(self) -> None:
+        for name in ("max_batch_size", "block_size", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+        for name in ("n_blocks", "max_context", "sync_interval_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+
+
+class _HostBuffer:
+    """A host array the engine writes and the device tensor the runner reads: the same
+    memory on CPU; on CUDA, two pinned copies used in turn, each pushed with a non-blocking
+    copy (an event guards a copy still in flight when its buffer comes round again)."""
+
+    def __init__(self, dev: torch.Tensor):
+        self.dev = dev
+        if dev.device.type == "cpu":
+            self._hosts = [dev]
+        else:
+            self._hosts = [torch.zeros(dev.shape, dtype=dev.dtype).pin_memory() for _ in range(2)]
+            self._events = [None, None]
+        self._i = 0
+        self.np = self._hosts[0].numpy()
+
+    def push(self, n: int) -> None:
+        """Send the first ``n`` elements; the engine rewrites them in full before every push."""
+        if len(self._hosts) == 1:
+            return
+        self.dev[:n].copy_(self._hosts[self._i][:n], non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._events[self._i] = ev
+        self._i = 1 - self._i
+        if self._events[self._i] is not None:
+            self._events[self._i].synchronize()
+        self.np = self._hosts[self._i].numpy()
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
+                 eos_ids: tuple[int, ...] | list[int] = ()):
+        config = config or EngineConfig()
+        config.validate()
+        self.config, self.tokenizer, self.eos_ids = config, tokenizer, tuple(eos_ids)
+        model.eval()
+        self.fusions = fuse_model(model) if config.fuse else {}
+        self.kernels = pack_quantized(model, config.quant_kernel)
+        self.model = model
+        cfg = model.cfg
+        emb = model.tok_embeddings.weight
+        self.device = emb.device
+        self.max_context = config.max_context or cfg.max_seq_len
+        if self.max_context > cfg.max_seq_len:
+            raise ValueError(f"max_context={self.max_context} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        bs, R = config.block_size, config.max_batch_size
+        n_blocks = config.n_blocks or R * -(-self.max_context // bs) + 1
+        self.pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, bs, emb.dtype, self.device)
+        self.runner = ModelRunner(model, self.pool, R, self.max_context)
+        self.sampler = BatchSampler(R, cfg.vocab_size, self.device)
+        self.sync_interval = config.sync_interval_steps or (1 if self.device.type == "cpu" else 8)
+        C = self.runner.context_slots
+        # Host-side batch state; rows 0..B-1 are the running requests, in self._rows order.
+        self._pos = np.zeros(R, dtype=np.int64)  # position of each row's input token
+        self._positions = _HostBuffer(self.runner.positions)
+        self._slots = _HostBuffer(self.runner.slots)
+        self._gather = _HostBuffer(self.runner.gather)
+        self._bias = _HostBuffer(self.runner.bias)
+        self._pad_index = np.tile(np.arange(bs, dtype=np.int64), C // bs + 1)[:C]  # the padding block
+        self._index_rows = np.tile(self._pad_index, (R, 1))  # (R, C): slot of each row's token t
+        self._bias_rows = np.full((R, C), -np.inf, dtype=np.float32)  # 0 where row r holds token t
+        self._ring = torch.zeros(self.sync_interval, R, dtype=torch.long, device=self.device)
+        self._ring_rows: list[list[Request]] = []
+        self._rows: list[Request] = []
+        self._waiting: deque[Request] = deque()
+        self._lock = threading.Condition()
+        self._ids = itertools.count()
+        self._events: list[tuple[Request, list[int], str, bool]] = []
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.last_error: str | None = None
+        self.counters: dict[str, float] = {k: 0 for k in (
+            "submitted", "rejected", "finished_stop", "finished_length", "finished_abort", "prompt_tokens",
+            "generated_tokens", "decode_steps", "decode_s", "prefill_s", "peak_batch")}
+        self.compile_s = self.runner.compile() if config.compile else None
+
+    # -- requests (any thread) --------------------------------------------------------------
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` (``RequestTooLong`` for length) if the request can never run."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        V = self.model.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {V})")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_context:
+            raise RequestTooLong(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
+                                 f"{total} exceeds the context of {self.max_context} tokens")
+        if self.pool.blocks_for(total) > self.pool.usable_blocks:
+            raise RequestTooLong(f"{total} tokens need {self.pool.blocks_for(total)} KV blocks; the pool has "
+                                 f"{self.pool.usable_blocks} (raise n_blocks)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_update: Callable[[Request, list[int], str, bool], None] | None = None) -> Request:
+        """Queue a request; raises ``QueueFull`` or ``ValueError`` (see ``check``)."""
+        self.check(prompt_ids, params)
+        with self._lock:
+            if len(self._waiting) >= self.config.max_queue:
+                self.counters["rejected"] += 1
+                raise QueueFull(f"{len(self._waiting)} requests already wait (max_queue={self.config.max_queue})")
+            req = Request(next(self._ids), list(prompt_ids), params, on_update)
+            self._waiting.append(req)
+            self.counters["submitted"] += 1
+            self._lock.notify_all()
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Stop ``req``; its KV blocks are freed at the next step boundary."""
+        with self._lock:
+            if req.done.is_set():
+                return
+            req._abort = True
+            self._lock.notify_all()
+
+    def load(self) -> int:
+        """Requests running or waiting."""
+        return len(self._rows) + len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._rows or self._waiting)
+
+    # -- the step (one thread) --------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One scheduler iteration: reap aborts, admit, one decode step, sync if due."""
+        self._reap()
+        self._admit()
+        if self._rows:
+            self._decode_step()
+        self._dispatch()
+
+    def _reap(self) -> None:
+        with self._lock:
+            dropped = [r for r in self._waiting if r._abort]
+            for r in dropped:
+                self._waiting.remove(r)
+        for r in dropped:
+            self._finish(r, "abort")
+        if any(r._abort for r in self._rows):
+            self._flush()
+            for row in sorted((r.row for r in self._rows if r._abort), reverse=True):
+                req = self._rows[row]
+                if req.finish_reason is None:
+                    self._finish(req, "abort")
+                self._remove_row(row)
+
+    def _admit(self) -> None:
+        bs = self.pool.block_size
+        while len(self._rows) < self.config.max_batch_size:
+            with self._lock:
+                if not self._waiting:
+                    return
+                req = self._waiting[0]
+                total = len(req.prompt_ids) + req.params.max_new_tokens
+                if not self.pool.can_reserve(total):
+                    return  # FIFO: the head waits for blocks, nothing overtakes it
+                self._waiting.popleft()
+            T = len(req.prompt_ids)
+            self.pool.add(req.id, total)
+            slots = self.pool.append_slots(req.id, T)
+            row = len(self._rows)
+            req.row = row
+            self._rows.append(req)
+            self.counters["peak_batch"] = max(self.counters["peak_batch"], len(self._rows))
+            t0 = time.perf_counter()
+            tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+            logits = self.runner.prefill(tokens, torch.tensor(slots, dtype=torch.long, device=self.device))
+            self.sampler.set_row(row, req.params, req.prompt_ids)
+            self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
+            first = int(self.runner.tokens[row])  # one host read per request, not per token
+            self.counters["prefill_s"] += time.perf_counter() - t0
+            self.counters["prompt_tokens"] += T
+            req._sampled = 1
+            self._pos[row] = T
+            table = self.pool.table(req.id)
+            for j, blk in enumerate(table):
+                self._index_rows[row, j * bs:(j + 1) * bs] = blk * bs + np.arange(bs)
+            self._bias_rows[row, :T] = 0.0
+            self._append(req, [first])
+            if req.finish_reason is not None:
+                self._remove_row(row)
+
+    def _decode_step(self) -> None:
+        B = len(self._rows)
+        bs = self.pool.block_size
+        pos = self._pos
+        longest = 0
+        for r, req in enumerate(self._rows):
+            p = int(pos[r])
+            slot = self.pool.append_slots(req.id, 1)[0]
+            self._slots.np[r] = slot
+            if p % bs == 0:  # the token opens a new block
+                blk = slot // bs
+                self._index_rows[r, p:p + bs] = blk * bs + np.arange(bs)
+            self._bias_rows[r, p] = 0.0
+            longest = max(longest, p + 1)
+        S = -(-longest // bs) * bs
+        rows, cols = B, S
+        if self.runner.static_shape is not None:  # compiled: every row, the whole context
+            rows, cols = self.runner.static_shape
+            self._slots.np[B:rows] = 0  # idle rows write into the padding block...
+            pos[B:rows] = 0
+        self._positions.np[:rows] = pos[:rows]
+        self._gather.np[:rows * cols].reshape(rows, cols)[:] = self._index_rows[:rows, :cols]
+        bias = self._bias.np[:rows * cols].reshape(rows, cols)
+        bias[:] = self._bias_rows[:rows, :cols]
+        bias[B:] = 0.0  # ...and attend to it, so their (ignored) rows stay finite
+        for buf, n in ((self._positions, rows), (self._slots, rows), (self._gather, rows * cols),
+                       (self._bias, rows * cols)):
+            buf.push(n)
+        t0 = time.perf_counter()
+        logits = self.runner.decode(B, S)
+        tokens = self.runner.tokens[:B]
+        self.sampler.sample(logits, 0, tokens)  # the next step's inputs, written in place
+        k = len(self._ring_rows)
+        self._ring[k, :B].copy_(tokens)
+        self._ring_rows.append(list(self._rows))
+        pos[:B] += 1
+        self.counters["decode_steps"] += 1
+        self.counters["decode_s"] += time.perf_counter() - t0
+        due = False
+        for req in self._rows:
+            req._sampled += 1
+            due |= req._sampled >= req.params.max_new_tokens
+        if due or len(self._ring_rows) == self.sync_interval:
+            self._flush()
+            for row in sorted((r.row for r in self._rows if r.finish_reason is not None), reverse=True):
+                self._remove_row(row)
+
+    def _flush(self) -> None:
+        """Read the sampled tokens of the steps since the last flush and hand them out."""
+        if not self._ring_rows:
+            return
+        values = self._ring[:len(self._ring_rows)].tolist()  # the host sync
+        for step_rows, step_values in zip(self._ring_rows, values):
+            for r, req in enumerate(step_rows):
+                if req.finish_reason is None:
+                    self._append(req, [step_values[r]])
+        self._ring_rows.clear()
+
+    def _remove_row(self, row: int) -> None:
+        req = self._rows[row]
+        self.pool.free(req.id)
+        req.row = None
+        last = len(self._rows) - 1
+        if row != last:
+            moved = self._rows[last]
+            self._rows[row] = moved
+            moved.row = row
+            self.runner.tokens[row] = self.runner.tokens[last]
+            self._pos[row] = self._pos[last]
+            self._index_rows[row] = self._index_rows[last]
+            self._bias_rows[row] = self._bias_rows[last]
+            self.sampler.move_row(last, row)
+        else:
+            self.sampler.clear_row(row)
+        self._rows.pop()
+        self._index_rows[last] = self._pad_index
+        self._bias_rows[last] = -np.inf
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def _append(self, req: Request, ids: list[int]) -> None:
+        """Hand sampled ids to ``req`` and queue what it streams (request.py)."""
+        new, delta, reason = req.add_tokens(ids, self.eos_ids, self.tokenizer)
+        self.counters["generated_tokens"] += len(new)
+        if reason is not None:
+            self._finish(req, reason, new, delta)
+        elif new or delta:
+            self._events.append((req, new, delta, False))
+
+    def _finish(self, req: Request, reason: str, new: list[int] | None = None, delta: str = "") -> None:
+        req.finish_reason = reason
+        req.finished_s = time.perf_counter()
+        self.counters[f"finished_{reason}"] += 1
+        self._events.append((req, new or [], delta, True))
+
+    def _dispatch(self) -> None:
+        """Callbacks after the step, once finished requests' blocks are back in the pool."""
+        events, self._events = self._events, []
+        for req, ids, text, finished in events:
+            if req.on_update is not None:
+                try:
+                    req.on_update(req, ids, text, finished)
+                except Exception:  # a consumer's bug must not stop the engine for everyone
+                    pass
+            if finished:
+                req.done.set()
+
+    # -- drivers ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        """Run ``prompts`` to completion in this thread (queue bound respected); returns the
+        requests in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        for p, sp in zip(prompts, plist):
+            self.check(p, sp)
+        pending = list(zip(prompts, plist))
+        reqs: list[Request] = []
+        while pending or self.has_work():
+            while pending and len(self._waiting) < self.config.max_queue:
+                reqs.append(self.submit(*pending.pop(0)))
+            self.step()
+        return reqs
+
+    def start(self) -> None:
+        """Step in a background thread until ``stop``."""
+        if self._thread is not None:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="trainforge-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.has_work():
+                    self._lock.wait()
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # a failing step must not leave clients waiting forever
+                self._fail_all(e)
+
+    def _fail_all(self, error: Exception) -> None:
+        """End every request (reason "abort") after an unexpected error, freeing the pool."""
+        from trainforge.log import get_logger
+
+        get_logger().error(f"engine step failed, aborting {self.load()} requests: {error!r}")
+        self.last_error = repr(error)
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), deque()
+        self._ring_rows.clear()
+        for row in range(len(self._rows) - 1, -1, -1):
+            req = self._rows[row]
+            if req.finish_reason is None:
+                self._finish(req, "abort")
+            self._remove_row(row)
+        for req in waiting:
+            self._finish(req, "abort")
+        self._dispatch()
+
+    # -- reporting --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {**c, "running": len(self._rows), "waiting": len(self._waiting),
+                "decode_tokens_per_s": c["generated_tokens"] / c["decode_s"] if c["decode_s"] else 0.0,
+                "kv_pool": self.pool.utilisation(), "kv_pool_bytes": self.pool.nbytes,
+                "workspace_bytes": self.runner.workspace_bytes, "compile_s": self.compile_s,
+                "fusions": self.fusions, "quant_kernels": self.kernels}

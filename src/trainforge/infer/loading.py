@@ -1,0 +1,165 @@
+"""Load a model for inference from a trainforge checkpoint (float or quantised by
+``trainforge quantize``) or a Hugging Face Llama-layout directory (``config.json`` +
+``*.safetensors``, sharded or not). Safetensors only: no pickle is ever loaded.
+
+The model is built on the meta device (no memory, no random init), quantised layers are
+swapped in on meta too, and the tensors read from the file become the parameters by
+assignment (``load_state_dict(assign=True)``): each weight is read once into its final
+memory and never copied again (a float cast to ``dtype`` is the only extra copy, and only
+when the file's dtype differs). Rotary tables are recomputed on the device. On CUDA each
+tensor is read into pinned host memory and copied asynchronously, so the copy of one
+overlaps the read of the next; the weights then stay resident on the device.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from trainforge.errors import CheckpointError
+from trainforge.model.config import ModelConfig
+from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
+from trainforge.model.llama import Transformer, rope_tables
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any  # tokenizers.Tokenizer, or None when the directory has no tokenizer.json
+    eos_ids: tuple[int, ...]
+    name: str  # for /v1/models: the directory's name
+    source: str  # "trainforge" or "huggingface"
+    quantization: dict[str, Any] | None
+    path: Path
+
+
+def _read_safetensors(files: list[Path], device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of ``files`` on ``device`` (pinned staging on CUDA) and the first file's metadata."""
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    for i, f in enumerate(files):
+        try:
+            if i == 0:
+                with safe_open(str(f), framework="pt") as fh:
+                    metadata = fh.metadata() or {}
+            if device.type == "cuda":
+                with safe_open(str(f), framework="pt", device="cpu") as fh:
+                    for key in fh.keys():
+                        tensors[key] = fh.get_tensor(key).pin_memory().to(device, non_blocking=True)
+            else:
+                tensors.update(load_file(str(f), device=str(device)))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"weights file {f} could not be read: {e}") from None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return tensors, metadata
+
+
+def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 quantization: dict[str, Any] | None, what: str) -> Transformer:
+    from trainforge.infer.quantize import swap_quantized_linears
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if quantization:
+        swap_quantized_linears(model, quantization)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    sd = {k: (v.to(dtype) if k in params and v.is_floating_point() and v.dtype != dtype else v) for k, v in sd.items()}
+    if cfg.tie_embeddings and "output.weight" in params:  # stored once; the tied module wants both names
+        shared = sd.get("tok_embeddings.weight", sd.get("output.weight"))
+        sd.setdefault("tok_embeddings.weight", shared)
+        sd.setdefault("output.weight", shared)
+    try:
+        model.load_state_dict(sd, strict=True, assign=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{what} does not fit the model config: {e}") from None
+    if cfg.tie_embeddings and "output.weight" in params:
+        model.output.weight = model.tok_embeddings.weight
+    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+    model.rope_cos, model.rope_sin = cos, sin
+    return model.eval().requires_grad_(False)
+
+
+def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> torch.dtype:
+    if isinstance(dtype, str):
+        try:
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+        except KeyError:
+            raise ValueError(f"--dtype {dtype}: use float32, bfloat16 or float16") from None
+    return dtype or torch.float32
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype | str | None = None) -> LoadedModel:
+    """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
+    directory (newest checkpoint), or a Hugging Face Llama directory. ``dtype`` is the float
+    dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file."""
+    path = Path(path)
+    device = torch.device(device)
+    dtype = _default_dtype(device, dtype)
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        return _load_hf(path, device, dtype)
+    return _load_trainforge(path, device, dtype)
+
+
+def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from trainforge.data.tokenizer import eos_id, load_tokenizer
+    from trainforge.train import checkpoint as ckpt
+
+    ck = ckpt.resolve_checkpoint(path)
+    meta = ckpt.read_meta(ck)
+    try:
+        cfg = ModelConfig(**meta["model_config"])
+    except TypeError as e:
+        raise CheckpointError(f"{ck / ckpt.META}: model_config does not fit this trainforge version ({e})") from None
+    weights = ck / ckpt.MODEL_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights} is missing (a multi-process checkpoint? load it with `trainforge train "
+                              f"--resume` on 1 process and let it save, or use a single-process checkpoint)")
+    sd, _ = _read_safetensors([weights], device)
+    quantization = meta.get("quantization")
+    model = _materialise(cfg, sd, device, dtype, quantization, str(weights))
+    tok, eos = None, ()
+    tok_file = ck / ckpt.TOKENIZER_FILE
+    if tok_file.is_file():
+        tok = load_tokenizer(tok_file)
+        eos = (eos_id(tok, tok_file),)
+    name = ck.parent.parent.name if ck.parent.name == "checkpoints" else ck.name
+    return LoadedModel(model, tok, eos, name, "trainforge", quantization, ck)
+
+
+def _load_hf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    config_file = path / "config.json"
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_file} could not be read: {e}") from None
+    cfg = model_config_from_hf(hf_config)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        raise CheckpointError(f"{path}: no *.safetensors weights" + (f" (found {found}: pickle formats are not "
+                              "loaded; convert them with transformers' save_pretrained(safe_serialization=True))"
+                              if found else ""))
+    sd, _ = _read_safetensors(files, device)
+    sd = from_hf_state_dict(sd, cfg)
+    model = _materialise(cfg, sd, device, dtype, None, str(path))
+    tok, eos = None, []
+    eos_cfg = hf_config.get("eos_token_id")
+    if eos_cfg is not None:
+        eos = list(eos_cfg) if isinstance(eos_cfg, list) else [eos_cfg]
+    tok_file = path / "tokenizer.json"
+    if tok_file.is_file():
+        from tokenizers import Tokenizer
+
+        from trainforge.data.tokenizer import _EOS_CANDIDATES
+
+        tok = Tokenizer.from_file(str(tok_file))
+        eos += [i for i in (tok.token_to_id(t) for t in _EOS_CANDIDATES) if i is not None and i not in eos]
+    return LoadedModel(model, tok, tuple(int(e) for e in eos), path.name, "huggingface", None, path)

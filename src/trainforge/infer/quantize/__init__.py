@@ -1,0 +1,150 @@
+"""Weight quantisation in two phases, as gpt-fast does it.
+
+1. Offline: ``quantize_state_dict`` turns a float state dict into the stored form (int8
+   codes + per-channel scales, or int4 codes + per-group scales and zeros, beside each other
+   under the layer's name) and an ``info`` dict saying what was quantised;
+   ``save_quantized`` writes both as a checkpoint directory (``model.safetensors`` with
+   ``info`` in its header metadata, ``meta.json``, ``tokenizer.json``): ``trainforge quantize``.
+2. Runtime: ``swap_quantized_linears`` replaces those ``nn.Linear`` modules with
+   ``Int8Linear`` / ``Int4Linear`` (on any device, ``meta`` included, so a quantised
+   checkpoint loads by assignment like a float one), and ``pack_quantized`` builds each
+   layer's kernel form (the kernel per device is chosen in ``common.py``).
+
+``quantize_model`` runs both phases in memory (``--quantize`` on a float checkpoint).
+The token embedding stays in float (decode reads one row of it per token); a tied output
+projection is quantised as its own matrix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from trainforge.infer.quantize.common import QuantLinear, choose_kernel, measure_kernels
+from trainforge.infer.quantize.int4 import Int4Linear, quantize_int4
+from trainforge.infer.quantize.int8 import Int8Linear, quantize_int8
+
+MODES = ("int8", "int4")
+METADATA_KEY = "trainforge_quantization"
+
+__all__ = ["MODES", "Int4Linear", "Int8Linear", "QuantLinear", "choose_kernel", "measure_kernels",
+           "pack_quantized", "quantize_model", "quantize_state_dict", "save_quantized", "swap_quantized_linears"]
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Qualified names of the model's ``nn.Linear`` modules."""
+    return [name for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
+def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str,
+                        group_size: int = 128) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Offline transform. ``names``: the linear layers to quantise (``<name>.weight`` in ``sd``).
+    Returns (stored-form state dict, info). Layers int4 cannot group (in_features not a
+    multiple of ``group_size``) stay float and are listed in ``info["skipped"]``."""
+    if mode not in MODES:
+        raise ValueError(f"quantization mode {mode!r}: use one of {MODES}")
+    if mode == "int4" and (group_size < 2 or group_size % 2):
+        raise ValueError(f"group_size={group_size}: must be an even number >= 2 "
+                         "(32, 64, 128 or 256 for the CPU kernel)")
+    out = dict(sd)
+    info: dict[str, Any] = {"mode": mode, "layers": [], "skipped": {}}
+    if mode == "int4":
+        info["group_size"] = group_size
+    for name in names:
+        w = sd[f"{name}.weight"]
+        if mode == "int8":
+            q, scales = quantize_int8(w)
+            out[f"{name}.weight"], out[f"{name}.scales"] = q, scales
+        else:
+            if w.shape[1] % group_size:
+                info["skipped"][name] = f"in_features {w.shape[1]} is not a multiple of group_size {group_size}"
+                continue
+            packed, scales, zeros = quantize_int4(w, group_size)
+            out[f"{name}.weight"], out[f"{name}.scales"], out[f"{name}.zeros"] = packed, scales, zeros
+        info["layers"].append(name)
+    return out, info
+
+
+def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str = "auto") -> nn.Module:
+    """Runtime swap: every layer in ``info["layers"]`` becomes an (empty) quantised linear on
+    the same device as the float one it replaces. Fill it with ``load_state_dict(assign=True)``."""
+    cls = {"int8": Int8Linear, "int4": Int4Linear}[info["mode"]]
+    kw = {"group_size": info["group_size"]} if info["mode"] == "int4" else {}
+    for name in info["layers"]:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        if not isinstance(old, nn.Linear):
+            raise ValueError(f"{name} is a {type(old).__name__}, not an nn.Linear: the quantised file does not "
+                             "fit this model")
+        setattr(parent, attr, cls(old.in_features, old.out_features, kernel=kernel, device=old.weight.device, **kw))
+    return model
+
+
+def pack_quantized(model: nn.Module, kernel: str | None = None) -> dict[str, int]:
+    """Build every quantised layer's kernel form; returns {kernel: layer count}."""
+    used: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            name = m.pack(kernel)
+            used[name] = used.get(name, 0) + 1
+    return used
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, mode: str, group_size: int = 128, kernel: str = "auto",
+                   pack: bool = True) -> dict[str, Any]:
+    """Both phases in memory: quantise the model's linear weights, swap, load, (pack).
+    Mutates ``model``; returns the info dict (with ``kernels`` when packed)."""
+    names = linear_names(model)
+    sd = {f"{n}.weight": model.get_submodule(n).weight for n in names}
+    qsd, info = quantize_state_dict(sd, names, mode, group_size)
+    swap_quantized_linears(model, info, kernel)
+    stored = {k: v for k, v in qsd.items() if k.rpartition(".")[0] in info["layers"]}
+    model.load_state_dict(stored, strict=False, assign=True)
+    if pack:
+        info["kernels"] = pack_quantized(model)
+    return info
+
+
+def save_quantized(out_dir: str | Path, sd: dict[str, torch.Tensor], info: dict[str, Any],
+                   model_config: dict[str, Any], tokenizer_path: Path | None = None,
+                   source: dict[str, Any] | None = None) -> Path:
+    """Write a quantised checkpoint directory (refuses an existing one), atomically:
+    ``model.safetensors`` (stored form; ``info`` in the header), ``meta.json`` (the
+    checkpoint format ``trainforge.train.checkpoint.read_meta`` verifies, plus
+    ``quantization``), and ``tokenizer.json`` when given."""
+    from trainforge.data.prepare import sha256_file
+    from trainforge.train import checkpoint as ckpt
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"--output {out_dir} exists; choose a new directory")
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tensors = dict(sd)
+        emb, out = tensors.get("tok_embeddings.weight"), tensors.get("output.weight")
+        if out is not None and out is emb:  # tied and left float: stored once (safetensors refuses aliases)
+            del tensors["output.weight"]
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(tmp / ckpt.MODEL_FILE), metadata={METADATA_KEY: json.dumps(info)})
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, tmp / ckpt.TOKENIZER_FILE)
+        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
+        meta = {"step": (source or {}).get("step", 0), "config": (source or {}).get("config", {}),
+                "model_config": model_config, "quantization": info, "source": (source or {}).get("path"),
+                "files": {name: sha256_file(tmp / name) for name in files}}
+        (tmp / ckpt.META).write_text(json.dumps(meta, indent=2))
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

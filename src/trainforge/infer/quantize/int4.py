@@ -1,0 +1,134 @@
+"""Int4 weights in groups along the input dim (asymmetric min/max, configurable group size).
+
+Stored form (safetensors, beside each other): ``<layer>.weight`` uint8 (N, K/2), two 4-bit
+codes per byte (even k in the high nibble, the layout ``torch.ops.aten._convert_weight_to_int4pack``
+takes on CUDA), ``<layer>.scales`` and ``<layer>.zeros`` fp32 (N, K/group_size). A code q in
+[0, 15] stands for (q - 8) * scale + zero, with zero = min + 8 * scale: gpt-fast's and
+torchao's convention, so every kernel below reads the same numbers.
+
+Kernels (``common.PREFERENCE`` holds the order per device):
+
+- ``int4pack_cpu`` (CPU): ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the tile layout of
+  ``_convert_weight_to_int4pack_for_cpu``. Activations go in as bfloat16: the kernel has a fast
+  path only for bf16 (fp32 activations took ~100 ms for 4096 x 4096, ~10x fp32 linear). Needs
+  N % 16 == 0 and group_size in {32, 64, 128, 256}; other layers fall back to ``reference``.
+- ``int4pack_cuda`` (CUDA): ``torch.ops.aten._weight_int4pack_mm`` (bf16), the gpt-fast kernel.
+- ``torchao`` (CUDA): torchao's int4 weight-only tensor subclass, when torchao is installed
+  (torchao's int4 failed on this CPU in the issue's measurement; CUDA only).
+- ``reference``: dequantise to float on every call; exact, slow, any shape.
+
+Measured, batch-1 y = x W^T with W 4096 x 4096, group 128 (ms per call, best of 5
+interleaved rounds of 10 calls; ``common.measure_kernels``, run by ``bench/inference.py``),
+AMD EPYC (Zen 4) KVM guest, 2 threads, torch 2.13.0+cpu, 2026-11-30, machine otherwise idle:
+
+    fp32 F.linear               4.34 ms   (64 MB streamed from DRAM)
+    int4pack_cpu (bf16 x)       0.47 ms   (8 MB: stays in the 32 MB LLC between calls)
+    int4pack_cpu (fp32 x)       ~100 ms   (measured once, on a loaded machine: no fast path)
+
+and in a whole model (the 90M one of ``bench/inference.py``, batch-1 decode through the
+engine): fp32 64 tok/s, int4 245 tok/s. So the CPU default is ``int4pack_cpu``. Unmeasured
+on CUDA here (no GPU on this machine).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainforge.infer.quantize.common import Kernel, QuantLinear, torchao_available, torchao_linear
+
+CPU_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (uint8 codes (N, K/2), fp32 scales (N, K/g), fp32 zeros (N, K/g))."""
+    n, k = w.shape
+    if k % group_size or k % 2:
+        raise ValueError(f"int4: in_features {k} is not a multiple of group_size {group_size}")
+    g = w.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    scales = (hi - lo).clamp(min=1e-6) / 15.0
+    zeros = lo + 8.0 * scales
+    q = torch.round((g - lo) / scales).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    packed = (q[:, 0::2] << 4) | q[:, 1::2]
+    return packed, scales.reshape(n, -1), zeros.reshape(n, -1)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, K/2) -> int32 codes (N, K)."""
+    return torch.stack((packed >> 4, packed & 15), dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    n, k = q.shape
+    group_size = k // scales.shape[1]
+    g = (q.reshape(n, -1, group_size) - 8.0) * scales[..., None] + zeros[..., None]
+    return g.reshape(n, k)
+
+
+class Int4Linear(QuantLinear):
+    MODE = "int4"
+    STORED = ("weight", "scales", "zeros")
+
+    def __init__(self, in_features: int, out_features: int, kernel: str = "auto", group_size: int = 128,
+                 device=None):
+        super().__init__(in_features, out_features, kernel)
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+
+    def _init_kwargs(self) -> dict:
+        return {"kernel": self.kernel, "group_size": self.group_size}
+
+    def _kernel_kwargs(self) -> dict:
+        return {"group_size": self.group_size if self.group_size in CPU_GROUP_SIZES else 128}
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, kernel: str = "auto", group_size: int = 128) -> "Int4Linear":
+        packed, scales, zeros = quantize_int4(w, group_size)
+        return cls.from_stored({"weight": packed, "scales": scales, "zeros": zeros}, w.shape[1], w.shape[0],
+                               kernel=kernel, group_size=group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int4(self.weight, self.scales, self.zeros)
+
+    def _scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
+        # (K/g, N, 2), the layout both aten int4pack kernels take.
+        return torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+    def supports(self, name: str) -> str | None:
+        if name == "int4pack_cpu":
+            if self.weight.device.type != "cpu":
+                return "int4pack_cpu runs on CPU only"
+            if self.out_features % 16:
+                return f"out_features {self.out_features} is not a multiple of 16"
+            if self.group_size not in CPU_GROUP_SIZES:
+                return f"group_size {self.group_size} not in {CPU_GROUP_SIZES}"
+        if name == "int4pack_cuda" and (self.out_features % 8 or self.in_features % 128):
+            return "int4pack_cuda wants out_features % 8 == 0 and in_features % 128 == 0"
+        return None
+
+    def build_kernel(self, name: str) -> Kernel:
+        gs = self.group_size
+        if name == "int4pack_cpu":
+            w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight), 2)
+            sz = self._scales_and_zeros(torch.bfloat16)
+            return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), w, gs, sz)
+        if name == "int4pack_cuda":
+            w = torch.ops.aten._convert_weight_to_int4pack(self.weight.contiguous(), 8)
+            sz = self._scales_and_zeros(torch.bfloat16)
+            return lambda x: torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), w, gs, sz)
+        if name == "torchao":
+            if not torchao_available():
+                raise RuntimeError("the torchao int4 kernel needs torchao installed")
+            from torchao import quantization as tq
+
+            config = tq.Int4WeightOnlyConfig(group_size=gs) if hasattr(tq, "Int4WeightOnlyConfig") \
+                else tq.int4_weight_only(group_size=gs)
+            lin = torchao_linear(self.dequantize().to(torch.bfloat16), config)
+            return lambda x: lin(x.to(torch.bfloat16))
+        if name == "reference":
+            return self.reference_forward
+        raise ValueError(f"int4 kernel {name!r}: use one of int4pack_cpu, int4pack_cuda, torchao, reference, auto")

@@ -1,0 +1,26 @@
+"""Fixtures for the inference tests: one briefly trained model for quality checks
+(perplexity, text). Random-weight models are in helpers.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import debug_config
+from trainforge.train.trainer import Trainer
+
+
+@pytest.fixture(scope="session")
+def trained_run(small_data, tmp_path_factory) -> Path:
+    """The debug flavor (ffn 192, so every linear is int4-groupable at 32) trained 150 steps
+    on the small prepared set: a run directory with one checkpoint and a tokenizer."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    cfg = debug_config(small_data, "--training.steps", "150", "--training.lr", "3e-3", "--model.ffn_hidden_dim",
+                       "192", "--training.val_interval", "0", "--training.log_interval", "50")
+    t = Trainer(cfg, run_dir, progress=False)
+    try:
+        t.fit()
+    finally:
+        t.close()
+    return run_dir
