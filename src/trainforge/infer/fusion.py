@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainforge.infer.quantize.common import QuantLinear
-from trainforge.model.llama import Attention, FeedForward, RMSNorm, TransformerBlock, apply_rope
+from trainforge.model.llama import Attention, FeedForward, RMSNorm, TransformerBlock, attend
 
 
 def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -75,16 +75,7 @@ class FusedAttention(nn.Module):
         q = q.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cache is not None:
-            k, v = self.cache.update(start_pos, k, v)
-        S = k.shape[2]
-        gqa = self.n_heads != self.n_kv_heads
-        if S == T:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = attend(q, k, v, cos, sin, self.cache, start_pos)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 

@@ -65,6 +65,24 @@ class KVCache(nn.Module):
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           cache: KVCache | None, start_pos: int) -> torch.Tensor:
+    """Causal attention of (B, H, T, D) queries over (B, Hkv, T, D) keys/values: rotary
+    embeddings, then the cache (if any) appended to, then SDPA. Shared by the model and
+    the inference fusion pass, so both attend identically. Returns (B, H, T, D)."""
+    T = q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        k, v = cache.update(start_pos, k, v)
+    S = k.shape[2]
+    if S == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    # Decoding against a cache: query i sits at absolute position start_pos + i.
+    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -82,17 +100,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.cache is not None:
-            k, v = self.cache.update(start_pos, k, v)
-        S = k.shape[2]
-        if S == T:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            # Decoding against a cache: query i sits at absolute position start_pos + i.
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=start_pos)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = attend(q, k, v, cos, sin, self.cache, start_pos)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
