@@ -12,7 +12,7 @@ Method, for one call (deterministic given the inputs and ``seed``):
 
 1. Keep finite points with step > 0 (the untrained model at step 0 is not on the
    curve). Fewer than ``min_points`` -> ``None``.
-2. Overfitting (``rise_since_best``): smooth the losses with a moving mean over
+2. Overfitting (``overfit_detection.rise_since_best``): smooth the losses with a moving mean over
    ``overfit_window`` evaluations; when the latest window lies entirely after the
    lowest one and its mean is more than ``overfit_sigmas`` standard errors above it,
    the best point is in the past: predict it, with ``stop_step`` = the best
@@ -44,6 +44,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from scipy.optimize import OptimizeWarning, curve_fit
+
+from trainforge.train.overfit_detection import noise_std, rise_since_best
 
 # ---------------------------------------------------------------------------
 # Families: loss(x) with x = step / x_scale, all non-increasing for b >= 0, c > 0.
@@ -167,42 +169,6 @@ class Prediction:
                 "curve_weights": {f.name: round(f.weight, 4) for f in self.fits}}
 
 
-def _noise_std(y: np.ndarray) -> float:
-    """Robust noise level from second differences (a locally linear trend cancels)."""
-    if len(y) < 4:
-        return float(np.std(y))
-    d2 = np.diff(y, 2)
-    return float(1.4826 * np.median(np.abs(d2 - np.median(d2))) / math.sqrt(6.0))
-
-
-def rise_since_best(losses: Sequence[float] | np.ndarray, window: int) -> tuple[float, float]:
-    """(rise, standard error): how far the mean of the last ``window`` losses lies above
-    the lowest mean of ``window`` consecutive losses, and the standard error of that
-    difference. ``(0.0, inf)`` while the history is too short or the latest window
-    still overlaps the lowest one (no rise can be shown yet).
-
-    The standard error is measured on the history at the window's scale: with window
-    means m, D = m[i] - 2 m[i-w] + m[i-2w] cancels a locally linear trend and, for
-    independent window means, has variance 6 var(m), so se(m[a] - m[b]) =
-    sqrt(2 var(m)) = sd(D) / sqrt(3), with sd(D) from the median absolute deviation.
-    Autocorrelated evaluation noise inflates var(m) beyond sigma^2 / w and this
-    estimate follows it. It never goes below the white-noise value
-    ``_noise_std * sqrt(2 / window)`` and needs 5 values of D, else it is that value."""
-    y = np.asarray(losses, dtype=float)
-    w = int(window)
-    if len(y) < 2 * w:
-        return 0.0, math.inf
-    m = np.convolve(y, np.ones(w) / w, mode="valid")  # (n - w + 1,): mean of y[i:i + w]
-    j = int(np.argmin(m))
-    if len(m) - 1 - j < w:
-        return 0.0, math.inf
-    se = _noise_std(y) * math.sqrt(2.0 / w)
-    if len(m) >= 2 * w + 5:
-        d = m[2 * w:] - 2 * m[w:-w] + m[:-2 * w]
-        se = max(se, 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(3.0))
-    return float(m[-1] - m[j]), se
-
-
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
     order = np.argsort(values, kind="stable")
     cum = np.cumsum(weights[order])
@@ -288,7 +254,7 @@ class CurvePredictor:
         rise, se = rise_since_best(y, self.overfit_window)
         if not rise > self.overfit_sigmas * se:
             return None
-        noise = _noise_std(y)
+        noise = noise_std(y)
         i_best = int(np.argmin(y))
         best_step, best_loss, last_step = int(t[i_best]), float(y[i_best]), int(t[-1])
         return Prediction(best_loss, noise, best_step, min_delta, max(int(budget_step), last_step), last_step,
@@ -317,7 +283,7 @@ class CurvePredictor:
             return over
         last_step = int(t[-1])
         budget_step = max(int(budget_step), last_step)
-        noise = _noise_std(y)
+        noise = noise_std(y)
         i_best = int(np.argmin(y))
         best_step, best_loss = int(t[i_best]), float(y[i_best])
 
