@@ -21,13 +21,11 @@ from trainforge.data.sampler import BatchPlan
 from trainforge.errors import DataError
 
 
-@dataclass
-class PreparedData:
-    """A verified prepared-data directory: memory-mapped shards per split."""
+class ManifestFields:
+    """What the manifest says, for any dataset holding it as ``self.manifest``: the
+    memory-mapped ``PreparedData`` here and the cache-backed ``CachedData``."""
 
-    path: Path
     manifest: dict
-    splits: dict[str, list[np.memmap]]
 
     @property
     def vocab_size(self) -> int:
@@ -36,6 +34,15 @@ class PreparedData:
     @property
     def eos_id(self) -> int:
         return int(self.manifest["eos_id"])
+
+
+@dataclass
+class PreparedData(ManifestFields):
+    """A verified prepared-data directory: memory-mapped shards per split."""
+
+    path: Path
+    manifest: dict
+    splits: dict[str, list[np.memmap]]
 
     @property
     def tokenizer_path(self) -> Path:

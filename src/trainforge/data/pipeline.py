@@ -22,7 +22,7 @@ import torch
 
 from trainforge.config import DataSection
 from trainforge.data.augment import Augmenter
-from trainforge.data.dataset import PreparedData, load_prepared, parse_manifest
+from trainforge.data.dataset import ManifestFields, PreparedData, load_prepared, parse_manifest
 from trainforge.data.integrity import Quarantine, ShardInfo
 from trainforge.data.loader import CachedShards, MmapShards, ShardLoader
 from trainforge.data.loader_metrics import DataMetrics
@@ -34,7 +34,7 @@ from trainforge.errors import DataError
 
 
 @dataclass
-class CachedData:
+class CachedData(ManifestFields):
     """A prepared dataset read through the tiered cache (same attributes the trainer uses
     from ``PreparedData``)."""
 
@@ -43,14 +43,6 @@ class CachedData:
     tokenizer_path: Path
     cache: TieredShardCache
     metrics: DataMetrics = field(default_factory=DataMetrics)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.manifest["vocab_size"])
-
-    @property
-    def eos_id(self) -> int:
-        return int(self.manifest["eos_id"])
 
     def num_tokens(self, split: str) -> int:
         return sum(int(e["tokens"]) for e in self.manifest["splits"][split])
