@@ -87,14 +87,24 @@ class _Recast:
         return self.param.detach().to(self.dtype).as_strided(self.size, self.stride, self.offset)
 
 
+def _cast_of(t: torch.Tensor) -> tuple[torch.Tensor, object, int] | None:
+    """(base, source autograd node, its output nr) when ``t``, or the tensor it is a view
+    of, is a dtype cast (``ToCopyBackward0``: autocast's copies), else None."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        return None
+    source, nr = fn.next_functions[0]
+    return base, source, nr
+
+
 def _cast_parameter(t: torch.Tensor) -> torch.Tensor | None:
     """The plain (non-DTensor) parameter ``t`` is a dtype cast of (autocast's copy, or a
     view of it such as linear's ``weight.t()``), else None."""
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or type(fn).__name__ != "ToCopyBackward0":
+    cast = _cast_of(t)
+    if cast is None:
         return None
-    source = fn.next_functions[0][0] if fn.next_functions else None
+    base, source, _ = cast
     param = getattr(source, "variable", None)  # AccumulateGrad of a leaf
     if (isinstance(param, nn.Parameter) and not isinstance(param, DTensor) and param.dtype != base.dtype
             and param.shape == base.shape):
@@ -163,11 +173,10 @@ class SavedActivations:
     def _first_cast(self, t: torch.Tensor) -> torch.Tensor:
         """The first saved copy of the same cast of the same tensor (as ``t``'s view of it:
         linear saves a 3-D input as a 2-D view), else ``t`` itself."""
-        base = t._base if t._base is not None else t
-        fn = base.grad_fn
-        if fn is None or type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
+        cast = _cast_of(t)
+        if cast is None:
             return t
-        source, nr = fn.next_functions[0]
+        base, source, nr = cast
         if source is None:  # cast of a tensor that needs no gradient: no node to key on
             return t
         # The node objects stay referenced here until the context exits (their ids cannot be
