@@ -28,6 +28,11 @@ What is measured, per size:
   bound uses their mean. Weight bytes per token: every linear and norm weight in the
   variant's storage (int8 codes + scales, int4 codes + scales and zeros) plus one embedding
   row. "share" = measured tok/s / bound.
+- **What a 2-core guest can stream**, measured beside the copy bandwidth: a 256 MB ``sum``
+  (pure read, bytes read / time, best of 5; decode only reads weights) and the fp32 engine's
+  linears alone, through its own kernel, on its own weights (the "matmul ceiling": a decode
+  step with every other op free). fp32's share of each is printed, so a low share of the
+  copy bound can be told apart from a slow engine.
 - **Peak memory**: the variant's resident bytes (weights, KV cache / pool, engine
   workspace) plus the peak of allocations made during one generation (profiler memory
   events; not timed).
@@ -87,6 +92,40 @@ def copy_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
         b.copy_(a)
         best = min(best, time.perf_counter() - t0)
     return 2 * a.nbytes / best / 1e9
+
+
+def read_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
+    """Streaming read rate: ``sum`` of a 256 MB tensor, best of 5 (bytes read / time). Decode
+    only reads weights, so this, not copy, is the rate it could at best reach."""
+    a = torch.ones(mb * 2**20 // 4)
+    a.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def matmul_ceiling_tok_s(engine: Engine, repeats: int = 5) -> float:
+    """Tokens/s if a batch-1 decode step were only its linears, run by the engine's own kernel
+    (``LinearInto``) on its own weights: best of 5. What the rest of the step costs is the gap
+    between this and the measured decode speed."""
+    calls = []
+    for into in engine.runner._into.values():
+        n, k = into.mod.weight.shape
+        calls.append(into.bind(torch.randn(1, k), torch.empty(1, n)))
+
+    def step() -> None:
+        for c in calls:
+            c()
+    step()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    return 1 / best
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
@@ -238,7 +277,8 @@ def bench_size(size: str, args) -> dict:
         compiled = Ours("compiled", variants[2].model, ctx, compile=True)
         print(f"compiled decode step: compile took {compiled.engine.compile_s:.1f} s", flush=True)
         variants.append(compiled)
-    bw_before = copy_bandwidth_gbs()
+    bw_before, read_before = copy_bandwidth_gbs(), read_bandwidth_gbs()
+    ceiling_before = matmul_ceiling_tok_s(variants[2].engine)
     for v in variants:  # warm-up (allocator, first-call paths), untimed
         v.run(prompt, 4)
     samples: dict[str, list[Sample]] = {v.name: [] for v in variants}
@@ -251,11 +291,14 @@ def bench_size(size: str, args) -> dict:
             loads.append(load_note(c0, cpu_counters(), time.perf_counter() - t0)["other_processes_share"])
         print(f"  round {r}: " + ", ".join(f"{v.name} {samples[v.name][-1].decode_tok_s:.1f}" for v in variants),
               flush=True)
-    bw_after = copy_bandwidth_gbs()
-    bw = (bw_before + bw_after) / 2
+    bw_after, read_after = copy_bandwidth_gbs(), read_bandwidth_gbs()
+    ceiling_after = matmul_ceiling_tok_s(variants[2].engine)
+    bw, read = (bw_before + bw_after) / 2, (read_before + read_after) / 2
     out: dict = {"params": cfg.num_params(), "new_tokens": n, "rounds": rounds, "int4_group_size": group_size,
-                 "copy_bandwidth_gbs":
-                 {"before": bw_before, "after": bw_after}, "variants": {}, "other_processes_share": summary(loads)}
+                 "copy_bandwidth_gbs": {"before": bw_before, "after": bw_after},
+                 "read_bandwidth_gbs": {"before": read_before, "after": read_after},
+                 "fp32_matmul_ceiling_tok_s": {"before": ceiling_before, "after": ceiling_after},
+                 "variants": {}, "other_processes_share": summary(loads)}
     fp32_ids = samples["fp32"][0].ids
     for v in variants:
         s = samples[v.name]
@@ -264,6 +307,7 @@ def bench_size(size: str, args) -> dict:
         row = {"decode_tok_s": summary(tok_s), "ttft_ms": summary([x.ttft_s * 1e3 for x in s]),
                "bytes_per_token": v.bytes_per_token, "bound_tok_s": bound,
                "bound_share": statistics.median(tok_s) / bound,
+               "read_bound_share": statistics.median(tok_s) / (read * 1e9 / v.bytes_per_token),
                "peak_memory_mb": (v.resident + peak_transient_bytes(lambda: v.run(prompt, n))) / 2**20,
                "resident_mb": v.resident / 2**20,
                "same_tokens_as_fp32": s[0].ids == fp32_ids}
@@ -274,6 +318,8 @@ def bench_size(size: str, args) -> dict:
             row["agreement_teacher_forced"] = teacher_forced_agreement(v.model, variants[2].model,
                                                                        prompt + fp32_ids, len(prompt))
             row["agreement_free_running"] = float(np.mean([a == b for a, b in zip(s[0].ids, fp32_ids)]))
+        if v.name == "fp32":
+            row["matmul_ceiling_share"] = statistics.median(tok_s) / ((ceiling_before + ceiling_after) / 2)
         if v.name == "compiled":
             row["compile_s"] = v.engine.compile_s
         out["variants"][v.name] = row
@@ -369,6 +415,10 @@ def report(results: dict, machine: dict, trained: dict | None) -> None:
         print(f"\n### {size} ({r['params'] / 1e6:.1f}M params, int4 group {r['int4_group_size']}; copy bandwidth "
               f"{bw['before']:.1f} / {bw['after']:.1f} GB/s before/after; other processes "
               f"{100 * r['other_processes_share']['median']:.0f}% of the machine, median over samples)\n")
+        rd, ce, f32 = r["read_bandwidth_gbs"], r["fp32_matmul_ceiling_tok_s"], r["variants"]["fp32"]
+        print(f"streaming read (sum) {rd['before']:.1f} / {rd['after']:.1f} GB/s: fp32 is {100 * f32['read_bound_share']:.0f}% "
+              f"of the read bound; its linears alone (engine kernel, no other op) run at {ce['before']:.1f} / "
+              f"{ce['after']:.1f} tok/s: fp32 decode is {100 * f32['matmul_ceiling_share']:.0f}% of that\n")
         print("| variant | decode tok/s median [min, max] | x plain (IQR) | x HF (IQR) | TTFT ms | "
               "bound tok/s | share of bound | peak MB | agreement (teacher-forced / free) |")
         print("|---|---|---|---|---|---|---|---|---|")
