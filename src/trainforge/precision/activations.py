@@ -149,13 +149,21 @@ class SavedActivations:
         if (self.store_dtype is not None and self._in_model and t.is_floating_point() and t.dtype.itemsize > self.store_dtype.itemsize
                 and t.numel() >= self.min_numel and _storage(t) is not None and _dense(_local(t))
                 and not self._is_weight(t)):
-            # One copy per tensor even when several ops save it (x feeds wq, wk and wv).
-            # Keyed weakly on the tensor object: a freed tensor's address can be reused.
-            packed = self._packed.get(t)
+            # One copy per tensor even when several ops save it: x feeds wq, wk and wv, and
+            # each linear saves its own 2-D view of x, so the copy is keyed on the view's
+            # base (a dense view covers the whole base) and handed out with the view's
+            # geometry. Keyed weakly on the tensor object: a freed tensor's address can be reused.
+            base = t._base if t._base is not None and _dense(_local(t._base)) else t
+            packed = self._packed.get(base)
             if packed is None:
-                packed = t.detach().to(self.store_dtype)
-                self._packed[t] = packed
-            out = (packed, t.dtype)
+                packed = base.detach().to(self.store_dtype)
+                self._packed[base] = packed
+            if base is t:
+                out = (packed, t.dtype)
+            elif packed.stride() == base.stride():  # ``.to`` keeps a dense tensor's strides
+                out = (packed, t.dtype, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+            else:
+                out = (t.detach().to(self.store_dtype), t.dtype)
         if self._track:
             stored = _local(out[0] if isinstance(out, tuple) else out)
             if not self._is_weight(t):
@@ -196,8 +204,8 @@ class SavedActivations:
         if isinstance(packed, _Recast):
             return packed.unpack()
         if isinstance(packed, tuple):
-            tensor, dtype = packed
-            return tensor.to(dtype)
+            tensor, dtype, *view = packed
+            return tensor.to(dtype).as_strided(*view) if view else tensor.to(dtype)
         return packed
 
     def _enter_model(self, module: nn.Module, args) -> None:
