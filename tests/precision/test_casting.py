@@ -88,12 +88,18 @@ def test_groups_switch_between_steps(capability, debug_model, tokens):
             debug_model(tokens[:, :-1])
         return seen["layers.0.attention.wq"], seen["layers.0.feed_forward.w1"]
 
+    # Saved activations: bf16 storage while every group is low, as computed once one is fp32.
     assert forward() == (torch.bfloat16, torch.bfloat16)
+    assert runtime.activations.store_dtype == torch.bfloat16
     runtime.set_compute_dtype("attn", "fp32")
     assert forward() == (torch.float32, torch.bfloat16)
+    assert runtime.activations.store_dtype is None
     runtime.set_compute_dtype("model", torch.float32)
     runtime.set_compute_dtype("attn", "bf16")
     assert forward() == (torch.bfloat16, torch.float32)
+    assert runtime.activations.store_dtype is None
+    runtime.set_compute_dtype("model", "bf16")
+    assert runtime.activations.store_dtype == torch.bfloat16
     assert seen["layers.0.attention"] == torch.float32  # a bf16 group hands fp32 back to an fp32 model
     with pytest.raises(KeyError, match="unknown precision group"):
         runtime.set_compute_dtype("mlp", "fp32")

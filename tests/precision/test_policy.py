@@ -23,9 +23,12 @@ def test_fast_bf16_is_used_as_requested(capability):
     # What autocast leaves fp32 (norm internals, residual stream) is saved in bf16; fp32 opts out.
     assert p.activation_dtype == torch.bfloat16 and p.recast_weights
     assert policy_for(capability(True, False), policy="bf16-mixed", activation_dtype="fp32").activation_dtype is None
-    # Not under fp16 compute (range) nor dynamic (a group moved to fp32 keeps fp32 activations).
+    # Not under fp16 compute (range). Under dynamic, bf16 while no group is at fp32 (casting.py).
     assert policy_for(capability(True, True), policy="fp16-mixed").activation_dtype is None
-    assert policy_for(capability(True, False), policy="dynamic").activation_dtype is None
+    d = policy_for(capability(True, False), policy="dynamic")
+    assert d.activation_dtype == torch.bfloat16 and d.activation_follows_levels
+    d = policy_for(capability(True, False), policy="dynamic", activation_dtype="fp32")
+    assert d.activation_dtype is None and not d.activation_follows_levels
 
 
 def test_slow_bf16_keeps_fp32_compute_but_stores_activations_low(capability):

@@ -131,6 +131,10 @@ class PrecisionRuntime:
         if group not in self.compute_dtypes:
             raise KeyError(f"unknown precision group {group!r}; groups are {sorted(self.compute_dtypes)}")
         self.compute_dtypes[group] = dtype
+        if self.policy.activation_follows_levels:
+            # A group moved to fp32 for robustness gets fp32 saved activations too (policy.py).
+            low = all(d != FP32 for d in self.compute_dtypes.values())
+            self.activations.store_dtype = self.policy.activation_dtype if low else None
 
     def group_parameters(self) -> dict[str, list[nn.Parameter]]:
         """Parameters per group, for per-group gradient norms (``StepSignals.group_grad_norms``);

@@ -10,9 +10,11 @@ without the slow matmuls.
 Under bf16 compute, ``activation_dtype = auto`` stores what autocast leaves in fp32 and
 backward keeps (the fp32 modules' inputs and normalised outputs, the fp32 residual
 stream) in bf16 too: compute stays fp32 there, only the saved copy is rounded. Not under
-fp16 compute (an fp32 residual stream may exceed fp16's range) nor ``dynamic`` (a group
-moved to fp32 for robustness should keep fp32 activations); ``activation_dtype`` set
-explicitly overrides either way, ``fp32`` keeps them as computed.
+fp16 compute (an fp32 residual stream may exceed fp16's range). Under ``dynamic`` the
+storage follows the levels (``activation_follows_levels``): bf16 while every group
+computes below fp32 (bf16 keeps fp32's range, so an fp16 level loses none), as computed
+once any group has moved to fp32 for robustness. ``activation_dtype`` set explicitly
+overrides all of this, ``fp32`` keeps them as computed.
 
 ``fsdp_mixed_precision`` maps the policy onto FSDP2's ``MixedPrecisionPolicy`` for
 sharded runs; there the sharded fp32 parameters are the master weights.
@@ -53,6 +55,7 @@ class PrecisionPolicy:
     levels: tuple[torch.dtype, ...] = ()
     groups: tuple[tuple[str, tuple[str, ...]], ...] = ()
     recast_weights: bool = False  # autocast's saved weight copies recast in backward (activations.py)
+    activation_follows_levels: bool = False  # dynamic: activation_dtype only while no group is at fp32
     notes: tuple[str, ...] = ()  # one line per decision that differs from the request
 
     @property
@@ -72,7 +75,8 @@ class PrecisionPolicy:
         parts = [f"params {n[self.param_dtype]}", f"compute {n[self.compute_dtype]}",
                  f"reduce {n[self.reduce_dtype]}", f"optimizer state {n[self.optimizer_state_dtype]}"]
         if self.activation_dtype is not None:
-            parts.append(f"saved activations {n[self.activation_dtype]}")
+            parts.append(f"saved activations {n[self.activation_dtype]}"
+                         + (" while no group is at fp32" if self.activation_follows_levels else ""))
         if self.recast_weights and self.param_dtype == FP32 and (self.compute_dtype != FP32 or self.dynamic):
             parts.append("weights recast in backward")
         if self.loss_scaling:
@@ -118,6 +122,8 @@ def build_policy(section: PrecisionSection, device: torch.device | str, capabili
         notes.append(f"activations saved for backward are still stored in {DTYPE_NAMES[requested]}")
     elif compute == torch.bfloat16 and not dynamic:
         activation = compute  # what autocast leaves fp32 (norm internals, residual stream) stored in bf16
+    elif dynamic and compute != FP32:
+        activation = torch.bfloat16  # while every group is low (PrecisionRuntime.set_compute_dtype)
     if activation == FP32:
         activation = None  # stored as computed
     levels: tuple[torch.dtype, ...] = ()
@@ -137,6 +143,7 @@ def build_policy(section: PrecisionSection, device: torch.device | str, capabili
         optimizer_state_dtype=opt_state, activation_dtype=activation,
         fp32_rules=parse_patterns(section.fp32_modules), loss_scaling=loss_scaling, dynamic=dynamic,
         levels=levels, groups=parse_groups(section.dynamic_groups), recast_weights=section.recast_weights,
+        activation_follows_levels=dynamic and section.activation_dtype == "auto" and activation is not None,
         notes=tuple(notes))
     if log:
         for note in notes:
