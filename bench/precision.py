@@ -5,6 +5,8 @@ after a fixed budget, each measured on trainforge's real ``Trainer``.
     python bench/precision.py --quick         # tiny shapes, ~2 min (a smoke run)
     python bench/precision.py --json out.json # also keep every sample
     python bench/precision.py --parts memory --mem_batch 8   # memory only, at the trainer's default shape
+    python bench/precision.py --parts memory --mem_batch 8 --mem_seq 1024 --loss_chunk_tokens 1024 \
+        --mmap_threshold_kb 1024                         # the headline memory shape (BENCHMARKS.md)
 
 Policies (``[precision]`` overrides; each resolved by the hardware probe like a run is):
 
@@ -77,8 +79,10 @@ POLICIES = {
 MEMORY_TARGET = 0.38  # the goal: peak memory >= 38% below fp32 for mixed policies
 
 
-def overrides(flavor: str, batch: int, seq: int, policy: str, steps: int = 10, threads: int = 1) -> list[str]:
-    return ["--training.threads", str(threads), "--model.flavor", flavor, "--training.batch_size", str(batch), "--training.seq_len", str(seq),
+def overrides(flavor: str, batch: int, seq: int, policy: str, steps: int = 10, threads: int = 1,
+              loss_chunk_tokens: int = 0) -> list[str]:
+    return ["--training.threads", str(threads), "--training.loss_chunk_tokens", str(loss_chunk_tokens),
+            "--model.flavor", flavor, "--training.batch_size", str(batch), "--training.seq_len", str(seq),
             "--training.steps", str(steps), "--training.warmup_steps", "2", "--training.val_batches", "4",
             "--training.val_interval", "0", "--training.log_interval", str(max(steps, 1)),
             "--checkpoint.interval", "0", "--sample.max_new_tokens", "0", "--training.device", "cpu",
@@ -87,7 +91,7 @@ def overrides(flavor: str, batch: int, seq: int, policy: str, steps: int = 10, t
 
 def make_trainer(args, policy: str, flavor: str, batch: int, seq: int, steps: int = 10) -> Trainer:
     cfg = load_config(None, ["--data.path", str(args.data),
-                             *overrides(flavor, batch, seq, policy, steps, args.threads)])
+                             *overrides(flavor, batch, seq, policy, steps, args.threads, args.loss_chunk_tokens)])
     run_root = tempfile.mkdtemp(prefix=f"bench-precision-{policy}-")
     atexit.register(shutil.rmtree, run_root, ignore_errors=True)
     return Trainer(cfg, Path(run_root) / "run", progress=False)
@@ -151,10 +155,15 @@ def throughput_worker(args) -> dict:
 
 def run_worker(kind: str, policy: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", kind, "--policy", policy, "--data", str(args.data)]
-    for key in ("threads", "mem_flavor", "mem_batch", "mem_seq", "tps_flavor", "tps_batch", "tps_seq", "tps_steps",
-                "tps_pairs", "tps_forced_flavor", "tps_forced_steps", "tps_forced_pairs"):
+    for key in ("threads", "loss_chunk_tokens", "mem_flavor", "mem_batch", "mem_seq", "tps_flavor", "tps_batch",
+                "tps_seq", "tps_steps", "tps_pairs", "tps_forced_flavor", "tps_forced_steps", "tps_forced_pairs"):
         cmd += [f"--{key}", str(getattr(args, key))]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.mmap_threshold_kb:
+        # glibc: blocks at least this large are mmap'd and unmapped on free, so peak RSS
+        # follows live tensors instead of what the heap kept (see BENCHMARKS.md).
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold_kb * 1024)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{kind} worker for {policy} failed:\n{r.stderr[-3000:]}")
     return json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("{")))
@@ -171,6 +180,11 @@ def main() -> None:
     p.add_argument("--policies", default="fp32,bf16-mixed,fp16-mixed,dynamic,bf16-master,bf16-pure,fp16-forced")
     p.add_argument("--threads", type=int, default=1, help="torch threads per trainer; 1 is robust on a shared "
                    "machine (2 threads on 2 busy cores collapse to ~15x slower)")
+    p.add_argument("--loss_chunk_tokens", type=int, default=0,
+                   help="training.loss_chunk_tokens for every policy (0 = the whole logits tensor at once)")
+    p.add_argument("--mmap_threshold_kb", type=int, default=0,
+                   help="run the workers with glibc's MALLOC_MMAP_THRESHOLD_ at this many KiB (0 = glibc's "
+                        "default, a dynamic threshold)")
     p.add_argument("--mem_flavor", default="small")
     p.add_argument("--mem_batch", type=int, default=4)
     p.add_argument("--mem_seq", type=int, default=256)
@@ -231,7 +245,9 @@ def main() -> None:
         print(f"loss {name}: val {summary['final_val_loss']:.4f}", flush=True)
 
     base = results.get("fp32", {}).get("memory")
-    print(f"\nmemory: {args.mem_flavor}, batch {args.mem_batch} x seq {args.mem_seq}, 2 steps; throughput: "
+    print(f"\nloss chunk: {args.loss_chunk_tokens or 'off'} tokens; glibc mmap threshold: "
+          f"{str(args.mmap_threshold_kb) + ' KiB' if args.mmap_threshold_kb else 'default'}")
+    print(f"memory: {args.mem_flavor}, batch {args.mem_batch} x seq {args.mem_seq}, 2 steps; throughput: "
           f"{args.tps_flavor}, batch {args.tps_batch} x seq {args.tps_seq}, {args.tps_pairs} pairs of "
           f"{args.tps_steps} steps (fp16-forced: {args.tps_forced_flavor}, {args.tps_forced_pairs} pairs of "
           f"{args.tps_forced_steps} step); loss: "

@@ -45,6 +45,7 @@ from trainforge.train import checkpoint as ckpt
 from trainforge.train import control
 from trainforge.train import dist_checkpoint as dckpt
 from trainforge.train.bad_steps import StepAction
+from trainforge.train.chunked_loss import check_chunked_loss, chunked_cross_entropy, hidden_states
 from trainforge.train.lr_schedule import build_scheduler, warmup_decay
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
@@ -134,6 +135,7 @@ class Trainer:
         pp_layout = None
         if self.dims.pp > 1:
             pp_layout = check_pipeline_layout(self.model_config, self.dims, cfg.parallel, tcfg.batch_size)
+        check_chunked_loss(tcfg.loss_chunk_tokens, self.dims)
         warning = check_compression(cfg.compression, self.dims, data_parallel_kind(self.dims))
         if warning and self.is_main:
             self.log.warning(warning)
@@ -366,6 +368,10 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in fp32. Under TP with loss parallel the logits are a
         vocab-sharded DTensor and this must run (with its backward) in ``_loss_ctx``."""
+        chunk = self.cfg.training.loss_chunk_tokens
+        if chunk:  # never the whole (B, T, V) logits (train/chunked_loss.py)
+            owner = self.model_parts[0]
+            return chunked_cross_entropy(hidden_states(self.model, owner, inputs), owner.output, targets, chunk)
         logits = self.model(inputs)  # (B, T, V)
         return cross_entropy_loss(logits, targets)
 
