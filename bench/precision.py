@@ -171,7 +171,7 @@ def run_worker(kind: str, policy: str, args) -> dict:
 
 # -- main -------------------------------------------------------------------------------------
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smaller shapes and fewer samples (a smoke run)")
     p.add_argument("--json", default=None, help="also write every sample here")
@@ -203,6 +203,11 @@ def main() -> None:
     p.add_argument("--worker", choices=["memory", "throughput"], help=argparse.SUPPRESS)
     p.add_argument("--policy", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     quick = {"mem_flavor": "tiny", "mem_batch": 8, "mem_seq": 128, "tps_flavor": "tiny", "tps_steps": 2,
              "tps_pairs": 3, "loss_steps": 60}
     if "--quick" in sys.argv[1:]:
