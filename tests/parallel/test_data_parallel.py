@@ -80,11 +80,13 @@ def reference(tmp_path_factory, small_data):
     (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]),  # DDP
     (2, ["--parallel.dp_shard", "-1"]),  # FSDP2
     (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),  # HSDP 2x2
-], ids=["ddp2", "fsdp2", "hsdp2x2"])
+    # DDP with the chunked loss (3 chunks per rank, the last one short) against the plain loss
+    (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--training.loss_chunk_tokens", "48"]),
+], ids=["ddp2", "fsdp2", "hsdp2x2", "ddp2-chunked-loss"])
 def test_data_parallel_matches_single_process(tmp_path, small_data, reference, nproc, layout):
     run_dir = tmp_path / "run"
     r = run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // nproc), *layout))
-    kind = {"ddp2": "ddp", "fsdp2": "fsdp", "hsdp2x2": "hsdp"}
+    kind = {"ddp2": "ddp", "fsdp2": "fsdp", "hsdp2x2": "hsdp", "ddp2-chunked-loss": "ddp"}
     assert any(f"({k})" in r.stderr for k in kind.values())
     assert_same_training(run_dir, reference)
     assert (run_dir / "checkpoints" / "step_0000006" / dckpt.SHARDED_DIR).is_dir()
