@@ -29,7 +29,10 @@ fp16-forced   ``force = true``: fp16 matmuls even where slow; throughput only, o
    weights, gradients, AdamW state and the forward's saved activations at once). Reports
    the process's peak RSS (includes the Python/torch runtime, ~0.3-0.4 GB) and the bytes
    the trainer's memory report tracks (parameters + gradients + optimizer state incl.
-   master weights + saved activations), each against fp32.
+   master weights + saved activations), each against fp32. ``--loss_chunk_tokens`` and
+   ``--mmap_threshold_kb`` (glibc's ``MALLOC_MMAP_THRESHOLD_`` for the workers: freed
+   activations go back to the OS, so peak RSS follows live tensors) apply to every
+   policy, fp32 included.
 2. Throughput (``--tps_flavor``, default ``small``): per policy one process holding an fp32
    trainer (A) and the policy's trainer (B); samples of ``k`` steps alternate
    A B A B ... A, pair ratio = tokens/s(B_i) / mean(tokens/s(A_i), tokens/s(A_i+1)) (cancels
