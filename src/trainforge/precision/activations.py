@@ -87,6 +87,12 @@ class _Recast:
         return self.param.detach().to(self.dtype).as_strided(self.size, self.stride, self.offset)
 
 
+def _view_in(t: torch.Tensor, base: torch.Tensor) -> tuple[torch.Size, tuple[int, ...], int]:
+    """(size, stride, storage offset relative to ``base``) of ``t``, a view of ``base``: what
+    ``as_strided`` needs to take the same view of a copy laid out like ``base``."""
+    return t.size(), t.stride(), t.storage_offset() - base.storage_offset()
+
+
 def _cast_of(t: torch.Tensor) -> tuple[torch.Tensor, object, int] | None:
     """(base, source autograd node, its output nr) when ``t``, or the tensor it is a view
     of, is a dtype cast (``ToCopyBackward0``: autocast's copies), else None."""
@@ -161,7 +167,7 @@ class SavedActivations:
             if base is t:
                 out = (packed, t.dtype)
             elif packed.stride() == base.stride():  # ``.to`` keeps a dense tensor's strides
-                out = (packed, t.dtype, t.size(), t.stride(), t.storage_offset() - base.storage_offset())
+                out = (packed, t.dtype, *_view_in(t, base))
             else:
                 out = (t.detach().to(self.store_dtype), t.dtype)
         if self._track:
@@ -197,7 +203,10 @@ class SavedActivations:
             return t
         if first is base or first.shape != base.shape or first.stride() != base.stride():
             return t
-        return first if t is base else first.as_strided(t.size(), t.stride(), t.storage_offset())
+        if t is base:
+            return first
+        size, stride, offset = _view_in(t, base)
+        return first.as_strided(size, stride, first.storage_offset() + offset)
 
     @staticmethod
     def _unpack(packed) -> torch.Tensor:
