@@ -82,29 +82,28 @@ TARGETS = {"fp32_share": 0.70, "int8_vs_plain": 3.0, "int4_vs_plain": 4.0, "agre
            "batching_32": 4.0}
 
 
-def copy_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
-    a = torch.ones(mb * 2**20 // 4)
-    b = torch.empty_like(a)
-    b.copy_(a)
+def best_seconds(fn, repeats: int = 5) -> float:
+    """Shortest of ``repeats`` timed calls of ``fn``, after one untimed warm-up call."""
+    fn()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        b.copy_(a)
+        fn()
         best = min(best, time.perf_counter() - t0)
-    return 2 * a.nbytes / best / 1e9
+    return best
+
+
+def copy_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
+    a = torch.ones(mb * 2**20 // 4)
+    b = torch.empty_like(a)
+    return 2 * a.nbytes / best_seconds(lambda: b.copy_(a), repeats) / 1e9
 
 
 def read_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
     """Streaming read rate: ``sum`` of a 256 MB tensor, best of 5 (bytes read / time). Decode
     only reads weights, so this, not copy, is the rate it could at best reach."""
     a = torch.ones(mb * 2**20 // 4)
-    a.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best / 1e9
+    return a.nbytes / best_seconds(a.sum, repeats) / 1e9
 
 
 def matmul_ceiling_tok_s(engine: Engine, repeats: int = 5) -> float:
@@ -119,13 +118,7 @@ def matmul_ceiling_tok_s(engine: Engine, repeats: int = 5) -> float:
     def step() -> None:
         for c in calls:
             c()
-    step()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t0)
-    return 1 / best
+    return 1 / best_seconds(step, repeats)
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:
