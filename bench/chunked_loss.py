@@ -47,11 +47,7 @@ def step_time(args) -> dict:
     plain = pb.make_trainer(make, "fp32", "small", args.tps_batch, args.tps_seq)
     make.loss_chunk_tokens = args.chunk
     chunked = pb.make_trainer(make, "fp32", "small", args.tps_batch, args.tps_seq)
-    pb.timed(plain.train_step), pb.timed(chunked.train_step)  # warm-up
-    p_s, c_s = [pb.timed(plain.train_step)], []
-    for _ in range(args.pairs):
-        c_s.append(pb.timed(chunked.train_step))
-        p_s.append(pb.timed(plain.train_step))
+    p_s, c_s = pb.alternating_samples(plain, chunked, 1, args.pairs)
     ratios = [c_s[i][0] / ((p_s[i][0] + p_s[i + 1][0]) / 2) for i in range(args.pairs)]
     return {"ratios": ratios, "plain_s": [s for s, _ in p_s], "chunked_s": [s for s, _ in c_s],
             "others_share": [o for _, o in p_s + c_s]}

@@ -133,6 +133,21 @@ def memory_worker(args) -> dict:
             "optimizer_state": report.optimizer_state, "activations": report.activations}
 
 
+def alternating_samples(a: Trainer, b: Trainer, k: int, pairs: int) -> tuple[list, list]:
+    """Samples of ``k`` training steps, A B A B ... A after one untimed warm-up each (oneDNN
+    kernels, allocator): (A's pairs + 1 samples, B's pairs samples), each ``timed``'s
+    (wall seconds, others' share), so B_i sits between A_i and A_i+1."""
+    def sample(t):
+        return timed(lambda: [t.train_step() for _ in range(k)])
+
+    sample(a), sample(b)
+    a_s, b_s = [sample(a)], []
+    for _ in range(pairs):
+        b_s.append(sample(b))
+        a_s.append(sample(a))
+    return a_s, b_s
+
+
 def throughput_worker(args) -> dict:
     forced = args.policy == "fp16-forced"
     flavor = args.tps_forced_flavor if forced else args.tps_flavor
@@ -141,15 +156,7 @@ def throughput_worker(args) -> dict:
     k = args.tps_forced_steps if forced else args.tps_steps
     pairs = args.tps_forced_pairs if forced else args.tps_pairs
     tokens = k * a.tokens_per_step
-
-    def sample(t):
-        return timed(lambda: [t.train_step() for _ in range(k)])
-
-    sample(a), sample(b)  # warm-up: oneDNN kernels, allocator
-    a_s, b_s = [sample(a)], []
-    for _ in range(pairs):
-        b_s.append(sample(b))
-        a_s.append(sample(a))
+    a_s, b_s = alternating_samples(a, b, k, pairs)
     ratios = [(tokens / b_s[i][0]) / ((tokens / a_s[i][0] + tokens / a_s[i + 1][0]) / 2) for i in range(pairs)]
     return {"policy": args.policy, "resolved": b.mp.policy.describe(), "ratios": ratios,
             "fp32_tokens_per_s": [tokens / s for s, _ in a_s], "tokens_per_s": [tokens / s for s, _ in b_s],
