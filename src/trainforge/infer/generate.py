@@ -1,6 +1,8 @@
-"""Generation through the engine for one prompt: ``trainforge generate`` and the sample
-printed after training. ``generate`` leaves the model as it found it (no fusion, train/eval
-mode restored), so it also serves a model that is still training."""
+"""Generation through the engine for one prompt, on a model that may still be training:
+the sample printed after ``trainforge train``. ``generate`` leaves the model as it found it
+(no fusion, train/eval mode restored). ``trainforge generate`` (cli.py) builds its engine
+itself: it loads a checkpoint it owns, so it may fuse, quantise and compile, and reports
+the engine's statistics."""
 
 from __future__ import annotations
 
