@@ -12,7 +12,7 @@ steps into a temporary directory (about half a minute): the soak is about the se
 Clients (asyncio + httpx, one seeded RNG each) loop until the deadline, each request a
 random mix: ~45% non-streamed, ~45% streamed (SSE, must end ``data: [DONE]``), ~10%
 hang up 50-500 ms after sending a long request (raw socket, so the disconnect is
-certain), over ``/v1/completions`` and ``/v1/chat/completions``. A 429 is *shed* load,
+certain; a hang-up that got a 429 first counts as shed), over ``/v1/completions`` and ``/v1/chat/completions``. A 429 is *shed* load,
 counted apart, and the client backs off 50-250 ms. An **error** is anything else: a status
 other than 200 / 429, a connection error or timeout, a stream without ``[DONE]``, a 5xx in
 the server's own ``/metrics``, or a server that is not idle (no running or waiting
@@ -145,7 +145,7 @@ class Tally:
     def __init__(self):
         self.latency_s: list[float] = []
         self.ttft_s: list[float] = []
-        self.counts = {"ok": 0, "shed_429": 0, "dropped": 0, "errors": 0}
+        self.counts = {"ok": 0, "shed_429": 0, "hung_up": 0, "errors": 0}
         self.errors: list[str] = []
 
     def error(self, what: str) -> None:
@@ -194,19 +194,26 @@ async def streamed(http: httpx.AsyncClient, path: str, body: dict, tally: Tally)
     return 200
 
 
-async def hang_up(port: int, path: str, body: dict, delay_s: float) -> None:
-    """Send the request on a raw connection and close it after ``delay_s``, whatever came back."""
+async def hang_up(port: int, path: str, body: dict, delay_s: float) -> bool:
+    """Send the request on a raw connection and close it after ``delay_s``. Returns False if
+    a 429 came back first (shed, nothing to abort), else True."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = json.dumps(body).encode()
     writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     await writer.drain()
-    await asyncio.sleep(delay_s)
+    try:  # a 429 is immediate; an admitted request sends nothing (not streamed) or a 200 line
+        status = await asyncio.wait_for(reader.readline(), delay_s)
+    except asyncio.TimeoutError:
+        status = b""
+    if status and b" 429 " not in status:
+        await asyncio.sleep(delay_s)  # streamed: hang up mid-stream, not at its first line
     writer.close()
     try:
         await writer.wait_closed()
     except OSError:
         pass
+    return b" 429 " not in status
 
 
 async def client(i: int, url: str, port: int, deadline: float, tally: Tally, max_tokens: int) -> None:
@@ -217,8 +224,8 @@ async def client(i: int, url: str, port: int, deadline: float, tally: Tally, max
             chat = rng.random() < 0.25
             if u < 0.10:
                 path, body = request_body(rng, chat, 4 * max_tokens, rng.random() < 0.5)
-                await hang_up(port, path, body, rng.uniform(0.05, 0.5))
-                tally.counts["dropped"] += 1
+                admitted = await hang_up(port, path, body, rng.uniform(0.05, 0.5))
+                tally.counts["hung_up" if admitted else "shed_429"] += 1
                 continue
             path, body = request_body(rng, chat, rng.randint(8, max_tokens), u < 0.55)
             try:
@@ -334,7 +341,7 @@ def main() -> int:
     tokens = me["trainforge_inference_generated_tokens_total"] - mw["trainforge_inference_generated_tokens_total"]
     aborted = me['trainforge_inference_requests_finished_total{reason="abort"}']
     c = tally.counts
-    answered = c["ok"] + c["shed_429"] + c["errors"]
+    requests = sum(c.values())
     others_s = (c1["busy_s"] - c0["busy_s"]) - (c1["self_s"] - c0["self_s"]) - (s1 - s0)
     result = {
         "bench": "soak_serve", "date": date, "cpu": cpu, "loadavg_before": [round(v, 2) for v in load_before],
@@ -344,8 +351,8 @@ def main() -> int:
         "command": "trainforge " + " ".join(cmd if args.trained is None else cmd[:2] + ["DEBUG_RUN"] + cmd[3:]),
         "checkpoint": "debug flavor, trained 30 steps here" if args.trained else str(args.checkpoint),
         "clients": args.clients,
-        "duration_s": args.duration_s, "warmup_s": args.warmup_s, **c, "answered": answered,
-        "shed_share": round(c["shed_429"] / answered, 4) if answered else 0.0,
+        "duration_s": args.duration_s, "warmup_s": args.warmup_s, **c, "requests": requests,
+        "shed_share": round(c["shed_429"] / requests, 4) if requests else 0.0,
         "aborted_by_engine": int(aborted),
         "latency_p50_s": round(pct(tally.latency_s, 50), 4), "latency_p99_s": round(pct(tally.latency_s, 99), 4),
         "ttft_p50_s": round(pct(tally.ttft_s, 50), 4), "ttft_p99_s": round(pct(tally.ttft_s, 99), 4),
@@ -356,10 +363,10 @@ def main() -> int:
     }
     ok = c["errors"] == 0 and growth < GROWTH_LIMIT
     result["pass"] = ok
-    rows = [("requests answered", f"{answered} ({c['ok']} ok, {c['shed_429']} shed with 429)"),
+    rows = [("requests", f"{requests} ({c['ok']} completed, {c['hung_up']} hung up, {c['shed_429']} shed)"),
             ("errors (target 0)", f"{c['errors']}"),
             ("shed share (429)", f"{result['shed_share']:.1%}"),
-            ("hang-ups / aborted in the engine", f"{c['dropped']} / {result['aborted_by_engine']}"),
+            ("admitted hang-ups / aborted in the engine", f"{c['hung_up']} / {result['aborted_by_engine']}"),
             ("latency p50 / p99", f"{result['latency_p50_s'] * 1e3:.0f} / {result['latency_p99_s'] * 1e3:.0f} ms"),
             ("TTFT p50 / p99 (streamed)", f"{result['ttft_p50_s'] * 1e3:.0f} / {result['ttft_p99_s'] * 1e3:.0f} ms"),
             ("tokens/s (engine, after warm-up)", f"{result['tokens_per_s']:.0f}"),

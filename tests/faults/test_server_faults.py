@@ -90,8 +90,9 @@ def test_a_client_that_hangs_up_is_aborted_and_its_blocks_freed(server, case):
         if case == "queued":
             wait_for(lambda: engine.stats()["waiting"] == 1, 10, "the request never queued")
         else:
-            wait_for(lambda: engine.counters["generated_tokens"] > before["trainforge_inference_generated_tokens_total"],
-                     10, "the request never started decoding")
+            generated_before = before["trainforge_inference_generated_tokens_total"]
+            wait_for(lambda: engine.counters["generated_tokens"] > generated_before, 10,
+                     "the request never started decoding")
             if case == "streamed":
                 assert sock.recv(64).startswith(b"HTTP/1.1 200")  # the response is under way
             m = metrics(url)
@@ -114,7 +115,8 @@ def test_a_client_that_hangs_up_is_aborted_and_its_blocks_freed(server, case):
     after = metrics(url)
     aborted = 'trainforge_inference_requests_finished_total{reason="abort"}'
     assert after[aborted] - before[aborted] == 1 + len(held)
-    generated = after["trainforge_inference_generated_tokens_total"] - before["trainforge_inference_generated_tokens_total"]
+    generated = (after["trainforge_inference_generated_tokens_total"]
+                 - before["trainforge_inference_generated_tokens_total"])
     assert generated < (LONG if case != "queued" else 2 * LONG), generated  # stopped, not run to max_tokens
     if case == "queued":
         assert all(len(r.output_ids) < LONG for r in held)

@@ -38,7 +38,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest  # at module level: FastAPI resolves annotations here
@@ -266,7 +266,9 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
                        param="prompt")
 
     async def run(request: HTTPRequest, ids: list[int], params: SamplingParams, chat: bool, stream: bool,
-                  admitted):
+                  admitted: Callable[[], None]):
+        """Submit, then answer: a JSON body, or an SSE stream. ``admitted()`` once the engine
+        holds the request (from then on ``Engine.load`` counts it)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()  # streamed: (text, finished) per engine update
         finished_event = asyncio.Event()  # not streamed: set once, when the request ends
