@@ -139,12 +139,12 @@ def test_a_burst_of_max_concurrent_is_admitted_and_one_more_gets_one_429(tok, ma
             statuses = [r.status_code for r in asyncio.run(burst(url, n, 200))]
             assert statuses == [200] * n, statuses
             wait_idle(engine)
-        responses = asyncio.run(burst(url, n + 1, 200))
+        responses = asyncio.run(burst(url, n + 1, 400))  # longer: the first must outlast the last arrival
         statuses = sorted(r.status_code for r in responses)
         assert statuses == [200] * n + [429], statuses
         refused = next(r for r in responses if r.status_code == 429)
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
-        assert all(r.json()["usage"]["completion_tokens"] == 200 for r in responses if r.status_code == 200)
+        assert all(r.json()["usage"]["completion_tokens"] == 400 for r in responses if r.status_code == 200)
         assert engine.counters["peak_batch"] == BATCH  # the rest waited in the queue, as admitted
 
 
