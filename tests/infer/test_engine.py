@@ -95,9 +95,9 @@ def test_stop_tokens_end_a_request_and_length_limits_hold():
 
 def test_queue_is_bounded_and_bad_requests_are_refused():
     engine = Engine(model_for("gqa2"), EngineConfig(max_batch_size=1, max_queue=2, max_context=64))
-    engine.submit([1, 2], GREEDY)
-    engine.submit([1, 2], GREEDY)
-    with pytest.raises(QueueFull):
+    for _ in range(3):  # one for the free batch row (taken at the next step) + max_queue
+        engine.submit([1, 2], GREEDY)
+    with pytest.raises(QueueFull, match="max_batch_size \\+ max_queue = 3"):
         engine.submit([1, 2], GREEDY)
     with pytest.raises(RequestTooLong, match="exceeds the context of 64"):
         engine.check(list(range(50)), GREEDY)

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import threading
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import httpx
@@ -28,28 +29,37 @@ def tiny_model(vocab_size: int):
     return build_model(dataclasses.replace(FLAVORS["debug"], vocab_size=vocab_size, max_seq_len=128), seed=0)
 
 
+@contextmanager
+def serving(engine, tok, config: ServerConfig):
+    """The app on 127.0.0.1 (a free port) in a uvicorn thread, the engine stepping in its own;
+    yields the base URL (tests/faults/test_server_faults.py uses it too)."""
+    app = create_app(engine, tok, config)
+    engine.start()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        port = srv.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.stop()
+
+
 @pytest.fixture(scope="module")
 def server(small_data):
     tok = load_tokenizer(small_data / "tokenizer.json")
     engine = Engine(tiny_model(tok.get_vocab_size()), EngineConfig(max_batch_size=4, max_queue=4, max_context=128,
                                                                    block_size=8),
                     tokenizer=tok, eos_ids=(eos_id(tok),))
-    app = create_app(engine, tok, ServerConfig(api_key=KEY, model_name="tiny", max_body_bytes=4096))
-    engine.start()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(url=url, engine=engine, tok=tok,
-                          client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
-                          http=httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30))
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.stop()
+    with serving(engine, tok, ServerConfig(api_key=KEY, model_name="tiny", max_body_bytes=4096)) as url:
+        yield SimpleNamespace(url=url, engine=engine, tok=tok,
+                              client=openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0),
+                              http=httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=30))
 
 
 def expected_greedy(server, prompt_ids: list[int], n: int) -> str:

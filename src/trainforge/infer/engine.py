@@ -3,7 +3,9 @@
 ``Engine(model, EngineConfig, tokenizer, eos_ids)`` owns the model (it applies the fusion
 pass and packs quantised layers), one ``KVPool``, one ``ModelRunner`` and one
 ``BatchSampler``, all sized once. ``submit`` puts a request in a bounded FIFO queue
-(``QueueFull`` past ``max_queue``); each ``step``:
+(``QueueFull`` once running + waiting reach ``max_batch_size + max_queue``: a request
+submitted while a batch row is free waits only until the next step, so it takes that row's
+share of the bound, not a queue place); each ``step``:
 
 1. drops aborted requests (their blocks go back to the pool);
 2. admits waiting requests while a batch row is free and the pool can reserve blocks for
@@ -53,7 +55,7 @@ class RequestTooLong(ValueError):
 @dataclass
 class EngineConfig:
     max_batch_size: int = 8  # sequences decoded together
-    max_queue: int = 64  # requests waiting for a batch row; more are refused (QueueFull)
+    max_queue: int = 64  # requests waiting beyond the free batch rows; more are refused (QueueFull)
     block_size: int = 16  # tokens per KV-cache block
     n_blocks: int = 0  # KV pool size in blocks; 0 = max_batch_size full-context sequences
     max_context: int = 0  # prompt + generated tokens per sequence; 0 = the model's max_seq_len
@@ -172,10 +174,15 @@ class Engine:
                on_update: Callable[[Request, list[int], str, bool], None] | None = None) -> Request:
         """Queue a request; raises ``QueueFull`` or ``ValueError`` (see ``check``)."""
         self.check(prompt_ids, params)
+        cap = self.config.max_batch_size + self.config.max_queue
         with self._lock:
-            if len(self._waiting) >= self.config.max_queue:
+            # Counted against running + waiting, not waiting alone: between steps a burst sits in
+            # the queue although batch rows are free, and counting it as queued refused requests
+            # that had a row (a burst of max_batch_size + max_queue got 429s).
+            if len(self._rows) + len(self._waiting) >= cap:
                 self.counters["rejected"] += 1
-                raise QueueFull(f"{len(self._waiting)} requests already wait (max_queue={self.config.max_queue})")
+                raise QueueFull(f"{len(self._rows)} requests running and {len(self._waiting)} waiting "
+                                f"(max_batch_size + max_queue = {cap})")
             req = Request(next(self._ids), list(prompt_ids), params, on_update)
             self._waiting.append(req)
             self.counters["submitted"] += 1
@@ -191,8 +198,9 @@ class Engine:
             self._lock.notify_all()
 
     def load(self) -> int:
-        """Requests running or waiting."""
-        return len(self._rows) + len(self._waiting)
+        """Requests running or waiting (an aborted one until the next step reaps it)."""
+        with self._lock:  # the engine thread moves requests from the queue to rows under it
+            return len(self._rows) + len(self._waiting)
 
     def has_work(self) -> bool:
         return bool(self._rows or self._waiting)
@@ -234,12 +242,12 @@ class Engine:
                 if not self.pool.can_reserve(total):
                     return  # FIFO: the head waits for blocks, nothing overtakes it
                 self._waiting.popleft()
+                row = len(self._rows)  # under the lock: load() never misses a request in between
+                req.row = row
+                self._rows.append(req)
             T = len(req.prompt_ids)
             self.pool.add(req.id, total)
             slots = self.pool.append_slots(req.id, T)
-            row = len(self._rows)
-            req.row = row
-            self._rows.append(req)
             self.counters["peak_batch"] = max(self.counters["peak_batch"], len(self._rows))
             t0 = time.perf_counter()
             tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)

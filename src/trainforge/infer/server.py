@@ -16,11 +16,15 @@ stays free and ``/health`` answers under load. Errors use OpenAI's envelope
 - 400 malformed JSON, bad or unsupported parameters, prompt + max_tokens beyond the context
   (code ``context_length_exceeded``); 401 bad or missing key; 404 unknown model or path;
 - 413 body larger than ``max_body_bytes`` (refused from Content-Length before reading);
-- 429 at the concurrency limit (running + waiting >= ``max_concurrent``), answered before
-  the body is read, and when the engine's queue is full.
+- 429 at the concurrency limit: exactly ``max_concurrent`` requests are admitted (running +
+  waiting in the engine + admitted here but still being read), the next is refused before
+  its body is read. ``max_concurrent`` may not exceed the engine's own bound
+  (``max_batch_size + max_queue``), so the engine's ``QueueFull`` is a backstop only.
 
 A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
-request aborted; the engine frees its KV blocks at the next step. Chat messages are
+request aborted; the engine frees its batch row and KV blocks at the next step. The
+non-streamed wait watches the connection by awaiting the ASGI ``http.disconnect`` message
+(no polling); streamed responses get it from Starlette's disconnect listener. Chat messages are
 rendered with a plain template (``role: content`` lines, then ``assistant:``): trainforge
 models are not chat-tuned and no Jinja chat template is read.
 """
@@ -32,11 +36,14 @@ import hmac
 import json
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest  # at module level: FastAPI resolves annotations here
 
+from trainforge.errors import ConfigError
 from trainforge.infer.engine import Engine, QueueFull, RequestTooLong
 from trainforge.infer.request import Request
 from trainforge.infer.sampling import SamplingParams
@@ -49,7 +56,7 @@ class ServerConfig:
     api_key: str | None = None  # None = no authentication
     model_name: str = "trainforge"
     max_body_bytes: int = 1 << 20
-    max_concurrent: int = 0  # running + waiting requests; 0 = the engine's max_batch_size + max_queue
+    max_concurrent: int = 0  # requests admitted at once (running + waiting); 0 = max_batch_size + max_queue
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
 
 
@@ -61,6 +68,47 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Admission:
+    """The concurrency limit. A request counts from the moment it is admitted: the engine
+    counts it once submitted (``Engine.load``), this counts it in between, while its body is
+    read and parsed (awaits, during which other requests are checked). Event-loop only."""
+
+    def __init__(self, engine: Engine, limit: int):
+        self.engine, self.limit, self.reading = engine, limit, 0
+
+    def load(self) -> int:
+        return self.engine.load() + self.reading
+
+    @contextmanager
+    def hold(self):
+        """Admit one request or raise 429; yields a release function that the handler calls
+        once the engine holds the request (and that runs on exit otherwise)."""
+        load = self.load()
+        if load >= self.limit:
+            raise APIError(429, f"server busy: {load} requests running or waiting (limit {self.limit}); retry later",
+                           "rate_limit_error", code="rate_limit_exceeded")
+        self.reading += 1
+        held = [True]
+
+        def release() -> None:
+            if held[0]:
+                held[0] = False
+                self.reading -= 1
+
+        try:
+            yield release
+        finally:
+            release()
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Return when the client goes away. Once the body is read, the server's ``receive``
+    blocks until ``http.disconnect`` (or the response is complete), so this costs one
+    suspended task, not a polling loop."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # -- request parsing -------------------------------------------------------------------------
@@ -141,7 +189,11 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
     config = config or ServerConfig()
     if tokenizer is None:
         raise ValueError("the server needs a tokenizer (the checkpoint has no tokenizer.json)")
-    max_concurrent = config.max_concurrent or engine.config.max_batch_size + engine.config.max_queue
+    engine_cap = engine.config.max_batch_size + engine.config.max_queue
+    if not 0 <= config.max_concurrent <= engine_cap:
+        raise ConfigError(f"max_concurrent={config.max_concurrent}: must be in [0, max_batch_size + max_queue = "
+                          f"{engine_cap}]; raise --max_queue or lower --max_concurrent")
+    admission = _Admission(engine, config.max_concurrent or engine_cap)
     metrics_registry = Registry(rank=0)
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(RegistryCollector(metrics_registry))
@@ -178,19 +230,19 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
         return PlainTextResponse(generate_latest(exposition), media_type=CONTENT_TYPE_LATEST)
 
     async def read_body(request: HTTPRequest) -> dict:
-        if engine.load() >= max_concurrent:  # before reading anything: the cheapest refusal
-            raise APIError(429, f"server busy: {engine.load()} requests running or waiting (limit {max_concurrent}); "
-                           "retry later", "rate_limit_error", code="rate_limit_exceeded")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
             raise APIError(413, f"request body of {length} bytes exceeds the limit of {config.max_body_bytes}",
                            code="request_too_large")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > config.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
-                               code="request_too_large")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > config.max_body_bytes:
+                    raise APIError(413, f"request body exceeds the limit of {config.max_body_bytes} bytes",
+                                   code="request_too_large")
+        except ClientDisconnect:  # gone before its body arrived: nothing to answer, not a server error
+            raise APIError(499, "client disconnected while sending the body") from None
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -213,12 +265,19 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
         raise APIError(400, "'prompt' must be a string, a list of token ids, or a one-element list of either",
                        param="prompt")
 
-    async def run(request: HTTPRequest, ids: list[int], params: SamplingParams, chat: bool, stream: bool):
+    async def run(request: HTTPRequest, ids: list[int], params: SamplingParams, chat: bool, stream: bool,
+                  admitted: Callable[[], None]):
+        """Submit, then answer: a JSON body, or an SSE stream. ``admitted()`` once the engine
+        holds the request (from then on ``Engine.load`` counts it)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue = asyncio.Queue()  # streamed: (text, finished) per engine update
+        finished_event = asyncio.Event()  # not streamed: set once, when the request ends
 
         def on_update(req: Request, new_ids: list[int], text: str, finished: bool) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (text, finished))
+            if stream:
+                loop.call_soon_threadsafe(queue.put_nowait, (text, finished))
+            elif finished:
+                loop.call_soon_threadsafe(finished_event.set)
 
         try:
             req = engine.submit(ids, params, on_update)
@@ -228,6 +287,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
             raise APIError(429, f"server busy: {e}", "rate_limit_error", code="rate_limit_exceeded") from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
+        finally:
+            admitted()  # the engine counts it now (or it was refused)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -241,18 +302,18 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
                                      "request_s": None if req.finished_s is None else req.finished_s - req.created_s})
 
         if not stream:
+            # Wait for the end or the client leaving, whichever comes first. (Waiting on the
+            # token updates with a timeout and checking the connection on timeout never
+            # checked it while tokens kept coming, so a gone client's request ran to the end.)
+            finished = asyncio.ensure_future(finished_event.wait())
+            gone = asyncio.ensure_future(_disconnected(request))
             try:
-                while True:
-                    try:
-                        _, finished = await asyncio.wait_for(queue.get(), timeout=0.25)
-                    except asyncio.TimeoutError:
-                        finished = False
-                        if await request.is_disconnected():
-                            engine.abort(req)
-                            raise APIError(499, "client disconnected") from None
-                    if finished:
-                        break
-            finally:
+                await asyncio.wait((finished, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not finished.done():
+                    raise APIError(499, "client disconnected")
+            finally:  # also when this handler is cancelled (server shutdown)
+                finished.cancel()
+                gone.cancel()
                 if not req.done.is_set():
                     engine.abort(req)
             observe()
@@ -296,20 +357,24 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
-        data = await read_body(request)
-        if "prompt" not in data:
-            raise APIError(400, "'prompt' is required", param="prompt")
-        ids = encode_prompt(data["prompt"])
-        params = sampling_params(data, config.default_max_tokens)
-        return await run(request, ids, params, chat=False, stream=bool(data.get("stream", False)))
+        with admission.hold() as admitted:  # before reading anything: the cheapest refusal
+            data = await read_body(request)
+            if "prompt" not in data:
+                raise APIError(400, "'prompt' is required", param="prompt")
+            ids = encode_prompt(data["prompt"])
+            params = sampling_params(data, config.default_max_tokens)
+            return await run(request, ids, params, chat=False, stream=bool(data.get("stream", False)),
+                             admitted=admitted)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HTTPRequest):
-        data = await read_body(request)
-        ids = tokenizer.encode(chat_prompt(data.get("messages"))).ids
-        default = max(1, min(256, engine.max_context - len(ids)))
-        params = sampling_params(data, default)
-        return await run(request, ids, params, chat=True, stream=bool(data.get("stream", False)))
+        with admission.hold() as admitted:
+            data = await read_body(request)
+            ids = tokenizer.encode(chat_prompt(data.get("messages"))).ids
+            default = max(1, min(256, engine.max_context - len(ids)))
+            params = sampling_params(data, default)
+            return await run(request, ids, params, chat=True, stream=bool(data.get("stream", False)),
+                             admitted=admitted)
 
     return app
 
