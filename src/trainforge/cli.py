@@ -260,7 +260,7 @@ def _serve(argv: list[str]) -> int:
                         "(default: $TRAINFORGE_API_KEY; unset = no key)")
     p.add_argument("--model_name", default=None, help="model id in the API (default: the checkpoint's name)")
     p.add_argument("--max_batch_size", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--max_queue", type=int, default=64, help="requests waiting for a batch row")
+    p.add_argument("--max_queue", type=int, default=64, help="requests waiting while every batch row is busy")
     p.add_argument("--max_concurrent", type=int, default=0,
                    help="running + waiting requests before answering 429; 0 = max_batch_size + max_queue")
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV-cache block")
