@@ -122,16 +122,16 @@ def _flip_byte(f: Path) -> None:
     f.write_bytes(bytes(raw))
 
 
-def test_corrupt_newest_checkpoint_is_refused_or_skipped_with_fallback(tmp_path, ref):
+def test_corrupt_newest_checkpoint_is_refused_or_skipped_with_fallback(tmp_path, ref, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(ref, run_dir)
     bad = run_dir / "checkpoints" / "step_0000030" / "model.safetensors"
     _flip_byte(bad)
     metrics_before = (run_dir / "metrics.jsonl").read_text()
 
-    r = _resume(run_dir)
-    assert r.returncode == 2
-    line = one_error_line(r.stderr)
+    # The refusal in-process (the real CLI code, without a second interpreter start-up).
+    assert cli.main(["train", "--resume", str(run_dir), "--no_sample"]) == 2
+    line = one_error_line(capsys.readouterr().err)
     assert str(bad) in line and "corrupt" in line
     assert "--from_step N (available: 10, 20)" in line and "checkpoint.fallback = true" in line
     assert (run_dir / "metrics.jsonl").read_text() == metrics_before  # refused before touching anything
