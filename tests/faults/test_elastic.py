@@ -100,8 +100,7 @@ def test_killed_worker_is_restarted_and_resumes_bit_exact(tmp_path, small_data, 
             agent.communicate()
     assert killed is not None, "no checkpoint appeared while the job ran"
     assert agent.returncode == 0, out[-4000:]
-    assert f"local_rank: 1 (pid: {killed})" in out  # the agent saw the kill and restarted the workers
-    assert f"resumed from {run_dir / 'checkpoints'}" in out
+    assert f"resumed from {run_dir / 'checkpoints'}" in out  # the restarted attempt, not a fresh start
     assert series(run_dir) == series(ref)
     a, b = _flatten(final_state(ref, tmp_path)), _flatten(final_state(run_dir, tmp_path))
     assert a.keys() == b.keys()
