@@ -45,11 +45,37 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--config", default=None, help="TOML config file")
     p.add_argument("--run_dir", default=None, help="directory for config, checkpoints and metrics "
                                                    "(default runs/YYYYmmdd-HHMMSS)")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR",
-                   help="continue the run in RUN_DIR from its newest checkpoint")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR|auto",
+                   help="continue the run in RUN_DIR from its newest complete checkpoint; 'auto' with --run_dir DIR: "
+                        "continue DIR if it has a checkpoint, else start it (one command line for torchrun "
+                        "--max-restarts)")
+    p.add_argument("--from_step", type=int, default=None, metavar="N",
+                   help="with --resume RUN_DIR: continue from the checkpoint at step N instead of the newest "
+                        "(later checkpoints move to checkpoints/superseded/)")
     p.add_argument("--no_sample", action="store_true", help="do not print a text sample at the end")
     a, rest = p.parse_known_args(argv)
-    if a.resume:
+    resume = bool(a.resume)
+    if a.resume == "auto":
+        if not a.run_dir:
+            raise ConfigError("--resume auto needs --run_dir DIR (for a directory named auto, write --resume ./auto)")
+        if a.from_step is not None:
+            raise ConfigError("--from_step needs --resume RUN_DIR; --resume auto continues from the newest checkpoint")
+        import os
+
+        from trainforge.log import get_logger
+        from trainforge.train.checkpoint import scan_checkpoints
+
+        # Complete checkpoints only (valid meta.json): what every rank of a restarted job
+        # sees alike, whatever the previous attempt was doing when it was killed.
+        complete, incomplete = scan_checkpoints(Path(a.run_dir) / "checkpoints")
+        resume = bool(complete)
+        a.resume = a.run_dir if resume else None
+        if incomplete and not resume and os.environ.get("RANK", "0") == "0":
+            get_logger().warning(f"--resume auto: {a.run_dir} has no complete checkpoint ("
+                                 + ", ".join(f"{d.name}: {why}" for d, why in incomplete) + "); starting fresh")
+    elif a.from_step is not None and not a.resume:
+        raise ConfigError("--from_step N needs --resume RUN_DIR")
+    if resume:
         run_dir = Path(a.resume)
         if a.run_dir and Path(a.run_dir) != run_dir:
             raise ConfigError("--run_dir and --resume name different directories; --resume DIR continues DIR")
@@ -68,7 +94,7 @@ def _train(argv: list[str]) -> int:
 
     from trainforge.parallel.distributed import destroy_distributed
 
-    trainer = Trainer(cfg, run_dir, resume=bool(a.resume))
+    trainer = Trainer(cfg, run_dir, resume=resume, from_step=a.from_step)
     while True:
         try:
             summary = trainer.fit()

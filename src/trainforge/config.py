@@ -156,6 +156,8 @@ class OptimizerSection:
 class CheckpointSection:
     interval: int = _f(100, "save a checkpoint every this many steps (and always at the end); 0 = only at the end")
     keep_last: int = _f(3, "how many most recent checkpoints to keep")
+    fallback: bool = _f(False, "on resume, skip a corrupt newest checkpoint (sha256 mismatch, unreadable or "
+                               "missing file) with a warning and load the newest intact one; false = refuse")
 
     def validate(self) -> None:
         _require(self.interval >= 0, "checkpoint.interval", self.interval, "an integer >= 0")

@@ -10,7 +10,11 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step_NNNNNNN/``::
 
 It is written into a hidden temporary directory and renamed into place only when
 complete, so a crash mid-save never leaves a directory that looks like a checkpoint;
-``meta.json``'s hashes catch later corruption and name the damaged file.
+``meta.json``'s hashes catch later corruption and name the damaged file. Old checkpoints
+are renamed to a hidden name before they are deleted, so a kill mid-delete never leaves a
+half-deleted ``step_*`` directory either; hidden leftovers go at the next save. A
+``step_*`` directory without a valid ``meta.json`` is incomplete: listed as such, never
+loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -33,9 +37,13 @@ from safetensors.torch import load_file, load_model, save_model
 from trainforge import __version__
 from trainforge.data.prepare import sha256_file
 from trainforge.errors import CheckpointError
+from trainforge.log import get_logger
 
 _STEP_DIR = re.compile(r"^step_(\d{7,})$")
+# Hidden dirs of our own: ``.step_N.tmp`` (being written), ``.step_N.deleting`` (being removed).
+_LEFTOVER = re.compile(r"^\.step_\d{7,}\.")
 META = "meta.json"
+_META_KEYS = ("step", "files", "config", "model_config")
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,16 +80,82 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoints (those with meta.json) under ``ckpt_root``, oldest first."""
+class CorruptCheckpointError(CheckpointError):
+    """A complete checkpoint whose files are damaged (sha256 mismatch, missing or unreadable
+    file). ``problem`` says what, without a fix: callers that can offer an earlier
+    checkpoint (``checkpoint.fallback``, ``--from_step``) add their own."""
+
+    def __init__(self, problem: str, fix: str = "use an earlier checkpoint"):
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The step in a ``step_NNNNNNN`` directory's name."""
+    m = _STEP_DIR.match(ckpt.name)
+    if m is None:
+        raise CheckpointError(f"{ckpt} is not a step_NNNNNNN checkpoint directory")
+    return int(m.group(1))
+
+
+def _meta_problem(ckpt: Path, step: int) -> str | None:
+    """Why ``ckpt/meta.json`` does not mark a complete checkpoint, or None. Reads only
+    meta.json (small), so listing stays cheap; file hashes are checked on load."""
+    try:
+        meta = json.loads((ckpt / META).read_text())
+    except FileNotFoundError:
+        return f"{META} is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"{META} is unreadable ({type(e).__name__})"
+    missing = [k for k in _META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        return f"{META} lacks {', '.join(missing)}"
+    if not isinstance(meta["files"], dict) or meta["step"] != step:
+        return f"{META} does not describe step {step}"
+    return None
+
+
+def scan_checkpoints(ckpt_root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """``(complete, incomplete)`` ``step_*`` directories under ``ckpt_root``, oldest first;
+    each incomplete one with the reason. Hidden directories (being written or deleted)
+    are neither."""
     if not ckpt_root.is_dir():
-        return []
-    found = []
-    for d in ckpt_root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and d.is_dir() and (d / META).is_file():
-            found.append((int(m.group(1)), d))
-    return [d for _, d in sorted(found)]
+        return [], []
+    found = sorted((int(m.group(1)), d) for d in ckpt_root.iterdir()
+                   if (m := _STEP_DIR.match(d.name)) and d.is_dir())
+    complete, incomplete = [], []
+    for step, d in found:
+        problem = _meta_problem(d, step)
+        if problem is None:
+            complete.append(d)
+        else:
+            incomplete.append((d, problem))
+    return complete, incomplete
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints (those with a valid meta.json) under ``ckpt_root``, oldest first."""
+    return scan_checkpoints(ckpt_root)[0]
+
+
+def remove_checkpoint(ckpt: Path) -> None:
+    """Delete a checkpoint directory: first renamed to a hidden name (atomic), so a kill
+    mid-delete leaves a leftover the next save removes, never a half-deleted ``step_*``."""
+    trash = ckpt.parent / f".{ckpt.name}.deleting"
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(ckpt, trash)
+    _fsync_dir(ckpt.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_leftovers(ckpt_root: Path) -> None:
+    """Remove hidden ``.step_*`` directories left by a kill mid-save or mid-delete (rank 0,
+    only while no save is in progress)."""
+    if ckpt_root.is_dir():
+        for d in ckpt_root.iterdir():
+            if _LEFTOVER.match(d.name) and d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -101,9 +175,8 @@ def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
     """Create the hidden temporary directory a checkpoint is written into (rank 0 only;
     its name is deterministic so every rank of a job writes its shards into the same one)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(ckpt_root)  # a crash mid-save or mid-delete: never a valid checkpoint
     tmp = ckpt_root / f".{step_dir_name(step)}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a crash mid-save: never a valid checkpoint
     tmp.mkdir()
     return tmp
 
@@ -138,9 +211,12 @@ def finalize_checkpoint(ckpt_root: Path, tmp: Path, step: int, train_state: dict
         for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
             d.chmod(0o755)
         if final.exists():  # re-saving a step (e.g. after resume): swap, then drop the old one
-            trash = ckpt_root / f".{final.name}.old-{os.getpid()}"
+            trash = ckpt_root / f".{final.name}.deleting"
+            if trash.exists():
+                shutil.rmtree(trash)
             os.replace(final, trash)
             os.replace(tmp, final)
+            _fsync_dir(ckpt_root)
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(tmp, final)
@@ -149,7 +225,7 @@ def finalize_checkpoint(ckpt_root: Path, tmp: Path, step: int, train_state: dict
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old)
     return final
 
 
@@ -168,21 +244,112 @@ def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, train_st
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint directory, a ``checkpoints/`` directory or a run directory;
-    return the newest complete checkpoint directory."""
+    return the newest complete checkpoint directory (incomplete ones are skipped with a
+    warning naming them)."""
     path = Path(path)
     if (path / META).is_file():
         return path
     for root in (path / "checkpoints", path):
-        found = list_checkpoints(root)
+        found, incomplete = scan_checkpoints(root)
         if found:
+            _warn_incomplete(incomplete, found[-1], get_logger().warning)
             return found[-1]
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
     raise CheckpointError(f"{path}: no complete checkpoint (a step_NNNNNNN directory with {META}) found")
 
 
+def _warn_incomplete(incomplete: list[tuple[Path, str]], chosen: Path | None,
+                     warn: Callable[[str], None]) -> None:
+    for d, why in incomplete:
+        newer = chosen is not None and checkpoint_step(d) > checkpoint_step(chosen)
+        warn(f"checkpoint {d} is incomplete ({why}): skipped"
+             + (f"; using the newest complete one, {chosen.name}, instead" if newer else ""))
+
+
+def _steps_text(ckpts: list[Path]) -> str:
+    return ", ".join(str(checkpoint_step(d)) for d in ckpts) or "none"
+
+
+def resume_candidates(run_dir: Path, from_step: int | None = None,
+                      warn: Callable[[str], None] = lambda msg: None) -> list[Path]:
+    """The checkpoints a resume of ``run_dir`` may load, in order of preference: the one
+    at ``from_step``; else every complete one, newest first (the rest are fallbacks for
+    ``load_first_valid``). Incomplete ``step_*`` directories are skipped, each named in a
+    warning. Reads only meta.json files, so every rank of a job gets the same answer."""
+    root = run_dir / "checkpoints"
+    complete, incomplete = scan_checkpoints(root)
+    if from_step is not None:
+        chosen = [d for d in complete if checkpoint_step(d) == from_step]
+        if not chosen:
+            why = next((f"{d.name} is incomplete ({w})" for d, w in incomplete if checkpoint_step(d) == from_step),
+                       f"no checkpoint at step {from_step}")
+            raise CheckpointError(f"--from_step {from_step}: {why} in {root}; available steps: "
+                                  f"{_steps_text(complete)}")
+        _warn_incomplete(incomplete, None, warn)
+        return chosen
+    if not complete:
+        if not run_dir.exists():
+            raise CheckpointError(f"run directory {run_dir} does not exist")
+        detail = "".join(f"; {d.name} is incomplete ({w})" for d, w in incomplete)
+        raise CheckpointError(f"{run_dir}: no complete checkpoint (a step_NNNNNNN directory with {META}) found"
+                              + detail)
+    _warn_incomplete(incomplete, complete[-1], warn)
+    return complete[::-1]
+
+
+def load_first_valid(candidates: list[Path], load: Callable[[Path], None], fallback: bool, explicit: bool,
+                     warn: Callable[[str], None]) -> Path:
+    """``load`` the first of ``candidates`` (from ``resume_candidates``) whose files are
+    intact; return it. A corrupt one (``CorruptCheckpointError``: raised before anything is
+    modified) is refused with the fix named, or with ``fallback`` skipped with a warning.
+    ``explicit`` (``--from_step``): that checkpoint or nothing."""
+    for i, path in enumerate(candidates):
+        try:
+            load(path)
+            return path
+        except CorruptCheckpointError as e:
+            earlier = candidates[i + 1:]
+            if explicit:
+                raise CorruptCheckpointError(e.problem, "choose another --from_step") from None
+            if not earlier:
+                raise CorruptCheckpointError(e.problem, f"no earlier checkpoint in {path.parent} "
+                                                        "to resume from") from None
+            if not fallback:
+                raise CorruptCheckpointError(e.problem, f"resume from an earlier checkpoint with --from_step N "
+                                                        f"(available: {_steps_text(earlier[::-1])}) or set "
+                                                        "checkpoint.fallback = true") from None
+            warn(f"checkpoint {path.name} is corrupt ({e.problem}); falling back to {earlier[0].name} "
+                 "(checkpoint.fallback = true)")
+    raise AssertionError("unreachable: the last candidate returns or raises")
+
+
+def set_aside_newer(ckpt_root: Path, step: int, metrics_file: Path | None = None) -> Path | None:
+    """After resuming from ``step`` (``--from_step``, or a fallback past a corrupt one),
+    move every ``step_*`` directory after it to ``ckpt_root/superseded/<time>/`` (with a
+    copy of ``metrics_file``), so the run continues one timeline: ``keep_last`` and the
+    next resume see only its checkpoints, and nothing of the abandoned one is deleted.
+    Returns that directory, or None when there was nothing newer (rank 0 only)."""
+    complete, incomplete = scan_checkpoints(ckpt_root)
+    newer = sorted((d for d in [*complete, *(d for d, _ in incomplete)] if checkpoint_step(d) > step),
+                   key=checkpoint_step)
+    if not newer:
+        return None
+    dest = ckpt_root / "superseded" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    while dest.exists():  # two resumes within one second
+        dest = dest.with_name(dest.name + "+")
+    dest.mkdir(parents=True)
+    if metrics_file is not None and metrics_file.is_file():
+        shutil.copyfile(metrics_file, dest / metrics_file.name)
+    for d in newer:
+        os.replace(d, dest / d.name)
+    _fsync_dir(ckpt_root)
+    return dest
+
+
 def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
-    """Read ``meta.json``; with ``verify`` check every listed file's sha256."""
+    """Read ``meta.json``; with ``verify`` check every listed file's sha256. Damage raises
+    ``CorruptCheckpointError`` naming the file."""
     mpath = ckpt / META
     try:
         meta = json.loads(mpath.read_text())
@@ -190,17 +357,16 @@ def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
         int(meta["step"])
         meta["config"], meta["model_config"]
     except FileNotFoundError:
-        raise CheckpointError(f"{mpath} is missing: {ckpt} is not a complete checkpoint") from None
+        raise CorruptCheckpointError(f"{mpath} is missing: {ckpt} is not a complete checkpoint") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"{mpath} is corrupt ({e!r}); use an earlier checkpoint") from None
+        raise CorruptCheckpointError(f"{mpath} is corrupt ({e!r})") from None
     if verify:
         for name, digest in files.items():
             f = ckpt / name
             if not f.is_file():
-                raise CheckpointError(f"checkpoint file {f} is missing (listed in {mpath})")
+                raise CorruptCheckpointError(f"checkpoint file {f} is missing (listed in {mpath})")
             if sha256_file(f) != digest:
-                raise CheckpointError(f"checkpoint file {f} is corrupt: its sha256 does not match {mpath}; "
-                                      "use an earlier checkpoint")
+                raise CorruptCheckpointError(f"checkpoint file {f} is corrupt: its sha256 does not match {mpath}")
     return meta
 
 
@@ -210,7 +376,7 @@ def load_full_weights(ckpt: Path, tie_embeddings: bool) -> dict[str, torch.Tenso
     try:
         sd = load_file(str(f))
     except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"checkpoint file {f} could not be read: {e}") from None
+        raise CorruptCheckpointError(f"checkpoint file {f} could not be read: {e}") from None
     if tie_embeddings:  # save_model stores a tied matrix once, under one of its names
         shared = sd.get("tok_embeddings.weight", sd.get("output.weight"))
         if shared is not None:
@@ -235,7 +401,7 @@ def load_train_state(ckpt: Path, map_location: str | torch.device = "cpu") -> di
     try:
         return torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:  # unpickling errors come in many types; all mean "unusable file"
-        raise CheckpointError(f"checkpoint file {f} could not be loaded safely: {e}") from None
+        raise CorruptCheckpointError(f"checkpoint file {f} could not be loaded safely: {e}") from None
 
 
 def check_model_compatible(meta: dict[str, Any], model_config: Any, ckpt: Path) -> None:

@@ -102,12 +102,14 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Builds data, model, optimizer and schedule from ``cfg`` and trains into ``run_dir``.
 
-    ``resume=True`` continues from the newest checkpoint in ``run_dir``; the continued
-    run reproduces an uninterrupted one bit for bit (same device and thread count).
+    ``resume=True`` continues from the newest complete checkpoint in ``run_dir`` (or the
+    one at ``from_step``; later ones are then moved to ``checkpoints/superseded/``); the
+    continued run reproduces an uninterrupted one bit for bit (same device and thread
+    count). A corrupt newest checkpoint is refused unless ``checkpoint.fallback``.
     Nothing is written to ``run_dir`` until data, model and checkpoint all loaded."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
-                 callbacks: list[Callback] | None = None, progress: bool = True):
+                 callbacks: list[Callback] | None = None, progress: bool = True, from_step: int | None = None):
         self.cfg, self.run_dir, self.callbacks = cfg, Path(run_dir), list(callbacks or [])
         self.log = get_logger()
         self.progress = progress
@@ -122,10 +124,13 @@ class Trainer:
         # Layout errors surface here, before any collective, identically on every rank.
         self.dims = ParallelDims.resolve(cfg.parallel, self.dist.world_size)
         ckpt_root = self.run_dir / "checkpoints"
-        resume_from = ckpt.resolve_checkpoint(self.run_dir) if resume else None
+        # Decided from meta.json files alone, so every rank picks the same list (nothing of
+        # this job writes there before the first collective); corrupt ones are found on load.
+        warn = self.log.warning if self.is_main else (lambda msg: None)
+        candidates = ckpt.resume_candidates(self.run_dir, from_step, warn) if resume else []
         if not resume and ckpt.list_checkpoints(ckpt_root):
             raise CheckpointError(f"run directory {self.run_dir} already has checkpoints; continue it with "
-                                  f"--resume {self.run_dir}, or pass a new --run_dir")
+                                  f"--resume {self.run_dir} (or --resume auto), or pass a new --run_dir")
         seed_everything(tcfg.seed)
 
         # Local shards are memory-mapped; a URL or data.cache.dir reads through the tiered cache.
@@ -211,15 +216,24 @@ class Trainer:
         self.step = 0
         self._last_balance_step = 0
         self.stop_reason: str | None = None
-        if resume_from is not None:
-            self._load(resume_from)
+        resume_from = None
+        if candidates:
+            resume_from = ckpt.load_first_valid(candidates, self._load, cfg.checkpoint.fallback,
+                                                explicit=from_step is not None, warn=warn)
 
         # Everything loaded: only now touch the run directory (rank 0 writes shared files).
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
             if resume_from is not None:
+                # One timeline: checkpoints after the one loaded (--from_step, fallback) move aside.
+                aside = ckpt.set_aside_newer(ckpt_root, self.step, self.run_dir / METRICS_FILE)
+                if aside is not None:
+                    self.log.warning(f"resumed from step {self.step}: the later checkpoints and a copy of "
+                                     f"{METRICS_FILE} moved to {aside}")
                 JsonlSink.truncate_after(self.run_dir / METRICS_FILE, self.step)
+            else:  # a fresh start replaces the records of an attempt that never checkpointed
+                JsonlSink.truncate_after(self.run_dir / METRICS_FILE, -1)
         # Every record goes through the monitor: JSONL on rank 0, registry, Prometheus/TensorBoard.
         self.metrics = Monitor(cfg.monitor, self.run_dir / METRICS_FILE if self.is_main else None, self.model_parts,
                                self.optimizers, self.device, self.dims, self.dist, step_fn=lambda: self.step,
