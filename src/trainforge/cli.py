@@ -125,11 +125,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start on CPU)")
 
 
-def _load_for_engine(a):
+def _load_for_engine(a, kv_slots=None):
     from trainforge.infer.loading import load_model
     from trainforge.infer.quantize import quantize_model
 
-    loaded = load_model(a.checkpoint, a.device, a.dtype)
+    # kv_slots(cfg): the engine's KV pool in token slots, for the preflight before any weight is read.
+    loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots)
     if a.quantize != "none":
         if loaded.quantization:
             raise TrainforgeError(f"--quantize {a.quantize}: {a.checkpoint} is already quantised "
@@ -174,7 +175,10 @@ def _generate(argv: list[str]) -> int:
     except ValueError as e:
         raise TrainforgeError(f"--{str(e)}" if not str(e).startswith("invalid literal") else
                               f"--prompt_ids {a.prompt_ids!r}: give comma-separated integers") from None
-    loaded = _load_for_engine(a)
+    # The engine's pool (below) holds one context; a text prompt has at most one token per byte.
+    prompt_len = len(ids) if ids is not None else len(a.prompt.encode())
+    loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
+                                                          // 16) + 1) * 16)
     tok = loaded.tokenizer
     if ids is None:
         if tok is None:
@@ -268,7 +272,12 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--max_context", type=int, default=0, help="tokens per sequence; 0 = the model's max_seq_len")
     p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     a = p.parse_args(argv)
-    loaded = _load_for_engine(a)
+
+    def kv_slots(cfg) -> int:  # EngineConfig's defaults: max_batch_size full contexts (+ the padding block)
+        bs = max(a.block_size, 1)
+        return (a.n_blocks or a.max_batch_size * -(-(a.max_context or cfg.max_seq_len) // bs) + 1) * bs
+
+    loaded = _load_for_engine(a, kv_slots)
     if loaded.tokenizer is None:
         raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json; the server needs one")
     try:
