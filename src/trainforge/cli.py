@@ -7,6 +7,7 @@ the fix, and exit with status 2; no traceback, nothing half-written.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
@@ -319,6 +320,16 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except TrainforgeError as e:
         print(f"trainforge {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # A full or read-only disk mid-run (checkpoint, metrics) is the user's to fix: one line naming the
+        # path. Checkpoints are written to a hidden .tmp directory and renamed, so earlier ones stay intact.
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        fix = "mount is read-only" if e.errno == errno.EROFS else "disk is full: free space"
+        print(f"trainforge {argv[0]}: error: {e.strerror}{where}; the {fix} (or choose another directory) "
+              "and run again", file=sys.stderr)
         return 2
 
 
