@@ -127,8 +127,9 @@ class Trainer:
         if not resume and ckpt.list_checkpoints(ckpt_root):
             raise CheckpointError(f"run directory {self.run_dir} already has checkpoints; continue it with "
                                   f"--resume {self.run_dir}, or pass a new --run_dir")
-        if self.is_main:  # a read-only or immutable run directory fails here, naming it, not at the first save
-            check_writable_dir(self.run_dir, "run directory")
+        # A read-only or immutable run directory fails here, naming it, not at the first save (every rank
+        # writes checkpoint shards there, so every rank checks: the same error everywhere).
+        check_writable_dir(self.run_dir, "run directory")
         seed_everything(tcfg.seed)
 
         # Local shards are memory-mapped; a URL or data.cache.dir reads through the tiered cache.
