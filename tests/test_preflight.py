@@ -96,7 +96,7 @@ def test_a_model_too_large_for_memory_blames_the_flavor():
 
 def test_big_flavors_still_build_on_meta():
     # The preflight guards real allocations only: the planner's meta builds are untouched.
-    for name in ("small", "llama-8b"):
+    for name in ("llama-8b",):  # 16 x 8B bytes of training state: far more than any CPU host here
         model = build_model(FLAVORS[name], device="meta")
         assert next(model.parameters()).is_meta
 

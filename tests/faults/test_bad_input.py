@@ -84,17 +84,17 @@ def test_read_only_run_directory_is_refused_before_training(tmp_path, small_data
 
 
 def test_disk_full_mid_run_keeps_the_previous_checkpoint(tmp_path, small_data):
-    # 4 MiB: the step-5 checkpoint (~2 MiB for the debug model + AdamW) fits, the step-10 one does not.
+    # 4 MiB: the step-2 checkpoint (~2 MiB for the debug model + AdamW) fits, the step-4 one does not.
     with tmpfs(tmp_path / "full", "size=4m") as full:
         run_dir = full / "run"
-        proc = run_cli([*train_args(small_data, "--training.steps", "12", "--checkpoint.interval", "5"),
+        proc = run_cli([*train_args(small_data, "--training.steps", "4", "--checkpoint.interval", "2"),
                         "--run_dir", str(run_dir)])
         assert_bad_input(proc, "free space", str(run_dir / "checkpoints"))
         root = run_dir / "checkpoints"
-        assert sorted(p.name for p in root.iterdir()) == ["step_0000005"]  # no half-written dir left, hidden or not
-        kept = root / "step_0000005"
+        assert sorted(p.name for p in root.iterdir()) == ["step_0000002"]  # no half-written dir left, hidden or not
+        kept = root / "step_0000002"
         meta = ckpt.read_meta(kept)
-        assert meta["step"] == 5
+        assert meta["step"] == 2
         for name, digest in meta["files"].items():  # intact: every file matches its recorded sha256
             assert ckpt.sha256_file(kept / name) == digest, name
 
@@ -171,7 +171,7 @@ def _corrupt_copy(src: Path, dst: Path) -> str:
 def test_corrupt_local_shard_is_quarantined_under_skip(tmp_path, sharded_data):
     name = _corrupt_copy(sharded_data, tmp_path / "data")
     run_dir = tmp_path / "run"
-    proc = run_cli([*train_args(tmp_path / "data", "--training.steps", "10", "--data.on_corrupt", "skip"),
+    proc = run_cli([*train_args(tmp_path / "data", "--training.steps", "6", "--data.on_corrupt", "skip"),
                     "--run_dir", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -179,7 +179,7 @@ def test_corrupt_local_shard_is_quarantined_under_skip(tmp_path, sharded_data):
     records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     counted = [r["data_quarantined"] for r in records if "data_quarantined" in r]
     assert counted and all(c == 1 for c in counted), records[:3]  # counted at every logging interval
-    assert any(r.get("step") == 10 and "loss" in r for r in records)  # trained to the end on the rest
+    assert (run_dir / "checkpoints" / "step_0000006").is_dir()  # trained to the end on the other shards
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["local", "cache_dir"])
