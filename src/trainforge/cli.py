@@ -7,6 +7,7 @@ the fix, and exit with status 2; no traceback, nothing half-written.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def _prepare(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from trainforge.config import config_help, load_config
+    from trainforge.config import config_help, load_config, read_toml_file
     from trainforge.errors import ConfigError
 
     p = argparse.ArgumentParser(
@@ -83,9 +84,7 @@ def _train(argv: list[str]) -> int:
         if not saved.is_file():
             raise ConfigError(f"--resume {run_dir}: no config.toml there; is it a trainforge run directory?")
         # The run's saved config is the base; an explicit --config and overrides apply on top.
-        import tomllib
-
-        cfg = load_config(a.config, rest, base=tomllib.loads(saved.read_text()))
+        cfg = load_config(a.config, rest, base=read_toml_file(saved, "saved run config"))
     else:
         cfg = load_config(a.config, rest)
         run_dir = Path(a.run_dir) if a.run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
@@ -151,11 +150,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start on CPU)")
 
 
-def _load_for_engine(a):
+def _load_for_engine(a, kv_slots=None):
     from trainforge.infer.loading import load_model
     from trainforge.infer.quantize import quantize_model
 
-    loaded = load_model(a.checkpoint, a.device, a.dtype)
+    # kv_slots(cfg): the engine's KV pool in token slots, for the preflight before any weight is read.
+    loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots)
     if a.quantize != "none":
         if loaded.quantization:
             raise TrainforgeError(f"--quantize {a.quantize}: {a.checkpoint} is already quantised "
@@ -200,7 +200,10 @@ def _generate(argv: list[str]) -> int:
     except ValueError as e:
         raise TrainforgeError(f"--{str(e)}" if not str(e).startswith("invalid literal") else
                               f"--prompt_ids {a.prompt_ids!r}: give comma-separated integers") from None
-    loaded = _load_for_engine(a)
+    # The engine's pool (below) holds one context; a text prompt has at most one token per byte.
+    prompt_len = len(ids) if ids is not None else len(a.prompt.encode())
+    loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
+                                                          // 16) + 1) * 16)
     tok = loaded.tokenizer
     if ids is None:
         if tok is None:
@@ -294,7 +297,12 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--max_context", type=int, default=0, help="tokens per sequence; 0 = the model's max_seq_len")
     p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     a = p.parse_args(argv)
-    loaded = _load_for_engine(a)
+
+    def kv_slots(cfg) -> int:  # EngineConfig's defaults: max_batch_size full contexts (+ the padding block)
+        bs = max(a.block_size, 1)
+        return (a.n_blocks or a.max_batch_size * -(-(a.max_context or cfg.max_seq_len) // bs) + 1) * bs
+
+    loaded = _load_for_engine(a, kv_slots)
     if loaded.tokenizer is None:
         raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json; the server needs one")
     try:
@@ -336,6 +344,16 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except TrainforgeError as e:
         print(f"trainforge {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # A full or read-only disk mid-run (checkpoint, metrics) is the user's to fix: one line naming the
+        # path. Checkpoints are written to a hidden .tmp directory and renamed, so earlier ones stay intact.
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        where = f" writing {e.filename}" if e.filename else ""
+        fix = "mount is read-only" if e.errno == errno.EROFS else "disk is full: free space"
+        print(f"trainforge {argv[0]}: error: {e.strerror}{where}; the {fix} (or choose another directory) "
+              "and run again", file=sys.stderr)
         return 2
 
 

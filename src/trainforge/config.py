@@ -380,6 +380,24 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     return out
 
 
+def read_toml_file(path: Path, what: str) -> dict[str, Any]:
+    """The TOML table in ``path``; ConfigError naming the file (and the byte offset of
+    bytes that are not UTF-8: TOML is UTF-8 only) when it cannot be read or parsed."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what} {path} could not be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                          "save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {path} is not valid TOML: {' '.join(str(e).split())}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 base: dict[str, Any] | None = None) -> Config:
     """Resolve a run's config: defaults <- ``base`` dict <- TOML file <- CLI overrides.
@@ -392,10 +410,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         source = str(p)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        try:
-            file_data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        file_data = read_toml_file(p, "config file")
         data = _merge(data, file_data)
     cfg = config_from_dict(data, source)
     for section, key, raw in parse_overrides(overrides or []):

@@ -10,12 +10,14 @@ into disjoint slices.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from trainforge.data.integrity import Quarantine, ShardQuarantined
+from trainforge.data.loader_metrics import DataMetrics
 from trainforge.data.prepare import FORMAT, FORMAT_VERSION, MANIFEST, sha256_file
 from trainforge.data.sampler import BatchPlan
 from trainforge.errors import DataError
@@ -43,6 +45,7 @@ class PreparedData(ManifestFields):
     path: Path
     manifest: dict
     splits: dict[str, list[np.memmap]]
+    metrics: DataMetrics = field(default_factory=DataMetrics)  # quarantined shards (on_corrupt = "skip")
 
     @property
     def tokenizer_path(self) -> Path:
@@ -78,39 +81,68 @@ def parse_manifest(text: str, where: str) -> tuple[dict, np.dtype]:
     return manifest, dtype
 
 
-def load_prepared(path: str | Path, verify: str = "full") -> PreparedData:
+class QuarantinedShard:
+    """Stands in for a bad shard (``data.on_corrupt = "skip"``): it has the manifest's
+    length, so the batch order is unchanged, and every read raises ``ShardQuarantined``
+    so the loader replaces its windows."""
+
+    def __init__(self, file: str, tokens: int, reason: str):
+        self.file, self.tokens, self.reason = file, tokens, reason
+
+    def __len__(self) -> int:
+        return self.tokens
+
+    def __getitem__(self, index) -> np.ndarray:
+        raise ShardQuarantined(f"shard {self.file} is quarantined: {self.reason}")
+
+
+def load_prepared(path: str | Path, verify: str = "full", quarantine: Quarantine | None = None) -> PreparedData:
     """Open ``path`` (a ``trainforge prepare`` output). ``verify="full"`` checks every
     shard's sha256 and the tokenizer's; ``"size"`` only checks lengths (fast for huge sets).
 
-    Raises DataError naming the file that is missing, truncated or tampered with."""
+    Raises DataError naming the file that is missing, truncated or tampered with. With a
+    ``quarantine`` whose policy is "skip", a bad shard is quarantined instead (logged,
+    counted in its metrics) and a ``QuarantinedShard`` takes its place."""
     path = Path(path)
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise DataError(f"{mpath} does not exist; run `trainforge prepare --input ... --output {path}` first")
-    manifest, dtype = parse_manifest(mpath.read_text(), str(mpath))
+    manifest, dtype = parse_manifest(mpath.read_bytes().decode("utf-8", errors="replace"), str(mpath))
     tok, split_entries = manifest["tokenizer"], manifest["splits"]
     tok_file = path / tok["file"]
     if not tok_file.is_file():
         raise DataError(f"{tok_file} is missing (named in {mpath})")
     if verify == "full" and sha256_file(tok_file) != tok["sha256"]:
         raise DataError(f"{tok_file}: sha256 does not match {mpath}; the tokenizer was changed after prepare")
+    skip = quarantine is not None and quarantine.on_corrupt == "skip"
+    metrics = quarantine.metrics if skip and quarantine.metrics is not None else DataMetrics()
     splits: dict[str, list[np.memmap]] = {}
     for split in ("train", "val"):
         arrays = []
         for entry in split_entries[split]:
             f = path / entry["file"]
-            if not f.is_file():
-                raise DataError(f"shard {f} is missing (named in {mpath})")
             expected = int(entry["tokens"]) * dtype.itemsize
-            if f.stat().st_size != expected:
-                raise DataError(f"shard {f} has {f.stat().st_size} bytes, manifest says {expected}: "
-                                "truncated or replaced; re-run `trainforge prepare`")
-            if verify == "full" and sha256_file(f) != entry["sha256"]:
-                raise DataError(f"shard {f}: sha256 does not match {mpath}; the file was modified "
-                                "after prepare (re-run `trainforge prepare`)")
-            arrays.append(np.memmap(f, dtype=dtype.newbyteorder("<"), mode="r"))
+            if not f.is_file():
+                why, message = "missing", f"shard {f} is missing (named in {mpath})"
+            elif f.stat().st_size != expected:
+                why = f"{f.stat().st_size} bytes, manifest says {expected}"
+                message = f"shard {f} has {why}: truncated or replaced; re-run `trainforge prepare`"
+            elif verify == "full" and sha256_file(f) != entry["sha256"]:
+                why = "sha256 does not match the manifest (modified or corrupted)"
+                message = (f"shard {f}: sha256 does not match {mpath}; the file was modified "
+                           "after prepare (re-run `trainforge prepare`)")
+            else:
+                arrays.append(np.memmap(f, dtype=dtype.newbyteorder("<"), mode="r"))
+                continue
+            if not skip:
+                raise DataError(message)
+            try:
+                quarantine.condemn(entry["file"], why)  # type: ignore[union-attr]
+            except ShardQuarantined:
+                pass
+            arrays.append(QuarantinedShard(entry["file"], int(entry["tokens"]), why))  # type: ignore[arg-type]
         splits[split] = arrays
-    return PreparedData(path, manifest, splits)
+    return PreparedData(path, manifest, splits, metrics)
 
 
 class TokenBatches:

@@ -217,6 +217,15 @@ class ShardLoader:
         self.plan.epoch, self.plan.position = epoch, position + 1
         return batch
 
+    def verify_next(self) -> None:
+        """Fetch and check the shards of the next batch without taking it, so a bad or
+        unreachable shard fails during setup (memory-mapped shards were checked when opened)."""
+        if not isinstance(self.store, CachedShards):
+            return
+        windows = self.plan.batch_windows(*self.plan.batch_at(self.plan.epoch, self.plan.position))
+        for shard in np.unique(windows[:, 0]):
+            self.store.cache.verify(self.store.files[int(shard)])
+
     def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple:
         with torch.cuda.stream(self._stream):
             moved = tuple(t.to(self.device, non_blocking=True) for t in batch)

@@ -53,7 +53,8 @@ class DataMetrics:
 
     def window(self, cache: bool = True) -> dict[str, float | int]:
         """Metrics since the previous call (keys prefixed ``data_``); resets the window.
-        ``cache=False`` (memory-mapped local data) reports only the I/O wait."""
+        ``cache=False`` (memory-mapped local data) reports only the I/O wait (and the
+        quarantined shards, once there are any)."""
         now = time.perf_counter()
         with self._lock:
             wall = max(now - self.window_start, 1e-9)
@@ -66,6 +67,8 @@ class DataMetrics:
                     out[f"data_bytes_{t}"] = self.bytes[t]
                 out["data_prefetch_depth"] = round(self.depth_sum / self.depth_n, 3) if self.depth_n else 0.0
                 out["data_corrupt_refetched"] = self.corrupt_refetched
+                out["data_quarantined"] = self.quarantined
+            elif self.quarantined:  # memory-mapped data under on_corrupt = "skip"
                 out["data_quarantined"] = self.quarantined
             self._reset(now)
         return out

@@ -71,6 +71,8 @@ def open_cached(dcfg: DataSection, path: str, cache_dir: Path | None, log: Calla
     except FileNotFoundError:
         raise DataError(f"{source.name}/{MANIFEST} does not exist; point data.path at a directory written by "
                         "`trainforge prepare`") from None
+    except DataError as e:  # unreachable or too slow: the first read decides, before anything is written
+        raise DataError(f"config key 'data.path' = {path!r}: {e}") from None
     manifest, dtype = parse_manifest(text.decode("utf-8", errors="replace"), f"{source.name}/{MANIFEST}")
     tok = manifest["tokenizer"]
     try:
@@ -95,7 +97,8 @@ def open_data(dcfg: DataSection, rank: int = 0, world_size: int = 1,
     each gets its own disk tier under ``data.cache.dir/rank_NNNNN`` (budgets are per process)."""
     path = dcfg.path or str(default_data_dir(dcfg.vocab_size, dcfg.cache_dir))
     if not is_url(path) and dcfg.cache.dir is None:
-        return load_prepared(path)
+        # Verified up front; under on_corrupt = "skip" a bad shard is quarantined here, as the cache would.
+        return load_prepared(path, quarantine=Quarantine(dcfg.on_corrupt, str(path), log, DataMetrics()))
     cache_dir = None
     if dcfg.cache.dir is not None:
         cache_dir = Path(dcfg.cache.dir) / f"rank_{rank:05d}" if world_size > 1 else Path(dcfg.cache.dir)
@@ -114,6 +117,7 @@ def build_loader(data: PreparedData | CachedData, split: str, dcfg: DataSection,
         metrics = data.metrics
     else:
         store, metrics = MmapShards(data.splits[split]), DataMetrics()
+        metrics.quarantined = data.metrics.quarantined  # all quarantined when the set was opened
     augmenter = None
     if train and dcfg.augment.transforms:
         augmenter = Augmenter(dcfg.augment.transforms, seed, dcfg.augment.seed, data.vocab_size, data.eos_id,

@@ -22,6 +22,10 @@ class SourceTimeoutError(DataError):
     """The source did not answer within ``data.timeout_s``."""
 
 
+class SourceReadError(DataError):
+    """The source answered with an error (connection refused, HTTP 5xx, permission denied)."""
+
+
 class ShardSource(Protocol):
     name: str  # for messages: the directory or URL
 
@@ -121,7 +125,14 @@ class FsspecSource:
                     raise FileNotFoundError(target) from None
                 raise
 
-        return with_timeout(cat, self.timeout_s, f"{self.name}/{file}")
+        try:
+            return with_timeout(cat, self.timeout_s, f"{self.name}/{file}")
+        except (FileNotFoundError, DataError):
+            raise
+        except Exception as e:  # the backend's own types (aiohttp, botocore...): one line naming the file
+            detail = " ".join(str(e).split()) or type(e).__name__
+            raise SourceReadError(f"{self.name}/{file} could not be fetched ({detail}); check the URL and that "
+                                  "the server is reachable") from None
 
 
 def open_source(path: str, timeout_s: float) -> ShardSource:

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from trainforge.data.integrity import Quarantine, ShardInfo, problem
+from trainforge.data.integrity import Quarantine, ShardInfo, ShardQuarantined, problem
 from trainforge.data.loader_metrics import DataMetrics
 from trainforge.data.sources import ShardSource
 from trainforge.errors import ConfigError
@@ -304,6 +304,17 @@ class TieredShardCache:
         if not (mem_ok or disk_ok) or (not mem_ok and self.resident_tier(file) == "disk"):
             return
         _, release, _ = self._get(file, consumer=False)
+        release()
+
+    def verify(self, file: str) -> None:
+        """Read ``file`` into the highest tier that keeps it (or just read it), checking it:
+        a bad or unreachable shard raises now. Quarantined shards are left alone."""
+        if file in self.quarantine:
+            return
+        try:
+            _, release, _ = self._get(file, consumer=False)
+        except ShardQuarantined:
+            return
         release()
 
     def resident_tier(self, file: str) -> str | None:

@@ -16,16 +16,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from trainforge.errors import CheckpointError
+from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
 from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
 from trainforge.model.llama import Transformer, rope_tables
+from trainforge.model.preflight import check_inference
+
+# The KV pool a caller will allocate, in token slots, given the model's config.
+KVSlots = Callable[[ModelConfig], int]
 
 
 @dataclass
@@ -96,19 +100,33 @@ def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tor
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str | None = None) -> LoadedModel:
+               dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
     directory (newest checkpoint), or a Hugging Face Llama directory. ``dtype`` is the float
-    dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file."""
+    dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file.
+
+    Before any weight is read, the shape is validated and the memory of the weights, the
+    rotary tables and the caller's KV pool (``kv_slots(cfg)`` token slots, in ``dtype``)
+    is checked against what ``device`` has (``model/preflight.py``)."""
     path = Path(path)
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
     if (path / "config.json").is_file() and not (path / "meta.json").is_file():
-        return _load_hf(path, device, dtype)
-    return _load_trainforge(path, device, dtype)
+        return _load_hf(path, device, dtype, kv_slots)
+    return _load_trainforge(path, device, dtype, kv_slots)
 
 
-def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
+               quantization: dict[str, Any] | None, positions_key: str, where: str) -> None:
+    if device.type == "meta":
+        return
+    qbytes = None if not quantization else (0.5 if quantization.get("mode") == "int4" else 1.0)
+    elem = torch.empty((), dtype=dtype).element_size()
+    check_inference(cfg, device, elem, kv_slots(cfg) if kv_slots is not None else 0, elem,
+                    positions_key=positions_key, where=where, quantized_bytes=qbytes, error=CheckpointError)
+
+
+def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
     from trainforge.data.tokenizer import eos_id, load_tokenizer
     from trainforge.train import checkpoint as ckpt
 
@@ -118,6 +136,11 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype) -> Lo
         cfg = ModelConfig(**meta["model_config"])
     except TypeError as e:
         raise CheckpointError(f"{ck / ckpt.META}: model_config does not fit this trainforge version ({e})") from None
+    except CheckpointError:
+        raise
+    except TrainforgeError as e:  # a shape check_shape refused
+        raise CheckpointError(f"{ck / ckpt.META}: {e}") from None
+    _preflight(cfg, device, dtype, kv_slots, meta.get("quantization"), "model_config.max_seq_len", str(ck))
     weights = ck / ckpt.MODEL_FILE
     if not weights.is_file():
         raise CheckpointError(f"{weights} is missing (a multi-process checkpoint? load it with `trainforge train "
@@ -134,13 +157,22 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype) -> Lo
     return LoadedModel(model, tok, eos, name, "trainforge", quantization, ck)
 
 
-def _load_hf(path: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
     config_file = path / "config.json"
     try:
-        hf_config = json.loads(config_file.read_text())
+        hf_config = json.loads(config_file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{config_file} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                              f"{e.start}); config.json must be UTF-8 JSON") from None
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{config_file} could not be read: {e}") from None
-    cfg = model_config_from_hf(hf_config)
+    if not isinstance(hf_config, dict):
+        raise CheckpointError(f"{config_file} holds {type(hf_config).__name__}, not a JSON object")
+    try:
+        cfg = model_config_from_hf(hf_config)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))

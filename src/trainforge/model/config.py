@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainforge.errors import ConfigError
+from trainforge.model.preflight import MODEL_KEYS, check_shape
+
+# Direct construction (checkpoint metadata, tests): the field names themselves.
+_FIELD_KEYS = {**MODEL_KEYS, "vocab_size": "model.vocab_size", "max_seq_len": "model.max_seq_len"}
 
 
 @dataclass(frozen=True)
@@ -27,13 +30,8 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} must be divisible by model.n_kv_heads={self.n_kv_heads} (GQA groups)")
-        if (self.dim // self.n_heads) % 2:
-            raise ConfigError(f"head dim {self.dim // self.n_heads} must be even for rotary embeddings")
+        # Positive sizes first: 0 heads would otherwise be a ZeroDivisionError.
+        check_shape({f: getattr(self, f) for f in _FIELD_KEYS}, _FIELD_KEYS)
 
     @property
     def head_dim(self) -> int:
@@ -88,4 +86,6 @@ def model_config_from_section(section, vocab_size: int | None, seq_len: int | No
         changes["vocab_size"] = vocab_size
     if seq_len is not None and seq_len > base.max_seq_len:
         changes["max_seq_len"] = seq_len
+    # Named as the user set them (model.*, training.seq_len), before ModelConfig checks its fields.
+    check_shape({f: changes.get(f, getattr(base, f)) for f in MODEL_KEYS}, MODEL_KEYS)
     return dataclasses.replace(base, **changes)

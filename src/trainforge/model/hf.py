@@ -26,6 +26,7 @@ import torch
 
 from trainforge.errors import CheckpointError
 from trainforge.model.config import ModelConfig
+from trainforge.model.preflight import HF_KEYS, check_shape
 
 # Non-persistent in current transformers, but stored in some older checkpoints
 # (per layer, ``model.layers.{i}.self_attn.rotary_emb.inv_freq``); recomputed from the config.
@@ -173,6 +174,17 @@ def _rope_theta(d: dict[str, Any]) -> float:
     return float(theta if theta is not None else 10000.0)
 
 
+def _int_key(d: dict[str, Any], key: str, default: Any) -> Any:
+    """``d[key]`` as an int when it is one (3.0 counts); anything else is returned for
+    ``check_shape`` to refuse by name."""
+    v = d.get(key)
+    if v is None:
+        v = default
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
 def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """``ModelConfig`` from a Hugging Face Llama ``config.json`` dict (or ``LlamaConfig.to_dict()``).
 
@@ -189,26 +201,30 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     if d.get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError(f"config.json key 'partial_rotary_factor' is {d['partial_rotary_factor']}; "
                               f"only full rotary embeddings are supported")
-    try:
-        dim, n_heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-        n_layers, vocab_size = int(d["num_hidden_layers"]), int(d["vocab_size"])
-        ffn_hidden_dim = int(d["intermediate_size"])
-    except KeyError as e:
-        raise CheckpointError(f"config.json is missing required key {e.args[0]!r}") from None
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "intermediate_size"):
+        if key not in d:
+            raise CheckpointError(f"config.json is missing required key {key!r}")
+    values = {ours: _int_key(d, hf, default) for ours, hf, default in (
+        ("dim", "hidden_size", None), ("n_heads", "num_attention_heads", None), ("n_layers", "num_hidden_layers", None),
+        ("vocab_size", "vocab_size", None), ("ffn_hidden_dim", "intermediate_size", None),
+        ("n_kv_heads", "num_key_value_heads", d.get("num_attention_heads")),
+        ("max_seq_len", "max_position_embeddings", 2048))}
+    # Named by their config.json keys, before anything divides by them or sizes a table.
+    check_shape(values, HF_KEYS, prefix="config.json key", error=CheckpointError)
+    dim, n_heads = values["dim"], values["n_heads"]
     head_dim = d.get("head_dim")
     if head_dim is not None and head_dim * n_heads != dim:
         raise CheckpointError(f"config.json key 'head_dim' is {head_dim}, but trainforge derives it as "
                               f"hidden_size / num_attention_heads = {dim // n_heads}")
-    n_kv_heads = d.get("num_key_value_heads")
     return ModelConfig(
         dim=dim,
-        n_layers=n_layers,
+        n_layers=values["n_layers"],
         n_heads=n_heads,
-        n_kv_heads=int(n_kv_heads) if n_kv_heads is not None else n_heads,
-        vocab_size=vocab_size,
-        ffn_hidden_dim=ffn_hidden_dim,
+        n_kv_heads=values["n_kv_heads"],
+        vocab_size=values["vocab_size"],
+        ffn_hidden_dim=values["ffn_hidden_dim"],
         norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=_rope_theta(d),
-        max_seq_len=int(d.get("max_position_embeddings", 2048)),
+        max_seq_len=values["max_seq_len"],
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
     )

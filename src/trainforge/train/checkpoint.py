@@ -229,10 +229,33 @@ def finalize_checkpoint(ckpt_root: Path, tmp: Path, step: int, train_state: dict
     return final
 
 
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _check_free_space(ckpt_root: Path, step: int, states: list[Any]) -> None:
+    """CheckpointError before writing when the disk cannot hold the checkpoint: torch.save on
+    a full disk fails with an opaque RuntimeError. Earlier checkpoints are left as they are."""
+    need = _tensor_bytes(states) + (1 << 20)  # + tokenizer, meta.json, zip headers
+    probe = ckpt_root if ckpt_root.exists() else ckpt_root.parent
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise CheckpointError(f"checkpoint step {step} needs ~{need / 2**20:.1f} MiB but {probe} has "
+                              f"{free / 2**20:.1f} MiB free: free space (or lower checkpoint.keep_last) and resume "
+                              "from the last checkpoint")
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, train_state: dict[str, Any],
                     config: dict[str, Any], model_config: dict[str, Any], tokenizer_path: Path | None,
                     keep_last: int) -> Path:
     """Single-process checkpoint: full weights as safetensors, written atomically."""
+    _check_free_space(ckpt_root, step, [model.state_dict(), train_state])
     tmp = begin_checkpoint(ckpt_root, step)
     try:
         save_model(model, str(tmp / MODEL_FILE))

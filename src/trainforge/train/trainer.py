@@ -33,6 +33,7 @@ from trainforge.data.pipeline import build_loader, open_data
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
 from trainforge.model import build_model, model_config_from_section
+from trainforge.model.preflight import check_training, check_writable_dir
 from trainforge.monitor import Monitor
 from trainforge.parallel.apply import build_pipeline_parts, check_pipeline_layout, parallelize_module_stack
 from trainforge.parallel.data_parallel import data_parallel_kind
@@ -131,11 +132,19 @@ class Trainer:
         if not resume and ckpt.list_checkpoints(ckpt_root):
             raise CheckpointError(f"run directory {self.run_dir} already has checkpoints; continue it with "
                                   f"--resume {self.run_dir} (or --resume auto), or pass a new --run_dir")
+        # A read-only or immutable run directory fails here, naming it, not at the first save (every rank
+        # writes checkpoint shards there, so every rank checks: the same error everywhere).
+        check_writable_dir(self.run_dir, "run directory")
         seed_everything(tcfg.seed)
 
         # Local shards are memory-mapped; a URL or data.cache.dir reads through the tiered cache.
         self.data = open_data(cfg.data, self.dist.rank, self.dist.world_size, log=self.log.warning)
         self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
+        # Before anything is allocated: refuse, naming the key, a run this machine cannot hold.
+        check_training(self.model_config, cfg.model.flavor, tcfg.batch_size, tcfg.seq_len, self.device,
+                       state_shards=self.dims.dp_shard * self.dims.tp * self.dims.pp, layer_shards=self.dims.pp,
+                       tp=self.dims.tp, activation_checkpointing=cfg.parallel.activation_checkpointing == "full",
+                       loss_chunk_tokens=tcfg.loss_chunk_tokens)
         self.dims.check_model(self.model_config)
         pp_layout = None
         if self.dims.pp > 1:
@@ -220,6 +229,9 @@ class Trainer:
         if candidates:
             resume_from = ckpt.load_first_valid(candidates, self._load, cfg.checkpoint.fallback,
                                                 explicit=from_step is not None, warn=warn)
+        # The shards of the first train batch are fetched and verified now (tiered cache: a bad or
+        # unreachable shard fails here, before config.toml or metrics.jsonl exist).
+        self.train_batches.verify_next()
 
         # Everything loaded: only now touch the run directory (rank 0 writes shared files).
         self.run_dir.mkdir(parents=True, exist_ok=True)
