@@ -105,8 +105,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return self._allowed[(module, name)]
         except (KeyError, TypeError):
             why = "a dotted name" if "." in str(name) else "not on the allow-list"
-            raise CheckpointError(refused_message(self._path, f"it refers to {module!s:.80} {name!s:.80}, {why}")) \
-                from None
+            raise CheckpointError(refused_message(self._path, f"it names the global ({module!r:.80}, {name!r:.80}), "
+                                                              f"{why}")) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(refused_message(self._path, "it holds a persistent id"))
