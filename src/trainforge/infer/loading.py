@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from trainforge.errors import CheckpointError, TrainforgeError
@@ -27,6 +27,7 @@ from trainforge.model.config import ModelConfig
 from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
 from trainforge.model.llama import Transformer, rope_tables
 from trainforge.model.preflight import check_inference
+from trainforge.safe_unpickle import error_detail
 
 # The KV pool a caller will allocate, in token slots, given the model's config.
 KVSlots = Callable[[ModelConfig], int]
@@ -58,8 +59,9 @@ def _read_safetensors(files: list[Path], device: torch.device) -> tuple[dict[str
                         tensors[key] = fh.get_tensor(key).pin_memory().to(device, non_blocking=True)
             else:
                 tensors.update(load_file(str(f), device=str(device)))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"weights file {f} could not be read: {e}") from None
+        except Exception as e:  # SafetensorError, OSError, and others on a crafted header
+            raise CheckpointError(f"weights file {f} could not be read: not a safetensors file, or damaged "
+                                  f"({error_detail(e)})") from None
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return tensors, metadata
@@ -72,7 +74,11 @@ def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.de
     with torch.device("meta"):
         model = Transformer(cfg)
     if quantization:
-        swap_quantized_linears(model, quantization)
+        try:
+            swap_quantized_linears(model, quantization)
+        except Exception as e:  # meta.json's quantization info is input too: KeyError, TypeError, ValueError
+            raise CheckpointError(f"{what}: the quantization info in meta.json does not fit the model "
+                                  f"({error_detail(e)})") from None
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     sd = {k: (v.to(dtype) if k in params and v.is_floating_point() and v.dtype != dtype else v) for k, v in sd.items()}
     if cfg.tie_embeddings and "output.weight" in params:  # stored once; the tied module wants both names
@@ -82,7 +88,7 @@ def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.de
     try:
         model.load_state_dict(sd, strict=True, assign=True)
     except RuntimeError as e:
-        raise CheckpointError(f"{what} does not fit the model config: {e}") from None
+        raise CheckpointError(f"{what} does not fit the model config ({error_detail(e)})") from None
     if cfg.tie_embeddings and "output.weight" in params:
         model.output.weight = model.tok_embeddings.weight
     cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
@@ -165,13 +171,15 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
         raise CheckpointError(f"{config_file} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                               f"{e.start}); config.json must be UTF-8 JSON") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{config_file} could not be read: {e}") from None
+        raise CheckpointError(f"{config_file} could not be read: not a JSON config ({error_detail(e)})") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_file} holds {type(hf_config).__name__}, not a JSON object")
     try:
         cfg = model_config_from_hf(hf_config)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type
+        raise CheckpointError(f"{config_file} does not describe a Llama model ({error_detail(e)})") from None
     _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -180,18 +188,28 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
                               "loaded; convert them with transformers' save_pretrained(safe_serialization=True))"
                               if found else ""))
     sd, _ = _read_safetensors(files, device)
-    sd = from_hf_state_dict(sd, cfg)
+    try:
+        sd = from_hf_state_dict(sd, cfg)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     model = _materialise(cfg, sd, device, dtype, None, str(path))
     tok, eos = None, []
     eos_cfg = hf_config.get("eos_token_id")
     if eos_cfg is not None:
-        eos = list(eos_cfg) if isinstance(eos_cfg, list) else [eos_cfg]
+        try:
+            eos = [int(e) for e in (eos_cfg if isinstance(eos_cfg, list) else [eos_cfg])]
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{config_file}: eos_token_id {eos_cfg!r:.80} is not a token id or list of them") \
+                from None
     tok_file = path / "tokenizer.json"
     if tok_file.is_file():
         from tokenizers import Tokenizer
 
         from trainforge.data.tokenizer import _EOS_CANDIDATES
 
-        tok = Tokenizer.from_file(str(tok_file))
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
+            raise CheckpointError(f"tokenizer file {tok_file} could not be read ({error_detail(e)})") from None
         eos += [i for i in (tok.token_to_id(t) for t in _EOS_CANDIDATES) if i is not None and i not in eos]
-    return LoadedModel(model, tok, tuple(int(e) for e in eos), path.name, "huggingface", None, path)
+    return LoadedModel(model, tok, tuple(eos), path.name, "huggingface", None, path)

@@ -190,6 +190,8 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
 
     Defaults for absent keys are ``LlamaConfig``'s. Raises ``CheckpointError`` naming
     the key when the checkpoint uses a feature our model does not implement."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"config.json holds a {type(d).__name__}, not a JSON object of Llama settings")
     model_type = d.get("model_type", "llama")
     if model_type != "llama":
         raise CheckpointError(f"config.json key 'model_type' is {model_type!r}; only 'llama' checkpoints convert")

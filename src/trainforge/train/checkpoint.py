@@ -31,13 +31,14 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_model
 
 from trainforge import __version__
 from trainforge.data.prepare import sha256_file
 from trainforge.errors import CheckpointError
 from trainforge.log import get_logger
+# load_tensor_file: also how the trainer reads rng/ and compression/ files (ckpt.load_tensor_file)
+from trainforge.safe_unpickle import error_detail, load_tensor_file, refused_message, refused_problem
 
 _STEP_DIR = re.compile(r"^step_(\d{7,})$")
 # Hidden dirs of our own: ``.step_N.tmp`` (being written), ``.step_N.deleting`` (being removed).
@@ -65,15 +66,20 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state({"bit_generator": n["bit_generator"],
-                         "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
-                         "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def restore_rng_state(state: dict[str, Any], source: Path | str = STATE_FILE) -> None:
+    """Restore what ``capture_rng_state`` captured; ``source`` (the file it came from) names
+    the file when the state does not have that shape."""
+    try:
+        random.setstate(state["python"])
+        n = state["numpy"]
+        np.random.set_state({"bit_generator": n["bit_generator"],
+                             "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                             "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        raise CheckpointError(refused_message(source, f"no RNG state: {error_detail(e)}")) from None
 
 
 def step_dir_name(step: int) -> str:
@@ -398,8 +404,8 @@ def load_full_weights(ckpt: Path, tie_embeddings: bool) -> dict[str, torch.Tenso
     f = ckpt / MODEL_FILE
     try:
         sd = load_file(str(f))
-    except (SafetensorError, OSError) as e:
-        raise CorruptCheckpointError(f"checkpoint file {f} could not be read: {e}") from None
+    except Exception as e:  # SafetensorError, OSError, and others on a crafted header
+        raise CorruptCheckpointError(refused_problem(f, error_detail(e))) from None
     if tie_embeddings:  # save_model stores a tied matrix once, under one of its names
         shared = sd.get("tok_embeddings.weight", sd.get("output.weight"))
         if shared is not None:
@@ -412,8 +418,8 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
     f = ckpt / MODEL_FILE
     try:
         missing, unexpected = load_model(model, str(f), strict=False)
-    except (SafetensorError, OSError, RuntimeError) as e:
-        raise CheckpointError(f"checkpoint file {f} could not be loaded into the model: {e}") from None
+    except Exception as e:  # SafetensorError, OSError, RuntimeError (shapes), ...
+        raise CheckpointError(f"checkpoint file {f} could not be loaded into the model ({error_detail(e)})") from None
     if missing or unexpected:
         raise CheckpointError(f"checkpoint file {f} does not match the model: missing {sorted(missing)}, "
                               f"unexpected {sorted(unexpected)}")
@@ -422,9 +428,12 @@ def load_model_weights(ckpt: Path, model: torch.nn.Module) -> None:
 def load_train_state(ckpt: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     f = ckpt / STATE_FILE
     try:
-        return torch.load(f, map_location=map_location, weights_only=True)
+        state = torch.load(f, map_location=map_location, weights_only=True)
     except Exception as e:  # unpickling errors come in many types; all mean "unusable file"
-        raise CorruptCheckpointError(f"checkpoint file {f} could not be loaded safely: {e}") from None
+        raise CorruptCheckpointError(refused_problem(f, error_detail(e))) from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(refused_problem(f, f"it holds a {type(state).__name__}, not a dict"))
+    return state
 
 
 def check_model_compatible(meta: dict[str, Any], model_config: Any, ckpt: Path) -> None:

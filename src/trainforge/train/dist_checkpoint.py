@@ -7,23 +7,25 @@ checkpoint is scattered by ``set_model_state_dict(full_state_dict=True)``. State
 keyed by fully-qualified parameter names (``layers.3.attention.wq.weight``), which
 stay stable under FSDP, TP, activation checkpointing and pipeline splitting.
 
-Safety: DCP's stock reader unpickles its ``.metadata`` file and its stock planner
-loads non-tensor items with ``weights_only=False``, so a crafted checkpoint could run
-code. ``SafeFileSystemReader`` unpickles metadata with an allow-list of DCP's own
-metadata classes, and ``SafeLoadPlanner`` loads non-tensor items with
-``weights_only=True``. This part is hand-written because DCP offers no safe mode.
+Safety: DCP's stock reader unpickles its ``.metadata`` file with a bare ``pickle.load``
+and its stock planner loads non-tensor items with ``weights_only=False``, so a crafted
+checkpoint could run code. ``SafeFileSystemReader`` reads the metadata through
+``trainforge.safe_unpickle`` (an exact allow-list of the globals DCP metadata holds) and
+``SafeLoadPlanner`` loads non-tensor items with ``weights_only=True``; a refused or
+unreadable file is one ``CheckpointError`` naming it, not DCP's per-rank traceback.
+This part is hand-written because DCP offers no safe mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element  # DCP's own nested-dict setter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
@@ -33,48 +35,50 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.futures import Future
 
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainforge.errors import CheckpointError
+from trainforge.safe_unpickle import error_detail, load_dcp_metadata, refused_message
 
 SHARDED_DIR = "sharded"
 
-_ALLOWED_MODULE_PREFIXES = (
-    "torch.distributed.checkpoint.",
-    "torch.distributed._shard.",
-)
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("builtins", "slice"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "device"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith(_ALLOWED_MODULE_PREFIXES) or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
-
 
 class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` through the allow-list (once: ``dcp.load``
+    asks again) and naming the shard file any read fails in."""
+
+    _metadata = None
+
     def read_metadata(self, *args: Any, **kwargs: Any):
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as fh:
-            try:
-                metadata = _MetadataUnpickler(fh).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError) as e:
-                raise CheckpointError(f"{path}: unreadable or unsafe DCP metadata ({e})") from None
+        if kwargs.get("rank") is not None:  # per-rank metadata: trainforge never writes it
+            raise CheckpointError(f"{self.path}: per-rank DCP metadata is not supported")
+        if self._metadata is None:
+            self._metadata = load_dcp_metadata(self._get_metadata_path())
+        metadata = self._metadata
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner) -> Future[None]:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except CheckpointError:
+                raise
+            except Exception as e:  # torch.load, a bad offset, a transform: all mean "unusable file"
+                raise CheckpointError(refused_message(self.fs.concat_path(self.path, relative_path),
+                                                      error_detail(e))) from None
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -84,6 +88,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _unwrap(e: BaseException) -> CheckpointError | None:
+    """The first ``CheckpointError`` of any rank inside DCP's ``CheckpointException``."""
+    if isinstance(e, CheckpointException):
+        for exc, _ in e.failures.values():
+            if isinstance(exc, CheckpointError):
+                return exc
+    return None
 
 
 def _as_list(x):
@@ -119,12 +132,20 @@ def load_sharded(path: Path, parts, optimizers) -> None:
         state = model_and_optim_state(parts, optimizers)
     else:
         state = {"model": {k: v for p in parts for k, v in get_model_state_dict(p).items()}}
+    reader = SafeFileSystemReader(str(path / SHARDED_DIR))
+    reader.read_metadata()  # a refused .metadata fails here, before DCP wraps errors per rank
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path / SHARDED_DIR)), planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointError:
         raise
-    except Exception as e:  # DCP wraps per-rank failures in its own exception types
-        raise CheckpointError(f"sharded checkpoint {path / SHARDED_DIR} does not fit this model/layout: {e}") from None
+    except (Exception, CheckpointException) as e:  # DCP's is a BaseException holding every rank's error
+        inner = _unwrap(e)
+        if inner is not None:
+            raise inner from None
+        if isinstance(e, CheckpointException):
+            e = next(iter(e.failures.values()))[0]
+        raise CheckpointError(f"sharded checkpoint {path / SHARDED_DIR} does not fit this model/layout "
+                              f"({error_detail(e)})") from None
     _set_state(parts, optimizers, state["model"], state.get("optim"))
 
 

@@ -37,7 +37,9 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
     deadline = time.perf_counter() + seconds
     for _ in range(2):  # warm-up
         a @ b
-    while time.perf_counter() < deadline:
+    # At least one timed round: on a busy CPU the warm-up alone can outlast ``seconds``, and
+    # a peak of 0 was cached and divided by (ZeroDivisionError at the first logged step).
+    while best == 0.0 or time.perf_counter() < deadline:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()

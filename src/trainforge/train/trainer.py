@@ -340,7 +340,7 @@ class Trainer:
         if "rng" in state:
             ckpt.restore_rng_state(state["rng"])
         elif rng_file.is_file():  # same rank existed when saved; other layouts keep the seeded state
-            ckpt.restore_rng_state(torch.load(rng_file, weights_only=True))
+            ckpt.restore_rng_state(ckpt.load_tensor_file(rng_file), rng_file)
         self._load_compression(path)
         self.step = int(state["step"])
         self._last_balance_step = self.step
@@ -357,7 +357,7 @@ class Trainer:
                                  "start at zero and the warm-up restarts")
             return
         try:
-            warning = self.compressor.load_state_dict(torch.load(f, weights_only=True, map_location=self.device))
+            warning = self.compressor.load_state_dict(ckpt.load_tensor_file(f, self.device))
         except (KeyError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{f}: compression state does not load ({e}); delete the compression/ "
                                   "folder of that checkpoint to start residuals afresh") from None
