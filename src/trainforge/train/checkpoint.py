@@ -107,17 +107,18 @@ def checkpoint_step(ckpt: Path) -> int:
 def _meta_problem(ckpt: Path, step: int) -> str | None:
     """Why ``ckpt/meta.json`` does not mark a complete checkpoint, or None. Reads only
     meta.json (small), so listing stays cheap; file hashes are checked on load."""
+    mpath = ckpt / META  # named in full: the warning or refusal points at the file to look at
     try:
-        meta = json.loads((ckpt / META).read_text())
+        meta = json.loads(mpath.read_text())
     except FileNotFoundError:
-        return f"{META} is missing"
+        return f"{mpath} is missing"
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"{META} is unreadable ({type(e).__name__})"
+        return f"{mpath} is unreadable ({type(e).__name__})"
     missing = [k for k in _META_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
-        return f"{META} lacks {', '.join(missing)}"
+        return f"{mpath} lacks {', '.join(missing)}"
     if not isinstance(meta["files"], dict) or meta["step"] != step:
-        return f"{META} does not describe step {step}"
+        return f"{mpath} does not describe step {step}"
     return None
 
 
