@@ -1,7 +1,8 @@
-"""Signals, hangs and dead peers, as a user meets them: a real ``trainforge train`` (one
-process, two ranks started by hand, or ``torchrun``) gets a signal or loses a peer,
-and the test checks how the job ended: every rank at the same step, one checkpoint,
-the exit code of each outcome (``trainforge.exit_codes``), one error line, no hang."""
+"""Signals, hangs, dead peers and a diverging loss, as a user meets them: a real
+``trainforge train`` (one process, two ranks started by hand, or ``torchrun``) gets a
+signal, loses a peer or diverges, and the test checks how the job ended: every rank at
+the same step, one checkpoint (none of a NaN state), the exit code of each outcome
+(``trainforge.exit_codes``), one error line, no hang."""
 
 from __future__ import annotations
 
@@ -202,3 +203,21 @@ def test_hung_rank_fails_the_other_within_distributed_timeout(tmp_path, small_da
     assert elapsed < timeout_s + 10, f"rank 0 waited {elapsed:.0f} s for a hung peer"
     line = one_error_line((tmp_path / "rank0.log").read_text())
     assert "peer rank failed or timed out" in line and f"distributed.timeout_s = {timeout_s}" in line
+
+
+def test_nan_loss_stops_every_rank_with_exit_3_and_no_checkpoint_of_it(tmp_path, small_data):
+    """No [bad_steps]: the window's (all-reduced) losses are the same on both ranks, so
+    both stop at the same step, say so in one line, and save nothing from there on."""
+    run_dir = tmp_path / "run"
+    # LR rising to 300 over 20 warmup steps, no clipping: finite for the first checkpoints
+    # (every 5 steps), then NaN.
+    ranks = _start_ranks(train_args(small_data, "--training.steps", "200", "--training.lr", "300",
+                                    "--training.warmup_steps", "20", "--training.grad_clip", "0",
+                                    "--checkpoint.interval", "5", "--run_dir", str(run_dir)), tmp_path)
+    assert _finish(ranks) == [exit_codes.NONFINITE_LOSS] * 2
+    lines = [one_error_line((tmp_path / f"rank{r}.log").read_text()) for r in range(2)]
+    assert lines[0] == lines[1], lines
+    bad = int(re.search(r"at step (\d+)", lines[0]).group(1))
+    assert re.search(r"(loss|norm) (nan|inf)", lines[0]), lines[0]
+    assert "training.lr" in lines[0] and "[bad_steps]" in lines[0] and f"--resume {run_dir}" in lines[0]
+    assert all(step < bad for step in _checkpoints(run_dir)), (bad, _checkpoints(run_dir))

@@ -117,5 +117,6 @@ def check_finite(steps: list[int], losses: list[float], grad_norms: list[float] 
         if not (math.isfinite(loss) and math.isfinite(norm)):
             what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {norm} (loss {loss:.4g})"
             raise NonFiniteLoss(f"training diverged: {what} at step {step}; nothing from this state was saved. "
-                                f"Lower training.lr (now {lr:g}), or enable [bad_steps] to skip or roll back such "
-                                f"steps, or resume from the previous checkpoint: --resume {run_dir}")
+                                f"Lower training.lr (now {lr:g}), enable [bad_steps] to skip or roll back such "
+                                f"steps, or resume from the last checkpoint (before step {step}) with a lower "
+                                f"rate: --resume {run_dir} --training.lr ...")
