@@ -71,7 +71,7 @@ def _train(argv: list[str]) -> int:
 
     signals = StopSignals()
     # Handled for the whole command: a signal during start-up stops the run at its first window.
-    with signals.installed(keep_after_outcome=launched_by_torchrun()):
+    with signals.installed(ignore_after_outcome=launched_by_torchrun()):
         try:
             trainer, summary = _fit(cfg, run_dir, bool(a.resume), signals)
         except RuntimeError as e:  # a collective failed: a dead or hung peer is exit 4, anything else a bug
@@ -119,8 +119,8 @@ def _fit(cfg, run_dir: Path, resume: bool, signals) -> tuple:
         try:
             summary = trainer.fit(signals)
         except NonFiniteLoss:
-            signals.outcome = exit_codes.NONFINITE_LOSS
             destroy_distributed()  # every rank raised at the same step (all-reduced losses)
+            signals.outcome = exit_codes.NONFINITE_LOSS
             raise
         finally:
             trainer.close()

@@ -14,9 +14,11 @@ step (nothing to agree on, no collective).
 
 A second signal exits at once, without a checkpoint: ``killed_by(signum)``. Once the
 command knows how it ends (``outcome``: the checkpoint is written, or there is nothing
-to save), any signal exits at once with that code: ``torchrun`` SIGTERMs the ranks
-still shutting down as soon as the first one exited non-zero, which would otherwise
-turn their 75 into a kill.
+to save), a signal exits at once with that code, and a ``torchrun`` worker ignores
+them while it exits: ``torchrun`` SIGTERMs the ranks still shutting down as soon as
+the first one exited non-zero, and Python drops its handlers early in interpreter
+shutdown (before the second or so torch takes to tear down), which would turn their
+75 into a kill. ``SIG_IGN`` survives that; SIGKILL still ends a rank that hangs.
 
 A non-finite loss is caught at the logging interval, where the window's losses are
 read anyway (no extra host sync), when no ``[bad_steps]`` policy handles it: the run
@@ -51,21 +53,19 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     @contextlib.contextmanager
-    def installed(self, keep_after_outcome: bool = False) -> Iterator["StopSignals"]:
+    def installed(self, ignore_after_outcome: bool = False) -> Iterator["StopSignals"]:
         """Handle the signals inside the block, then restore the previous handlers; with
-        ``keep_after_outcome`` (a torchrun worker) and a non-zero ``outcome``, keep them:
-        a signal then exits at once with it until the process ends (see the module
-        docstring). Outside the main thread (where Python cannot set handlers) nothing
-        is installed."""
+        ``ignore_after_outcome`` (a torchrun worker) and a non-zero ``outcome``, ignore
+        them instead, for the rest of the process's exit (see the module docstring).
+        Outside the main thread (where Python cannot set handlers) nothing is installed."""
         if threading.current_thread() is threading.main_thread():
             for sig in exit_codes.SIGNALS_THAT_STOP:
                 self._previous[sig] = signal.signal(sig, self._handle)
         try:
             yield self
         finally:
-            if not (keep_after_outcome and self.outcome):
-                for sig, handler in self._previous.items():
-                    signal.signal(sig, handler)
+            for sig, handler in self._previous.items():
+                signal.signal(sig, signal.SIG_IGN if ignore_after_outcome and self.outcome else handler)
             self._previous.clear()
 
     def _handle(self, signum: int, frame: object) -> None:
