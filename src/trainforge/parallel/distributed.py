@@ -75,7 +75,8 @@ class PeerFailed(TrainforgeError):
 # What gloo and the c10d store put in the RuntimeError of a collective whose peer is gone
 # or silent (gloo raises plain RuntimeError; torch wraps some, not all, in DistError).
 # Matched on the text so that any other RuntimeError stays an unexpected error (exit 1).
-_PEER_FAILURE_TEXT = ("timed out waiting", "timed out after", "pair closure", "connection reset by peer", "connection closed by peer",
+_PEER_FAILURE_TEXT = ("timed out waiting", "timed out after", "pair closure", "connection reset by peer",
+                      "connection closed by peer",
                       "read error", "broken pipe", "connection refused", "socket timeout", "wait timeout")
 
 
