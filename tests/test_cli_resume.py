@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from trainforge import exit_codes
 from trainforge.train.metrics import read_jsonl
 
 ARGS = ["--model.flavor", "debug", "--training.steps", "60", "--training.batch_size", "8",
@@ -39,7 +40,7 @@ def test_sigterm_then_resume_equals_uninterrupted(tmp_path, small_data):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
+    assert proc.returncode == exit_codes.STOPPED, err
     stopped = max(r["step"] for r in read_jsonl(metrics) if "loss" in r)
     assert 8 <= stopped < 60, "the run should have been interrupted mid-way"
     assert (run_dir / "checkpoints" / f"step_{stopped:07d}").is_dir(), "SIGTERM must checkpoint before exit"

@@ -1,7 +1,8 @@
 """``trainforge <command>``: prepare, train, generate, quantize, serve, report.
 
 User errors (config, data, checkpoints) print one line naming the key or file and
-the fix, and exit with status 2; no traceback, nothing half-written.
+the fix, and exit with status 2; no traceback, nothing half-written. Every outcome
+has its own exit code: ``exit_codes.py``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainforge import exit_codes
 from trainforge.errors import TrainforgeError
 
 
@@ -89,37 +91,34 @@ def _train(argv: list[str]) -> int:
         cfg = load_config(a.config, rest)
         run_dir = Path(a.run_dir) if a.run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
-    from trainforge.train.trainer import Trainer
+    from trainforge.parallel.distributed import launched_by_torchrun, peer_failure
+    from trainforge.train.stop_signals import StopSignals
 
-    from trainforge.parallel.distributed import destroy_distributed
-
-    trainer = Trainer(cfg, run_dir, resume=resume, from_step=a.from_step)
-    while True:
+    signals = StopSignals()
+    # Handled for the whole command: a signal during start-up stops the run at its first window.
+    with signals.installed(ignore_after_outcome=launched_by_torchrun()):
         try:
-            summary = trainer.fit()
-        finally:
-            trainer.close()
-        if not str(summary.get("stop_reason") or "").startswith("rebalance"):
-            break
-        # Pipeline re-balance: the checkpoint just written is reloaded into a fresh split
-        # measured now (pp_split = auto); resume is exact, so training is unchanged.
-        trainer = Trainer(cfg, run_dir, resume=True)
-    # Only after success: a barrier after a failure would wait forever for the failed rank
-    # (torchrun then stops the others).
-    destroy_distributed()
-    # Early stopping ends a run as complete as reaching training.steps.
-    completed = summary.get("stop_reason") is None or summary.get("early_stopped", False)
-    if not trainer.is_main:
-        return 0 if completed else 130
-    print(f"run directory: {run_dir}")
-    if "checkpoint" in summary:
-        print(f"checkpoint: {summary['checkpoint']}")
-    if "first_val_loss" in summary and "final_val_loss" in summary:
-        print(f"val_loss: {summary['first_val_loss']:.4f} -> {summary['final_val_loss']:.4f}")
+            trainer, summary = _fit(cfg, run_dir, resume, a.from_step, signals)
+        except RuntimeError as e:  # a collective failed: a dead or hung peer is exit 4, anything else a bug
+            failed = peer_failure(e, cfg.distributed.timeout_s) if launched_by_torchrun() else None
+            if failed is None:
+                raise
+            signals.outcome = failed.exit_code
+            raise failed from None
+        signals.outcome = code = _exit_code(summary)
+        if not trainer.is_main:
+            return code
+        print(f"run directory: {run_dir}")
+        if "checkpoint" in summary:
+            print(f"checkpoint: {summary['checkpoint']}")
+        if "first_val_loss" in summary and "final_val_loss" in summary:
+            print(f"val_loss: {summary['first_val_loss']:.4f} -> {summary['final_val_loss']:.4f}")
+        if code == exit_codes.STOPPED:
+            print(f"stopped at step {summary['step']}: {summary['stop_reason']}; continue with --resume {run_dir}")
     s = cfg.sample
     if summary.get("early_stopped"):
         print(f"stopped early at step {summary['step']}: {summary['stop_reason']}")
-    if completed and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1:
+    if code == exit_codes.COMPLETED and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1:
         from trainforge.infer.generate import SamplingParams, generate_text
 
         opts = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
@@ -129,7 +128,44 @@ def _train(argv: list[str]) -> int:
         tok = load_tokenizer(trainer.data.tokenizer_path)
         # The engine runs in the inference model's own dtype (generate turns autocast off).
         print("sample:\n" + generate_text(trainer.inference_model, tok, s.prompt, opts))
-    return 0 if completed else 130
+    return code
+
+
+def _fit(cfg, run_dir: Path, resume: bool, from_step: int | None, signals) -> tuple:
+    """Build the trainer and train, re-splitting the pipeline when it asks to. The process
+    group is torn down (a barrier) when every rank ends at the same step: completed,
+    stopped, or a non-finite loss; never after a peer failed (the barrier would wait on it)."""
+    from trainforge.parallel.distributed import destroy_distributed
+    from trainforge.train.stop_signals import NonFiniteLoss
+    from trainforge.train.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir, resume=resume, from_step=from_step)
+    while True:
+        try:
+            summary = trainer.fit(signals)
+        except NonFiniteLoss:
+            destroy_distributed()  # every rank raised at the same step (all-reduced losses)
+            signals.outcome = exit_codes.NONFINITE_LOSS
+            raise
+        finally:
+            trainer.close()
+        if not str(summary.get("stop_reason") or "").startswith("rebalance"):
+            break
+        # Pipeline re-balance: the checkpoint just written is reloaded into a fresh split
+        # measured now (pp_split = auto); resume is exact, so training is unchanged.
+        trainer = Trainer(cfg, run_dir, resume=True)
+    destroy_distributed()
+    return trainer, summary
+
+
+def _exit_code(summary: dict) -> int:
+    """Early stopping ends a run as complete as reaching training.steps (0: torchrun restarts
+    any other code); a [bad_steps] stop is a diverged run; any other stop saved a checkpoint."""
+    if summary.get("stop_reason") is None or summary.get("early_stopped"):
+        return exit_codes.COMPLETED
+    if summary.get("stopped_by") == "bad_steps":
+        return exit_codes.NONFINITE_LOSS
+    return exit_codes.STOPPED
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -344,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except TrainforgeError as e:
         print(f"trainforge {argv[0]}: error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", exit_codes.BAD_INPUT)  # a diverged loss or a failed peer say so
     except OSError as e:
         # A full or read-only disk mid-run (checkpoint, metrics) is the user's to fix: one line naming the
         # path. Checkpoints are written to a hidden .tmp directory and renamed, so earlier ones stay intact.
@@ -354,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         fix = "mount is read-only" if e.errno == errno.EROFS else "disk is full: free space"
         print(f"trainforge {argv[0]}: error: {e.strerror}{where}; the {fix} (or choose another directory) "
               "and run again", file=sys.stderr)
-        return 2
+        return exit_codes.BAD_INPUT
 
 
 if __name__ == "__main__":

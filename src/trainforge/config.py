@@ -211,6 +211,17 @@ class ParallelSection:
 
 
 @dataclass
+class DistributedSection:
+    timeout_s: float = _f(600.0, "longest wait for another rank in one collective (and at start-up) before this "
+                                 "rank fails with exit code 4: a hung or dead peer ends the job instead of "
+                                 "blocking it forever")
+
+    def validate(self) -> None:
+        _require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "distributed.timeout_s", self.timeout_s,
+                 "a number of seconds > 0")
+
+
+@dataclass
 class SampleSection:
     prompt: str = _f("def ", "prompt for the sample printed after training")
     max_new_tokens: int = _f(64, "tokens to sample after training; 0 = no sample")
@@ -231,6 +242,7 @@ class Config:
     optimizer: OptimizerSection = field(default_factory=OptimizerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
     sample: SampleSection = field(default_factory=SampleSection)
     compression: CompressionSection = field(default_factory=CompressionSection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)

@@ -6,8 +6,8 @@ handling; ``control.py``) is off unless configured.
 Parallelism (``parallel/apply.py``), precision (``train/mixed_precision.py`` over
 ``trainforge.precision``) and compression plug in from outside; the loop stays the
 same. The only way anything outside the loop stops training is ``request_stop``
-(signals and callbacks use it): the loop then saves a checkpoint at the current step
-and returns, so nothing done is lost.
+(callbacks use it; signals too, once all ranks agreed: ``stop_signals.py``): the loop
+then saves a checkpoint at the current step and returns, so nothing done is lost.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import shutil
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,6 +49,7 @@ from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
 from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout, compile_note
 from trainforge.train.optimizer import build_optimizer
+from trainforge.train.stop_signals import StopSignals, check_finite
 from trainforge.train.step_stats import CommShareProbe, peak_memory_bytes
 
 METRICS_FILE = "metrics.jsonl"
@@ -118,7 +116,7 @@ class Trainer:
         self.device = pick_device(tcfg.device)
         if tcfg.threads:
             torch.set_num_threads(tcfg.threads)
-        self.dist = init_distributed(self.device.type)
+        self.dist = init_distributed(self.device.type, timeout_s=cfg.distributed.timeout_s)
         if self.device.type == "cuda" and self.dist.world_size > 1:
             self.device = torch.device("cuda", self.dist.local_rank)
         self.is_main = self.dist.is_main
@@ -257,10 +255,14 @@ class Trainer:
 
     # -- control -------------------------------------------------------------------
 
-    def request_stop(self, reason: str) -> None:
-        """Ask the loop to stop after the current step (it checkpoints first)."""
+    stop_kind: str | None = None  # who asked for the stop: request, signal, bad_steps, early_stop
+
+    def request_stop(self, reason: str, kind: str = "request") -> None:
+        """Ask the loop to stop after the current step (it checkpoints first). In a
+        multi-process run every rank must ask at the same step (all callers here decide
+        on all-reduced or broadcast values; signals go through ``stop_signals``)."""
         if self.stop_reason is None:
-            self.stop_reason = reason
+            self.stop_reason, self.stop_kind = reason, kind
 
     # -- checkpointing -----------------------------------------------------------------
 
@@ -487,7 +489,7 @@ class Trainer:
             if self.is_main:
                 self.log.warning(f"bad step {decision.step}: {decision.action.value}: {decision.reason}")
             if decision.action is StepAction.STOP:
-                self.request_stop(decision.reason)
+                self.request_stop(decision.reason, kind="bad_steps")
 
     def _rollback(self, bad_steps: int) -> None:
         """Reload the newest checkpoint from before the last ``bad_steps`` steps, keeping the
@@ -498,14 +500,14 @@ class Trainer:
                  if int(ckpt.read_meta(p, verify=False)["step"]) < first_bad]
         if not found:
             self.request_stop(f"{bad_steps} bad steps in a row and no checkpoint from before step {first_bad} "
-                              "to roll back to")
+                              "to roll back to", kind="bad_steps")
             return
         from_step = self.step
         self._load(found[-1], rollback=True)
         if self.is_main:  # the abandoned timeline's checkpoints: --resume continues the rolled-back run
             for newer in ckpt.list_checkpoints(self.run_dir / "checkpoints"):
                 if int(ckpt.read_meta(newer, verify=False)["step"]) > self.step:
-                    shutil.rmtree(newer, ignore_errors=True)
+                    ckpt.remove_checkpoint(newer)  # renamed first: a kill never leaves half of one
         self.metrics.write({"step": self.step, "rolled_back_from_step": from_step, "rolled_back_to": str(found[-1]),
                             "data": self.train_batches.state_dict()})
 
@@ -516,7 +518,7 @@ class Trainer:
                                                          self.dims.world_size)
         if reason is not None:
             self.early_stopped = self.early_stopped or self.stop_reason is None
-            self.request_stop(reason)
+            self.request_stop(reason, kind="early_stop")
         return {"step": self.step, "val_loss": val, **extra}
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
@@ -634,25 +636,18 @@ class Trainer:
 
     # -- loop ----------------------------------------------------------------------------
 
-    def _install_signal_handlers(self) -> dict:
-        if threading.current_thread() is not threading.main_thread():
-            return {}
-        previous = {}
+    def fit(self, signals: StopSignals | None = None) -> dict[str, Any]:
+        """Train to ``training.steps`` (or until ``request_stop`` or a signal). Returns a summary.
+        ``signals``: the SIGINT/SIGTERM/SIGHUP handlers the caller installed (the CLI does,
+        for the whole command); None installs them for the duration of ``fit``. Raises
+        ``NonFiniteLoss`` (nothing saved) when the loss diverges and no [bad_steps] policy is on."""
+        if signals is not None:
+            return self._fit(signals)
+        with StopSignals().installed() as own:
+            return self._fit(own)
 
-        def handler(signum, frame):
-            name = signal.Signals(signum).name
-            self.request_stop(f"received {name}")
-            if signum == signal.SIGINT:  # a second Ctrl-C stops at once
-                signal.signal(signal.SIGINT, previous[signal.SIGINT])
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, handler)
-        return previous
-
-    def fit(self) -> dict[str, Any]:
-        """Train to ``training.steps`` (or until ``request_stop``). Returns a summary."""
+    def _fit(self, signals: StopSignals) -> dict[str, Any]:
         tcfg, ccfg = self.cfg.training, self.cfg.checkpoint
-        previous_handlers = self._install_signal_handlers()
         reporter = ConsoleReporter(tcfg.steps, self.step, enabled=self.progress and self.is_main)
         summary: dict[str, Any] = {"start_step": self.step}
         try:
@@ -684,8 +679,17 @@ class Trainer:
                 do_save = last or (ccfg.interval and self.step % ccfg.interval == 0 and not rollback)
                 for cb in self.callbacks:
                     cb.on_step_end(self, self.step)
+                # Every condition here is the same on every rank (a pending stop_reason too:
+                # see request_stop), so all ranks end a window at the same step; a signal is
+                # acted on only there (one tiny all-reduce), or every step when alone.
+                window_end = (self.step % tcfg.log_interval == 0 or do_val or do_save or rollback
+                              or self.stop_reason is not None)
+                if window_end or self.dims.world_size == 1:
+                    signalled = signals.agreed(self.dims.world_size, self.device)
+                    if signalled is not None:
+                        self.request_stop(signalled, kind="signal")
                 stopping = self.stop_reason is not None
-                if self.step % tcfg.log_interval == 0 or do_val or do_save or stopping or rollback:
+                if window_end or stopping:
                     # The only host sync of the loop: one per logging interval.
                     losses = self._mean_over_dp(torch.stack([p[2] for p in pending])).tolist()
                     norms = torch.stack([p[3] for p in pending]).tolist()
@@ -706,6 +710,11 @@ class Trainer:
                         self.metrics.write(record)
                     reporter.step(self.step, record)
                     summary["final_loss"] = losses[-1]
+                    if self.bad_steps is None:  # [bad_steps] has its own non-finite policy
+                        # Identical on every rank (all-reduced losses, global norms); an fp16
+                        # loss scaler skips inf-gradient steps itself.
+                        check_finite([p[0] for p in pending], losses,
+                                     None if self.mp.scaler.enabled else norms, tcfg.lr, self.run_dir)
                     pending.clear()
                     window_start, window_steps = time.perf_counter(), 0
                 else:
@@ -730,12 +739,10 @@ class Trainer:
         finally:
             reporter.close()
             self.metrics.flush()
-            for sig, h in previous_handlers.items():
-                signal.signal(sig, h)
         if self.stop_reason is not None:
             self.log.info(f"stopped at step {self.step}: {self.stop_reason}; resume with --resume {self.run_dir}")
         summary.update(step=self.step, stop_reason=self.stop_reason, run_dir=str(self.run_dir),
-                       early_stopped=self.early_stopped)
+                       early_stopped=self.early_stopped, stopped_by=self.stop_kind)
         if self.bad_steps is not None:
             summary["bad_steps"] = {**self.bad_steps.counts, "rollbacks": self.bad_steps.rollbacks}
         return summary
