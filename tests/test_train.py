@@ -158,3 +158,13 @@ def test_compiled_blocks_match_eager_training(tmp_path, small_data):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("state", [{"step": 3}, {"step": "3", "scheduler": {}, "data": {}}, [1, 2]])
+def test_a_train_state_that_unpickles_but_lacks_fields_is_refused_naming_the_file(tmp_path, state):
+    from trainforge.train import checkpoint as ckpt
+
+    torch.save(state, tmp_path / ckpt.STATE_FILE)
+    with pytest.raises(ckpt.CorruptCheckpointError) as e:
+        ckpt.load_train_state(tmp_path)
+    assert str(tmp_path / ckpt.STATE_FILE) in str(e.value) and "\n" not in str(e.value)

@@ -434,6 +434,11 @@ def load_train_state(ckpt: Path, map_location: str | torch.device = "cpu") -> di
         raise CorruptCheckpointError(refused_problem(f, error_detail(e))) from None
     if not isinstance(state, dict):
         raise CorruptCheckpointError(refused_problem(f, f"it holds a {type(state).__name__}, not a dict"))
+    # What every resume reads outside the model/optimizer load: a file that unpickles safely
+    # but lacks these (or holds the wrong kinds) is refused here, not as a KeyError later.
+    wrong = [k for k, kind in (("step", int), ("scheduler", dict), ("data", dict)) if not isinstance(state.get(k), kind)]
+    if wrong:
+        raise CorruptCheckpointError(refused_problem(f, f"missing or malformed: {', '.join(wrong)}"))
     return state
 
 
