@@ -2,7 +2,7 @@
 
     python bench/grad_compression.py            # ~25 min on 2 cores: 100mbit + 1gbit + convergence
     python bench/grad_compression.py --quick    # ~12 min: 100mbit only, 2 rounds, convergence
-    python bench/grad_compression.py --skip-timing --seeds 3   # convergence only (~4 min quiet)
+    python bench/grad_compression.py --skip-timing             # convergence only: 9 runs, ~6 min quiet
     python bench/grad_compression.py --json out.json
 
 Everything runs the real CLI (``trainforge train`` under ``torchrun``, gloo, 2 ranks,
