@@ -1,37 +1,108 @@
-"""Convergence with compressed gradients: the ``tiny`` model, 2 ranks (DDP), same seed
-and data, 200 steps. int4 with error feedback and the adaptive codec end within 1% of
-the uncompressed validation loss. (That error feedback matters is shown where it
-does measurably: ``test_error_feedback.py`` and the top-k rows of
-``bench/grad_compression.py``; on this run int4 without it is not worse, see
-BENCHMARKS.md.)"""
+"""Convergence with compressed gradients, as a claim over seeds: int4 with error feedback
+and the adaptive codec end as low as uncompressed (fp32) training, within the seed-to-seed
+spread.
+
+Setup (the same as the convergence section of ``bench/grad_compression.py``; keep the
+two in sync): the ``tiny`` flavor cut to 4 blocks (3.2M parameters), 2 ranks under
+torchrun (DDP, gloo), batch 4 x 32 tokens per rank, 150 steps, compression from step 10,
+validation on the first 16 validation batches (the same tokens for every seed and codec).
+Each codec runs with seeds 1, 2, 3; a seed fixes the initial weights and the data order,
+so seed s of a codec and seed s of fp32 differ only in what compression does.
+
+Why seeds: a single run asserts noise. Any change in rounding (a codec, or the same code
+on a CPU with another vector width: AVX2 vs AVX-512) sends a run on its own path, and
+after 150 steps two such paths end up to ~0.1 nat (2%) apart. One seed with a 1%
+bound passed on an AVX-512 machine and failed on an AVX2-only one (+1.45%). The bound below
+is set from the spread measured over seeds, which covers that rounding spread, so it holds
+on either kind of machine.
+
+The test can fail: every run must have learned (final loss far below the initial one),
+and a codec that costs accuracy fails the bound: top-k 5% + int4 + EF, 0.61 nats (10 seed
+standard deviations) worse, is rejected by it (measured in the same bench run).
+"""
 
 from __future__ import annotations
 
+import math
+import statistics
+import subprocess
+import sys
+
 import pytest
 
-from tests.parallel.test_data_parallel import run
+from tests.parallel.torchrun import torchrun_env
 from trainforge.train.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
+SEEDS = (1, 2, 3)
+CODECS = {
+    "fp32": ["--compression.codec", "none"],
+    "int4+EF": ["--compression.codec", "int4"],
+    "adaptive": ["--compression.codec", "adaptive"],
+}
+STEPS = 150
 
-def final_val_loss(tmp_path, data, name: str, *codec: str) -> float:
-    import sys
+# The bound on mean(codec) - mean(fp32), in nats of validation loss:
+#   K_STD x pooled seed std + MARGIN.
+# Measured here (AMD EPYC, AVX2 only; `bench/grad_compression.py --skip-timing`, the
+# figures in BENCHMARKS.md): final val loss for seeds 1 / 2 / 3, fp32 4.2955 / 4.3434 /
+# 4.1748, int4+EF 4.3111 / 4.3614 / 4.2720, adaptive 4.3068 / 4.3459 / 4.2745. Pooled
+# seed std 0.060 nats (1.4%); paired regret int4+EF +0.044 (+0.016 to +0.097), adaptive
+# +0.038 (+0.003 to +0.100). A difference of two 3-run means has a standard error of
+# sqrt(2/3) = 0.82 seed std, so K_STD = 4 sits ~4.9 standard errors out. Simulated with
+# those figures (a true regret of +0.044 kept, seed std 0.06-0.10, the std itself
+# estimated from 9 runs as here), an honest codec fails the bound on ~0.4% of machine
+# kinds (K_STD = 3: ~1.4%). MARGIN keeps the bound sane when three seeds happen to agree
+# closely. Power: the bound is 0.26 nats here; top-k 5% + int4 + EF ends +0.61 (+0.48 to
+# +0.67) above fp32 and fails it.
+K_STD = 4.0
+MARGIN = 0.02
+# "It learned": ln(512) = 6.24 at random init; every run measured ends >= 1.9 nats lower
+# (top-k 5% + int4: 1.3); a run that diverges or does not update stays near 6.2.
+MIN_DROP = 1.0
 
-    run_dir = tmp_path / name
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
-         "train", "--run_dir", str(run_dir), "--data.path", str(data), "--model.flavor", "tiny",
-         "--training.seq_len", "32", "--training.batch_size", "4", "--training.steps", "200",
-         "--training.warmup_steps", "20", "--training.log_interval", "50", "--training.val_interval", "0",
-         "--training.val_batches", "8", "--training.threads", "1", "--sample.max_new_tokens", "0",
-         "--parallel.dp_replicate", "2", "--compression.warmup_steps", "10", *codec])
-    return [r["val_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r][-1]
+
+def val_losses(run_dir) -> tuple[float, float]:
+    """(initial, final) validation loss of a finished run."""
+    vals = [r["val_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in r]
+    return vals[0], vals[-1]
 
 
-def test_int4_with_error_feedback_and_adaptive_converge_like_fp32(tmp_path, small_data):
-    base = final_val_loss(tmp_path, small_data, "none", "--compression.codec", "none")
-    int4 = final_val_loss(tmp_path, small_data, "int4", "--compression.codec", "int4")
-    adaptive = final_val_loss(tmp_path, small_data, "adaptive", "--compression.codec", "adaptive")
-    assert base < 5.0  # it learned something: the comparison means something
-    assert abs(int4 - base) / base <= 0.01, (int4, base)
-    assert abs(adaptive - base) / base <= 0.01, (adaptive, base)
+def train(run_dir, data, seed: int, codec: list[str]) -> tuple[float, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
+           "train", "--run_dir", str(run_dir), "--data.path", str(data), "--model.flavor", "tiny",
+           "--model.n_layers", "4", "--training.seq_len", "32", "--training.batch_size", "4",
+           "--training.steps", str(STEPS), "--training.warmup_steps", "15", "--training.seed", str(seed),
+           "--training.log_interval", "50", "--training.val_interval", "0", "--training.val_batches", "16",
+           "--training.threads", "1", "--checkpoint.interval", "0", "--sample.max_new_tokens", "0",
+           "--parallel.dp_replicate", "2", "--compression.warmup_steps", "10", *codec]
+    # Generous timeout: 9 runs of ~20 s each on a quiet 2-core machine, minutes on a loaded one.
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=torchrun_env())
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return val_losses(run_dir)
+
+
+def pooled_std(groups: list[list[float]]) -> float:
+    """Within-group sample std, pooled over the groups (each group: one codec over seeds)."""
+    ss = sum(sum((x - statistics.fmean(g)) ** 2 for x in g) for g in groups)
+    df = sum(len(g) - 1 for g in groups)
+    return math.sqrt(ss / df)
+
+
+def test_int4_with_error_feedback_and_adaptive_converge_like_fp32_over_seeds(tmp_path, small_data):
+    final: dict[str, list[float]] = {}
+    for name, codec in CODECS.items():
+        final[name] = []
+        for seed in SEEDS:
+            first, last = train(tmp_path / f"{name}-{seed}", small_data, seed, codec)
+            assert last <= first - MIN_DROP, f"{name} seed {seed} did not learn: val loss {first:.4f} -> {last:.4f}"
+            final[name].append(last)
+    std = pooled_std(list(final.values()))
+    bound = K_STD * std + MARGIN
+    base = statistics.fmean(final["fp32"])
+    report = {k: [round(v, 4) for v in vs] for k, vs in final.items()}
+    for name in ("int4+EF", "adaptive"):
+        regret = statistics.fmean(final[name]) - base
+        assert regret <= bound, (f"{name}: mean final val loss {regret:+.4f} above fp32, bound {bound:.4f} "
+                                 f"(pooled seed std {std:.4f}); per seed {report}")
