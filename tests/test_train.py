@@ -168,3 +168,16 @@ def test_a_train_state_that_unpickles_but_lacks_fields_is_refused_naming_the_fil
     with pytest.raises(ckpt.CorruptCheckpointError) as e:
         ckpt.load_train_state(tmp_path)
     assert str(tmp_path / ckpt.STATE_FILE) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: train_state.pt is mapped to the GPU there")
+def test_rng_state_mapped_to_the_gpu_restores(tmp_path):
+    # A CUDA run loads train_state.pt with map_location=cuda; the generators take CPU tensors only
+    # (this broke every CUDA resume until the H200 check of 2026-11-30).
+    from trainforge.train import checkpoint as ckpt
+
+    torch.save({"rng": ckpt.capture_rng_state()}, tmp_path / "s.pt")
+    expected = torch.rand(4)
+    state = torch.load(tmp_path / "s.pt", map_location="cuda", weights_only=True)
+    ckpt.restore_rng_state(state["rng"])
+    assert torch.equal(torch.rand(4), expected)

@@ -69,15 +69,17 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: dict[str, Any], source: Path | str = STATE_FILE) -> None:
     """Restore what ``capture_rng_state`` captured; ``source`` (the file it came from) names
     the file when the state does not have that shape."""
+    # .cpu(): train_state.pt is loaded with map_location = the training device, which puts
+    # these byte tensors on the GPU in a CUDA run; the generators take CPU tensors only.
     try:
         random.setstate(state["python"])
         n = state["numpy"]
         np.random.set_state({"bit_generator": n["bit_generator"],
-                             "state": {"key": n["key"].numpy().astype(np.uint32), "pos": n["pos"]},
+                             "state": {"key": n["key"].cpu().numpy().astype(np.uint32), "pos": n["pos"]},
                              "has_gauss": n["has_gauss"], "gauss": n["gauss"]})
-        torch.set_rng_state(state["torch"])
+        torch.set_rng_state(state["torch"].cpu())
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            torch.cuda.set_rng_state_all([t.cpu() for t in state["cuda"]])
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
         raise CheckpointError(refused_message(source, f"no RNG state: {error_detail(e)}")) from None
 
