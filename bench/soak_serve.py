@@ -50,6 +50,7 @@ from pathlib import Path
 import httpx
 
 from bench.train_throughput import cpu_counters
+from trainforge.monitor.sinks import read_exposition
 
 PROMPTS = ["def parse(", "import os\n", "class Config:", "for i in range(", "# utility functions\n", "return "]
 SIMD = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -131,12 +132,8 @@ def start_server(args, log_file, port: int) -> tuple[subprocess.Popen, list[str]
 
 
 def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.replace('rank="0",', "").replace('{rank="0"}', "")] = float(value)
-    return out
+    """``/metrics`` as {name{labels}: value}, without the rank label."""
+    return read_exposition(httpx.get(url + "/metrics", timeout=10).text)
 
 
 # -- clients ------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.sampling import SamplingParams
 from trainforge.infer.server import ServerConfig, create_app
 from trainforge.model import FLAVORS, build_model
+from trainforge.monitor.sinks import read_exposition
 
 BATCH, QUEUE = 2, 2  # engine bound: 4 requests running + waiting
 LONG = 1000  # max_tokens of a request that must still be running when its client leaves
@@ -48,12 +49,7 @@ def server(tok):
 
 def metrics(url: str) -> dict[str, float]:
     """``/metrics`` as {name{labels}: value}, without the rank label."""
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.replace('rank="0",', "").replace('{rank="0"}', "")] = float(value)
-    return out
+    return read_exposition(httpx.get(url + "/metrics", timeout=10).text)
 
 
 def open_request(url: str, body: dict) -> socket.socket:

@@ -21,6 +21,7 @@ from trainforge.infer.engine import Engine, EngineConfig, QueueFull
 from trainforge.infer.sampling import SamplingParams
 from trainforge.infer.server import ServerConfig, create_app
 from trainforge.model import FLAVORS, build_model
+from trainforge.monitor.sinks import read_exposition
 
 KEY = "sekret"
 
@@ -202,11 +203,7 @@ def test_health_stays_ok_under_load_and_metrics_report(server):
     assert sum(b >= 2 for b in busy) >= 3, busy  # checks that ran while the engine was decoding a batch
     assert max(latencies) < 1.0, latencies
     # /metrics: the monitoring registry's names (monitor/catalog.py) and values that add up.
-    metrics = {}
-    for line in server.http.get("/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            metrics[name] = float(value)
+    metrics = read_exposition(server.http.get("/metrics").text, drop_labels=())
     s = engine.stats()
     assert metrics['trainforge_inference_generated_tokens_total{rank="0"}'] == s["generated_tokens"] >= 400
     assert metrics['trainforge_inference_requests_finished_total{rank="0",reason="length"}'] >= 4

@@ -143,3 +143,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def read_exposition(text: str, drop_labels: tuple[str, ...] = ("rank",)) -> dict[str, float]:
+    """A Prometheus text exposition (what ``/metrics`` serves) as ``{'name{k="v",...}': value}``,
+    labels sorted and ``drop_labels`` left out (a scraper that knows it reads rank 0 alone).
+    Parsed by prometheus_client's own parser; used by the serving soak and its tests."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k not in drop_labels)
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
