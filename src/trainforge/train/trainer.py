@@ -497,7 +497,7 @@ class Trainer:
         Stops the run when there is no such checkpoint. Collective when distributed."""
         first_bad = self.step - bad_steps + 1
         found = [p for p in ckpt.list_checkpoints(self.run_dir / "checkpoints")
-                 if int(ckpt.read_meta(p, verify=False)["step"]) < first_bad]
+                 if ckpt.checkpoint_step(p) < first_bad]
         if not found:
             self.request_stop(f"{bad_steps} bad steps in a row and no checkpoint from before step {first_bad} "
                               "to roll back to", kind="bad_steps")
@@ -506,7 +506,7 @@ class Trainer:
         self._load(found[-1], rollback=True)
         if self.is_main:  # the abandoned timeline's checkpoints: --resume continues the rolled-back run
             for newer in ckpt.list_checkpoints(self.run_dir / "checkpoints"):
-                if int(ckpt.read_meta(newer, verify=False)["step"]) > self.step:
+                if ckpt.checkpoint_step(newer) > self.step:
                     ckpt.remove_checkpoint(newer)  # renamed first: a kill never leaves half of one
         self.metrics.write({"step": self.step, "rolled_back_from_step": from_step, "rolled_back_to": str(found[-1]),
                             "data": self.train_batches.state_dict()})
