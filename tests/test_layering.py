@@ -30,8 +30,8 @@ CONTRACT_TYPES = {"layers": LayersContract, "forbidden": ForbiddenContract, "acy
 def _broken(config: dict) -> list[str]:
     """Ids of the contracts in ``config`` (``read_configuration``'s shape) that its root package breaks."""
     session = config["session_options"]
-    graph = grimp.build_graph(*session["root_packages"], cache_dir=None,
-                              exclude_type_checking_imports=session.get("exclude_type_checking_imports") in ("True", "true"))
+    type_only = session.get("exclude_type_checking_imports") in ("True", "true")
+    graph = grimp.build_graph(*session["root_packages"], cache_dir=None, exclude_type_checking_imports=type_only)
     broken = []
     for opts in config["contracts_options"]:
         contract = CONTRACT_TYPES[opts["type"]](name=opts["name"], session_options=session, contract_options=opts)
