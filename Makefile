@@ -1,5 +1,5 @@
 # Two commands: `make run` (install, prepare the built-in corpus, train `tiny`,
-# checkpoint, print a sample) and `make test` (install, run the whole suite).
+# checkpoint, print a sample) and `make test` (install, check the import layering, run the whole suite).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -24,7 +24,9 @@ run: install
 prometheus:
 	bash .ci/fetch_prometheus.sh
 
+# lint-imports first: a broken layering contract ([tool.importlinter] in pyproject.toml) fails in a second.
 test: install prometheus
+	$(BIN)/lint-imports --no-cache --no-logo
 	$(BIN)/python -m pytest -q
 
 bench: install

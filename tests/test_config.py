@@ -66,3 +66,18 @@ def test_cli_config_error_exits_2_and_writes_nothing(tmp_path, args, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
     assert not run_dir.exists()
     assert list(tmp_path.iterdir()) == []  # not even a default runs/ directory
+
+
+def test_config_toml_written_by_the_old_serialiser_reads_back_the_same(tmp_path):
+    """tests/compat/v1/run/config.toml was written by the hand-written TOML serialiser that
+    tomli_w replaced; it must still read, and re-written by tomli_w, read back equal."""
+    import tomllib
+    from pathlib import Path
+
+    from trainforge.config import config_from_dict
+
+    old = Path(__file__).parent / "compat" / "v1" / "run" / "config.toml"
+    cfg = config_from_dict(tomllib.loads(old.read_text()))  # not validated: its data.path was the writer's
+    assert (cfg.model.flavor, cfg.model.dim, cfg.training.steps, cfg.optimizer.eps) == ("debug", 32, 3, 1e-08)
+    assert cfg.model.n_layers is None  # unset keys were omitted (TOML has no null)
+    assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg

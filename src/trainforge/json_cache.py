@@ -6,9 +6,10 @@ re-measurement next time."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
+
+from trainforge.storage.atomic import atomic_write_json
 
 
 def read_json_cache(path: Path) -> dict[str, Any]:
@@ -22,8 +23,6 @@ def read_json_cache(path: Path) -> dict[str, Any]:
 def write_json_cache(path: Path, data: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2))
-        os.replace(tmp, path)
+        atomic_write_json(path, data)
     except OSError:
         pass

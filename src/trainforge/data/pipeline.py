@@ -11,8 +11,6 @@ how shards are read.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,17 +18,19 @@ from typing import Callable
 
 import torch
 
-from trainforge.config import DataSection
 from trainforge.data.augment import Augmenter
 from trainforge.data.dataset import ManifestFields, PreparedData, load_prepared, parse_manifest
 from trainforge.data.integrity import Quarantine, ShardInfo
 from trainforge.data.loader import CachedShards, MmapShards, ShardLoader
 from trainforge.data.loader_metrics import DataMetrics
 from trainforge.data.prepare import MANIFEST, default_data_dir
+from trainforge.data.section import DataSection
 from trainforge.data.sampler import BatchPlan
 from trainforge.data.sources import is_url, open_source
 from trainforge.data.tiered_cache import TieredShardCache
 from trainforge.errors import DataError
+from trainforge.storage.atomic import atomic_write_bytes
+from trainforge.storage.manifest import sha256_bytes
 
 
 @dataclass
@@ -57,10 +57,7 @@ def _local_tokenizer(data: bytes, sha256: str, cache_dir: Path | None) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"tokenizer-{sha256[:16]}.json"
     if not path.is_file():
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=root)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, data)
     return path
 
 
@@ -79,7 +76,7 @@ def open_cached(dcfg: DataSection, path: str, cache_dir: Path | None, log: Calla
         tok_bytes = source.read(tok["file"])
     except FileNotFoundError:
         raise DataError(f"{source.name}/{tok['file']} is missing (named in {MANIFEST})") from None
-    if hashlib.sha256(tok_bytes).hexdigest() != tok["sha256"]:
+    if sha256_bytes(tok_bytes) != tok["sha256"]:
         raise DataError(f"{source.name}/{tok['file']}: sha256 does not match {MANIFEST}; the tokenizer was "
                         "changed after prepare")
     infos = {e["file"]: ShardInfo(e["file"], int(e["tokens"]) * dtype.itemsize, e["sha256"])

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,8 @@ import numpy as np
 from trainforge.data.corpus import default_corpus_files, fingerprint, iter_documents, resolve_inputs
 from trainforge.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from trainforge.errors import DataError
+from trainforge.storage.atomic import commit_directory, make_temp_dir
+from trainforge.storage.manifest import sha256_file  # noqa: F401  (also imported from here by callers)
 
 MANIFEST = "manifest.json"
 FORMAT = "trainforge-tokens"
@@ -51,14 +52,6 @@ class PrepareOptions:
             raise DataError(f"--val_fraction {self.val_fraction}: must be in (0, 0.5)")
         if self.shard_tokens < 1024:
             raise DataError(f"--shard_tokens {self.shard_tokens}: must be >= 1024")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _is_val(text: str, val_fraction: float) -> bool:
@@ -118,9 +111,7 @@ def prepare(inputs: list[str] | None, output: str | Path, opts: PrepareOptions, 
         raise DataError(f"inputs {inputs}: only {len(streams['train']) + len(streams['val'])} tokens; "
                         "need more text for a train/validation split")
 
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    tmp.chmod(0o755)  # mkdtemp makes 0700; prepared data is shared with other users and ranks
+    tmp = make_temp_dir(output)
     try:
         tok.save(str(tmp / "tokenizer.json"))
         splits = {}
@@ -142,7 +133,7 @@ def prepare(inputs: list[str] | None, output: str | Path, opts: PrepareOptions, 
             if any(output.iterdir()):
                 raise DataError(f"--output {output}: exists and is not empty; choose an empty or new directory")
             output.rmdir()
-        os.replace(tmp, output)
+        commit_directory(tmp, output)  # fsynced; of two racing prepares one wins (OSError for the other)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,13 +1,16 @@
-"""``[data.cache]`` and ``[data.augment]``: the sub-tables of ``[data]`` that configure
-the tiered shard cache and the augmentation pipeline (``[data]`` itself is in
-``trainforge.config``)."""
+"""``[data]``: where the prepared tokens come from and how they are read, with its
+sub-tables ``[data.cache]`` (the tiered shard cache) and ``[data.augment]`` (the
+augmentation pipeline)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from trainforge.config_base import _f, _require
+from trainforge.errors import ConfigError
 
 
 @dataclass
@@ -36,6 +39,49 @@ class AugmentSection:
 
         _require(self.seed >= 0, "data.augment.seed", self.seed, "an integer >= 0")
         build_transforms(self.transforms)  # raises ConfigError naming data.augment.transforms[i].<param>
+
+
+@dataclass
+class DataSection:
+    path: str | None = _f(
+        None,
+        "directory written by `trainforge prepare` (holds manifest.json), or an fsspec URL of one (file://, "
+        "http://, s3:// with its backend installed; read through the tiered cache); unset = the built-in "
+        "corpus (Python standard library sources), prepared on first use",
+    )
+    vocab_size: int = _f(8192, "tokenizer vocabulary size when preparing the built-in corpus")
+    cache_dir: str | None = _f(None, "where the built-in corpus is prepared; default ~/.cache/trainforge "
+                                     "(not the shard cache: that is data.cache.dir)")
+    prefetch_depth: int = _f(8, "tiered cache: shards fetched ahead of use, in the order the sampler will read them")
+    fetch_workers: int = _f(4, "tiered cache: background threads fetching shards")
+    on_corrupt: Literal["fail", "skip"] = _f(
+        "fail", "a shard that fails its manifest sha256 (or is missing/truncated) in every tier: fail = stop the "
+                "run naming it; skip = quarantine it (logged, counted) and read other windows in its place")
+    timeout_s: float = _f(60.0, "longest wait for one shard (or the manifest) from data.path before the run "
+                                "stops with an error")
+    cache: CacheSection = field(default_factory=CacheSection, metadata={"help": "[data.cache] sub-table"})
+    augment: AugmentSection = field(default_factory=AugmentSection, metadata={"help": "[data.augment] sub-table"})
+
+    def validate(self) -> None:
+        _require(257 <= self.vocab_size <= 1 << 20, "data.vocab_size", self.vocab_size,
+                 "an integer in [257, 1048576] (byte-level BPE needs 256 byte tokens + specials)")
+        _require(self.prefetch_depth >= 0, "data.prefetch_depth", self.prefetch_depth, "an integer >= 0 (0 = off)")
+        _require(self.fetch_workers >= 1, "data.fetch_workers", self.fetch_workers, "an integer >= 1")
+        _require(math.isfinite(self.timeout_s) and self.timeout_s > 0, "data.timeout_s", self.timeout_s,
+                 "a number of seconds > 0")
+        self.cache.validate()
+        self.augment.validate()
+        if self.path is not None:
+            _require(self.path != "", "data.path", self.path, "a directory path or URL, or leave unset")
+            from trainforge.data.sources import check_url, is_url
+
+            if is_url(self.path):
+                check_url(self.path)  # the protocol's fsspec backend is importable; nothing is fetched
+            elif not (Path(self.path) / "manifest.json").is_file():
+                raise ConfigError(
+                    f"config key 'data.path' = {self.path!r}: no manifest.json there; "
+                    "run `trainforge prepare --input ... --output DIR` first, or unset data.path "
+                    "to use the built-in corpus")
 
 
 def is_list_of_tables(value: Any) -> bool:

@@ -23,8 +23,6 @@ file without a byte budget, a memory tier, future-aware eviction or manifest has
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -37,6 +35,7 @@ from trainforge.data.integrity import Quarantine, ShardInfo, ShardQuarantined, p
 from trainforge.data.loader_metrics import DataMetrics
 from trainforge.data.sources import ShardSource
 from trainforge.errors import ConfigError
+from trainforge.storage.atomic import atomic_write_bytes
 
 
 class _Budget:
@@ -134,17 +133,8 @@ class TieredShardCache:
             self.disk.add(file, info.nbytes)  # type: ignore[union-attr]
 
     def _write_disk(self, file: str, data: bytes) -> None:
-        """Atomic: a temporary file in the same directory, fsynced, then renamed."""
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.disk_dir)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self._disk_path(file))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        """Atomic: a ``.tmp-*`` file in the same directory (``_scan_disk`` drops torn ones), fsynced, renamed."""
+        atomic_write_bytes(self._disk_path(file), data, tmp_prefix=".tmp-")
 
     # -- admission ----------------------------------------------------------------------
 

@@ -134,9 +134,10 @@ def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_sl
 
 def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
     from trainforge.data.tokenizer import eos_id, load_tokenizer
-    from trainforge.train import checkpoint as ckpt
+    from trainforge.storage import checkpoint_format as ckpt
+    from trainforge.storage.checkpoint_dirs import resolve_checkpoint
 
-    ck = ckpt.resolve_checkpoint(path)
+    ck = resolve_checkpoint(path)
     meta = ckpt.read_meta(ck)
     try:
         cfg = ModelConfig(**meta["model_config"])

@@ -1,4 +1,20 @@
-from trainforge.model.config import FLAVORS, ModelConfig, model_config_from_section
-from trainforge.model.llama import Transformer, build_model
+"""The single-device model (``llama.py``), its shapes (``config.py``), Hugging Face
+weight interop (``hf.py``) and memory preflight (``preflight.py``); ``[model]`` is
+``section.py``.
 
-__all__ = ["FLAVORS", "ModelConfig", "Transformer", "build_model", "model_config_from_section"]
+Exports resolve lazily (PEP 562), so loading the config (``model.section``) does not
+import torch."""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"FLAVORS": "config", "ModelConfig": "config", "model_config_from_section": "config",
+            "Transformer": "llama", "build_model": "llama"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"trainforge.model.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'trainforge.model' has no attribute {name!r}")

@@ -24,12 +24,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trainforge.monitor.jsonl import JsonlSink
 from trainforge.monitor.probes import StepProbe
 from trainforge.monitor.registry import Registry
 from trainforge.monitor.section import MonitorSection
 from trainforge.monitor.sinks import PrometheusSink, TensorBoardSink
 from trainforge.monitor.system import SystemSampler
-from trainforge.train.metrics import JsonlSink
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.errors import TrainforgeError
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 MIB = 2 ** 20
 

@@ -1,4 +1,4 @@
-"""Destinations for the registry's values, beside the JSONL file (``train/metrics.py``).
+"""Destinations for the registry's values, beside the JSONL file (``jsonl.py``).
 
 - ``PrometheusSink``: a prometheus_client HTTP endpoint that renders the registry at
   each scrape (a custom collector, so a scrape sees exactly what the registry holds),

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic, verified, and loadable without unpickling arbitrary objects.
+"""Training checkpoints: atomic, verified, and loadable without unpickling arbitrary objects.
 
 A checkpoint is a directory ``RUN_DIR/checkpoints/step_NNNNNNN/``::
 
@@ -6,24 +6,21 @@ A checkpoint is a directory ``RUN_DIR/checkpoints/step_NNNNNNN/``::
     train_state.pt      optimizer, LR scheduler, data position, RNG states, step
                         (plain tensors/containers only; loaded with weights_only=True)
     tokenizer.json      so a checkpoint alone is enough to generate text
-    meta.json           step, resolved config, model shape, sha256 of every file
+    meta.json           format version, step, resolved config, model shape, sha256 of every file
 
-It is written into a hidden temporary directory and renamed into place only when
-complete, so a crash mid-save never leaves a directory that looks like a checkpoint;
-``meta.json``'s hashes catch later corruption and name the damaged file. Old checkpoints
-are renamed to a hidden name before they are deleted, so a kill mid-delete never leaves a
-half-deleted ``step_*`` directory either; hidden leftovers go at the next save. A
-``step_*`` directory without a valid ``meta.json`` is incomplete: listed as such, never
-loaded.
+The directory format (meta.json, its version fields and hashes) and the atomic write,
+listing and deletion of ``step_*`` directories live in ``trainforge.storage``, shared with
+``trainforge quantize`` and the data writers; this module adds what only training saves
+and restores (train state, RNG states, the choice of checkpoint to resume from). The
+storage names are re-exported here, so ``ckpt.read_meta``, ``ckpt.list_checkpoints``...
+keep working.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -33,21 +30,38 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_model
 
-from trainforge import __version__
-from trainforge.data.prepare import sha256_file
 from trainforge.errors import CheckpointError
-from trainforge.log import get_logger
+from trainforge.storage.atomic import fsync_dir
+from trainforge.storage.checkpoint_dirs import (  # noqa: F401  (re-exported: the checkpoint API callers use)
+    begin_step_dir,
+    checkpoint_step,
+    commit_step_dir,
+    list_checkpoints,
+    remove_checkpoint,
+    remove_leftovers,
+    resolve_checkpoint,
+    scan_checkpoints,
+    step_dir_name,
+    steps_text,
+    warn_incomplete,
+)
+from trainforge.storage.checkpoint_format import (  # noqa: F401  (re-exported)
+    FORMAT,
+    FORMAT_VERSION,
+    META,
+    MODEL_FILE,
+    TOKENIZER_FILE,
+    CorruptCheckpointError,
+    read_meta,
+    write_meta,
+)
+from trainforge.storage.manifest import sha256_file  # noqa: F401  (re-exported)
 # load_tensor_file: also how the trainer reads rng/ and compression/ files (ckpt.load_tensor_file)
-from trainforge.safe_unpickle import error_detail, load_tensor_file, refused_message, refused_problem
+from trainforge.safe_unpickle import error_detail, load_tensor_file, refused_message, refused_problem  # noqa: F401
 
-_STEP_DIR = re.compile(r"^step_(\d{7,})$")
-# Hidden dirs of our own: ``.step_N.tmp`` (being written), ``.step_N.deleting`` (being removed).
-_LEFTOVER = re.compile(r"^\.step_\d{7,}\.")
-META = "meta.json"
-_META_KEYS = ("step", "files", "config", "model_config")
-MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
-TOKENIZER_FILE = "tokenizer.json"
+# The hidden directory a checkpoint is written into (every rank writes its shards there).
+begin_checkpoint = begin_step_dir
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -84,158 +98,20 @@ def restore_rng_state(state: dict[str, Any], source: Path | str = STATE_FILE) ->
         raise CheckpointError(refused_message(source, f"no RNG state: {error_detail(e)}")) from None
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:07d}"
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A complete checkpoint whose files are damaged (sha256 mismatch, missing or unreadable
-    file). ``problem`` says what, without a fix: callers that can offer an earlier
-    checkpoint (``checkpoint.fallback``, ``--from_step``) add their own."""
-
-    def __init__(self, problem: str, fix: str = "use an earlier checkpoint"):
-        super().__init__(f"{problem}; {fix}")
-        self.problem = problem
-
-
-def checkpoint_step(ckpt: Path) -> int:
-    """The step in a ``step_NNNNNNN`` directory's name."""
-    m = _STEP_DIR.match(ckpt.name)
-    if m is None:
-        raise CheckpointError(f"{ckpt} is not a step_NNNNNNN checkpoint directory")
-    return int(m.group(1))
-
-
-def _meta_problem(ckpt: Path, step: int) -> str | None:
-    """Why ``ckpt/meta.json`` does not mark a complete checkpoint, or None. Reads only
-    meta.json (small), so listing stays cheap; file hashes are checked on load."""
-    mpath = ckpt / META  # named in full: the warning or refusal points at the file to look at
-    try:
-        meta = json.loads(mpath.read_text())
-    except FileNotFoundError:
-        return f"{mpath} is missing"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"{mpath} is unreadable ({type(e).__name__})"
-    missing = [k for k in _META_KEYS if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        return f"{mpath} lacks {', '.join(missing)}"
-    if not isinstance(meta["files"], dict) or meta["step"] != step:
-        return f"{mpath} does not describe step {step}"
-    return None
-
-
-def scan_checkpoints(ckpt_root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """``(complete, incomplete)`` ``step_*`` directories under ``ckpt_root``, oldest first;
-    each incomplete one with the reason. Hidden directories (being written or deleted)
-    are neither."""
-    if not ckpt_root.is_dir():
-        return [], []
-    found = sorted((int(m.group(1)), d) for d in ckpt_root.iterdir()
-                   if (m := _STEP_DIR.match(d.name)) and d.is_dir())
-    complete, incomplete = [], []
-    for step, d in found:
-        problem = _meta_problem(d, step)
-        if problem is None:
-            complete.append(d)
-        else:
-            incomplete.append((d, problem))
-    return complete, incomplete
-
-
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoints (those with a valid meta.json) under ``ckpt_root``, oldest first."""
-    return scan_checkpoints(ckpt_root)[0]
-
-
-def remove_checkpoint(ckpt: Path) -> None:
-    """Delete a checkpoint directory: first renamed to a hidden name (atomic), so a kill
-    mid-delete leaves a leftover the next save removes, never a half-deleted ``step_*``."""
-    trash = ckpt.parent / f".{ckpt.name}.deleting"
-    if trash.exists():
-        shutil.rmtree(trash, ignore_errors=True)
-    os.replace(ckpt, trash)
-    _fsync_dir(ckpt.parent)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def remove_leftovers(ckpt_root: Path) -> None:
-    """Remove hidden ``.step_*`` directories left by a kill mid-save or mid-delete (rank 0,
-    only while no save is in progress)."""
-    if ckpt_root.is_dir():
-        for d in ckpt_root.iterdir():
-            if _LEFTOVER.match(d.name) and d.is_dir():
-                shutil.rmtree(d, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
-    """Create the hidden temporary directory a checkpoint is written into (rank 0 only;
-    its name is deterministic so every rank of a job writes its shards into the same one)."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(ckpt_root)  # a crash mid-save or mid-delete: never a valid checkpoint
-    tmp = ckpt_root / f".{step_dir_name(step)}.tmp"
-    tmp.mkdir()
-    return tmp
-
-
 def finalize_checkpoint(ckpt_root: Path, tmp: Path, step: int, train_state: dict[str, Any],
                         config: dict[str, Any], model_config: dict[str, Any], tokenizer_path: Path | None,
                         keep_last: int) -> Path:
     """Add train state, tokenizer and meta.json (sha256 of every file) to ``tmp``, fsync,
     rename it to ``step_NNNNNNN`` and delete all but the newest ``keep_last`` (rank 0 only)."""
-    final = ckpt_root / step_dir_name(step)
     try:
         torch.save(train_state, tmp / STATE_FILE)
         if tokenizer_path is not None:
             shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        for name in files:
-            with open(tmp / name, "rb") as fh:
-                os.fsync(fh.fileno())
-        meta = {
-            "step": step,
-            "config": config,
-            "model_config": model_config,
-            "files": {name: sha256_file(tmp / name) for name in files},
-            "trainforge_version": __version__,
-            "torch_version": torch.__version__,
-            "created_unix_s": time.time(),
-        }
-        with open(tmp / META, "w") as fh:
-            json.dump(meta, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        for d in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
-            d.chmod(0o755)
-        if final.exists():  # re-saving a step (e.g. after resume): swap, then drop the old one
-            trash = ckpt_root / f".{final.name}.deleting"
-            if trash.exists():
-                shutil.rmtree(trash)
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            _fsync_dir(ckpt_root)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    for old in list_checkpoints(ckpt_root)[:-keep_last]:
-        remove_checkpoint(old)
-    return final
+        write_meta(tmp, step, config, model_config)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_step_dir(ckpt_root, tmp, step, keep_last)
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -274,35 +150,6 @@ def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, train_st
     return finalize_checkpoint(ckpt_root, tmp, step, train_state, config, model_config, tokenizer_path, keep_last)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """Accept a checkpoint directory, a ``checkpoints/`` directory or a run directory;
-    return the newest complete checkpoint directory (incomplete ones are skipped with a
-    warning naming them)."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        found, incomplete = scan_checkpoints(root)
-        if found:
-            _warn_incomplete(incomplete, found[-1], get_logger().warning)
-            return found[-1]
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
-    raise CheckpointError(f"{path}: no complete checkpoint (a step_NNNNNNN directory with {META}) found")
-
-
-def _warn_incomplete(incomplete: list[tuple[Path, str]], chosen: Path | None,
-                     warn: Callable[[str], None]) -> None:
-    for d, why in incomplete:
-        newer = chosen is not None and checkpoint_step(d) > checkpoint_step(chosen)
-        warn(f"checkpoint {d} is incomplete ({why}): skipped"
-             + (f"; using the newest complete one, {chosen.name}, instead" if newer else ""))
-
-
-def _steps_text(ckpts: list[Path]) -> str:
-    return ", ".join(str(checkpoint_step(d)) for d in ckpts) or "none"
-
-
 def resume_candidates(run_dir: Path, from_step: int | None = None,
                       warn: Callable[[str], None] = lambda msg: None) -> list[Path]:
     """The checkpoints a resume of ``run_dir`` may load, in order of preference: the one
@@ -317,8 +164,8 @@ def resume_candidates(run_dir: Path, from_step: int | None = None,
             why = next((f"{d.name} is incomplete ({w})" for d, w in incomplete if checkpoint_step(d) == from_step),
                        f"no checkpoint at step {from_step}")
             raise CheckpointError(f"--from_step {from_step}: {why} in {root}; available steps: "
-                                  f"{_steps_text(complete)}")
-        _warn_incomplete(incomplete, None, warn)
+                                  f"{steps_text(complete)}")
+        warn_incomplete(incomplete, None, warn)
         return chosen
     if not complete:
         if not run_dir.exists():
@@ -326,7 +173,7 @@ def resume_candidates(run_dir: Path, from_step: int | None = None,
         detail = "".join(f"; {d.name} is incomplete ({w})" for d, w in incomplete)
         raise CheckpointError(f"{run_dir}: no complete checkpoint (a step_NNNNNNN directory with {META}) found"
                               + detail)
-    _warn_incomplete(incomplete, complete[-1], warn)
+    warn_incomplete(incomplete, complete[-1], warn)
     return complete[::-1]
 
 
@@ -349,7 +196,7 @@ def load_first_valid(candidates: list[Path], load: Callable[[Path], None], fallb
                                                         "to resume from") from None
             if not fallback:
                 raise CorruptCheckpointError(e.problem, f"resume from an earlier checkpoint with --from_step N "
-                                                        f"(available: {_steps_text(earlier[::-1])}) or set "
+                                                        f"(available: {steps_text(earlier[::-1])}) or set "
                                                         "checkpoint.fallback = true") from None
             warn(f"checkpoint {path.name} is corrupt ({e.problem}); falling back to {earlier[0].name} "
                  "(checkpoint.fallback = true)")
@@ -375,31 +222,8 @@ def set_aside_newer(ckpt_root: Path, step: int, metrics_file: Path | None = None
         shutil.copyfile(metrics_file, dest / metrics_file.name)
     for d in newer:
         os.replace(d, dest / d.name)
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
     return dest
-
-
-def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
-    """Read ``meta.json``; with ``verify`` check every listed file's sha256. Damage raises
-    ``CorruptCheckpointError`` naming the file."""
-    mpath = ckpt / META
-    try:
-        meta = json.loads(mpath.read_text())
-        files = meta["files"]
-        int(meta["step"])
-        meta["config"], meta["model_config"]
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{mpath} is missing: {ckpt} is not a complete checkpoint") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{mpath} is corrupt ({e!r})") from None
-    if verify:
-        for name, digest in files.items():
-            f = ckpt / name
-            if not f.is_file():
-                raise CorruptCheckpointError(f"checkpoint file {f} is missing (listed in {mpath})")
-            if sha256_file(f) != digest:
-                raise CorruptCheckpointError(f"checkpoint file {f} is corrupt: its sha256 does not match {mpath}")
-    return meta
 
 
 def load_full_weights(ckpt: Path, tie_embeddings: bool) -> dict[str, torch.Tensor]:

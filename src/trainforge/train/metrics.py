@@ -1,54 +1,14 @@
-"""Where training metrics go: a JSONL file in the run directory (one record per
-optimizer step, plus validation records) and the console (a rich progress bar on
-a TTY, plain log lines otherwise). Later sinks (Prometheus, TensorBoard) plug in
-beside these."""
+"""Where training progress is shown: the console (a rich progress bar on a TTY, plain
+log lines otherwise). The JSONL file and the other sinks live in ``trainforge.monitor``;
+``JsonlSink`` and ``read_jsonl`` are re-exported here for callers of the old location."""
 
 from __future__ import annotations
 
-import json
-import math
 import sys
-from pathlib import Path
 from typing import Any
 
 from trainforge.log import get_logger
-
-
-class JsonlSink:
-    """Append-only JSONL. ``truncate_after(step)`` drops records past a resumed
-    checkpoint so the file reads as one uninterrupted run."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", buffering=1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._fh.write(json.dumps(clean) + "\n")
-
-    def flush(self) -> None:
-        self._fh.flush()
-
-    def close(self) -> None:
-        self._fh.close()
-
-    @staticmethod
-    def truncate_after(path: Path, step: int) -> None:
-        if not path.exists():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash mid-write
-        path.write_text("".join(line + "\n" for line in kept))
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+from trainforge.monitor.jsonl import JsonlSink, read_jsonl  # noqa: F401  (re-exported)
 
 
 class ConsoleReporter:

@@ -17,7 +17,7 @@ import math
 import random
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainforge.compression.hooks import build_compressor, check_compression
-from trainforge.config import Config, config_to_dict, config_to_toml
+from trainforge.config_base import config_to_dict, config_to_toml
 from trainforge.data.pipeline import build_loader, open_data
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.log import get_logger
@@ -51,6 +51,9 @@ from trainforge.train.mixed_precision import TrainerPrecision, check_precision_l
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.stop_signals import StopSignals, check_finite
 from trainforge.train.step_stats import CommShareProbe, peak_memory_bytes
+
+if TYPE_CHECKING:  # handed in by the CLI: trainforge.config composes train's sections, so train/ sits below it
+    from trainforge.config import Config
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"

@@ -18,7 +18,6 @@ projection is quantised as its own matrix.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from torch import nn
 from trainforge.infer.quantize.common import QuantLinear, choose_kernel, measure_kernels
 from trainforge.infer.quantize.int4 import Int4Linear, quantize_int4
 from trainforge.infer.quantize.int8 import Int8Linear, quantize_int8
+from trainforge.storage.atomic import atomic_directory
+from trainforge.storage.checkpoint_format import MODEL_FILE, TOKENIZER_FILE, write_meta
 
 MODES = ("int8", "int4")
 METADATA_KEY = "trainforge_quantization"
@@ -117,34 +118,24 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 128, kernel: s
 def save_quantized(out_dir: str | Path, sd: dict[str, torch.Tensor], info: dict[str, Any],
                    model_config: dict[str, Any], tokenizer_path: Path | None = None,
                    source: dict[str, Any] | None = None) -> Path:
-    """Write a quantised checkpoint directory (refuses an existing one), atomically:
-    ``model.safetensors`` (stored form; ``info`` in the header), ``meta.json`` (the
-    checkpoint format ``trainforge.train.checkpoint.read_meta`` verifies, plus
-    ``quantization``), and ``tokenizer.json`` when given."""
-    from trainforge.data.prepare import sha256_file
-    from trainforge.train import checkpoint as ckpt
-
+    """Write a quantised checkpoint directory (refuses an existing one), atomically and
+    durably, in the checkpoint format training writes (``trainforge.storage``):
+    ``model.safetensors`` (stored form; ``info`` in the header), ``meta.json`` (version
+    fields, sha256 of every file, plus ``quantization`` and ``source``), and
+    ``tokenizer.json`` when given."""
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"--output {out_dir} exists; choose a new directory")
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    source = source or {}
+    with atomic_directory(out_dir) as tmp:
         tensors = dict(sd)
         emb, out = tensors.get("tok_embeddings.weight"), tensors.get("output.weight")
         if out is not None and out is emb:  # tied and left float: stored once (safetensors refuses aliases)
             del tensors["output.weight"]
         tensors = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(tensors, str(tmp / ckpt.MODEL_FILE), metadata={METADATA_KEY: json.dumps(info)})
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={METADATA_KEY: json.dumps(info)})
         if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / ckpt.TOKENIZER_FILE)
-        files = sorted(p.name for p in tmp.iterdir() if p.is_file())
-        meta = {"step": (source or {}).get("step", 0), "config": (source or {}).get("config", {}),
-                "model_config": model_config, "quantization": info, "source": (source or {}).get("path"),
-                "files": {name: sha256_file(tmp / name) for name in files}}
-        (tmp / ckpt.META).write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        write_meta(tmp, source.get("step", 0), source.get("config", {}), model_config,
+                   extra={"quantization": info, "source": source.get("path")})
     return out_dir

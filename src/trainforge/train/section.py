@@ -1,0 +1,86 @@
+"""``[training]``, ``[optimizer]`` and ``[checkpoint]``: the loop's own config sections
+(training control's sections are in ``control_section.py``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from trainforge.config_base import _f, _require
+
+
+@dataclass
+class TrainingSection:
+    steps: int = _f(300, "optimizer steps to run")
+    batch_size: int = _f(8, "sequences per micro-batch")
+    grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
+    seq_len: int = _f(256, "tokens per sequence")
+    lr: float = _f(1e-3, "peak learning rate, reached after warmup")
+    lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _f(
+        "cosine", "after the linear warmup: cosine or linear decay to min_lr_ratio at training.steps, wsd "
+                  "(warmup-stable-decay: constant, then decay over the last decay_ratio of the steps), or constant")
+    min_lr_ratio: float = _f(0.1, "decay floor as a fraction of lr (cosine, linear, wsd)")
+    decay_ratio: float = _f(0.1, "wsd: fraction of training.steps spent decaying")
+    decay_shape: Literal["linear", "sqrt", "cosine"] = _f("linear", "wsd: shape of the final decay")
+    warmup_steps: int = _f(30, "linear warmup steps")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this; 0 = off")
+    seed: int = _f(1234, "seed for weights, data order and sampling")
+    val_interval: int = _f(100, "run validation every this many steps (and at the end); 0 = only at the end")
+    val_batches: int = _f(8, "micro-batches per validation pass")
+    log_interval: int = _f(10, "print a log line every this many steps")
+    device: str = _f("auto", "auto (cuda if present, else cpu), cpu, cuda, or cuda:N")
+    threads: int = _f(0, "torch intra-op threads; 0 = leave torch's default")
+    loss_chunk_tokens: int = _f(0, "output projection + cross-entropy this many tokens at a time, recomputed "
+                                   "in backward (never the whole logits tensor: less memory, ~7% more forward "
+                                   "FLOPs on small); 0 = all at once. Single-device or DDP runs")
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum_steps", "seq_len", "val_batches", "log_interval"):
+            v = getattr(self, name)
+            _require(v >= 1, f"training.{name}", v, "an integer >= 1")
+        for name in ("warmup_steps", "val_interval", "threads", "seed", "loss_chunk_tokens"):
+            v = getattr(self, name)
+            _require(v >= 0, f"training.{name}", v, "an integer >= 0")
+        _require(math.isfinite(self.lr) and self.lr > 0, "training.lr", self.lr, "a finite number > 0")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "training.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        _require(0.0 < self.decay_ratio <= 1.0, "training.decay_ratio", self.decay_ratio, "a number in (0, 1]")
+        if self.lr_schedule == "wsd":
+            decay_steps = max(1, round(self.decay_ratio * self.steps))
+            _require(self.warmup_steps + decay_steps <= self.steps, "training.decay_ratio", self.decay_ratio,
+                     f"with lr_schedule = wsd, warmup_steps ({self.warmup_steps}) + decay_ratio x steps "
+                     f"({decay_steps}) must not exceed training.steps ({self.steps}); lower one of them")
+        _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, "training.grad_clip", self.grad_clip,
+                 "a number >= 0 (0 turns clipping off)")
+        _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                 "training.device", self.device, "auto, cpu, cuda or cuda:N")
+
+
+@dataclass
+class OptimizerSection:
+    name: Literal["adamw"] = _f("adamw", "optimizer (AdamW; more come with later issues)")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.1, "decoupled weight decay on matrices (not on norms or biases)")
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = _f(
+        "auto", "AdamW kernel: auto picks fused where the device supports it, else foreach")
+
+    def validate(self) -> None:
+        for name in ("beta1", "beta2"):
+            v = getattr(self, name)
+            _require(0.0 <= v < 1.0, f"optimizer.{name}", v, "a number in [0, 1)")
+        _require(self.eps > 0, "optimizer.eps", self.eps, "a number > 0")
+        _require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "a number >= 0")
+
+
+@dataclass
+class CheckpointSection:
+    interval: int = _f(100, "save a checkpoint every this many steps (and always at the end); 0 = only at the end")
+    keep_last: int = _f(3, "how many most recent checkpoints to keep")
+    fallback: bool = _f(False, "on resume, skip a corrupt newest checkpoint (sha256 mismatch, unreadable or "
+                               "missing file) with a warning and load the newest intact one; false = refuse")
+
+    def validate(self) -> None:
+        _require(self.interval >= 0, "checkpoint.interval", self.interval, "an integer >= 0")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "an integer >= 1")
