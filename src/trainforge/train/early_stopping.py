@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+from trainforge.train.component import Component
 from trainforge.train.curve_predictor import CurvePredictor
 
 
@@ -31,8 +32,10 @@ class Stoppable(Protocol):
     def request_stop(self, reason: str) -> None: ...
 
 
-class EarlyStopping:
-    """``budget_steps``: the run's step budget (``training.steps``) the prediction aims at;
+class EarlyStopping(Component):
+    """A loop component (``on_evaluation``), checkpointed where older runs kept it
+    (``callbacks/EarlyStopping`` in ``train_state.pt``).
+    ``budget_steps``: the run's step budget (``training.steps``) the prediction aims at;
     ``min_delta``: loss improvement worth training for (absolute, in loss units);
     ``confidence``: probability needed to stop in predict mode; ``patience``: evaluations
     without improvement in patience mode; ``predictor``: fitting settings."""
@@ -58,6 +61,8 @@ class EarlyStopping:
         self.losses: list[float] = []
         self.last_record: dict[str, Any] | None = None
 
+    name = "callbacks/EarlyStopping"  # its key when it was a trainer callback: old checkpoints load as they are
+
     def patience_state(self) -> tuple[float, int, int]:
         """(best loss, its step, evaluations since it) over the history, where "best"
         means beating the previous best by more than ``min_delta``."""
@@ -68,9 +73,6 @@ class EarlyStopping:
             else:
                 since += 1
         return best, best_step, since
-
-    def on_step_end(self, trainer: Any, step: int) -> None:
-        """Part of the trainer's callback protocol; this callback acts on evaluations only."""
 
     def on_evaluation(self, trainer: Stoppable, step: int, val_loss: float) -> dict[str, Any]:
         """Record ``val_loss`` at ``step``, predict, and call ``trainer.request_stop`` when
