@@ -29,7 +29,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,21 @@ HOOKS = ("on_step_start", "before_optimizer_step", "after_optimizer_step", "on_s
          "after_step", "on_evaluation", "on_checkpoint", "on_load", "on_fit_end")
 
 
+class Callback(Protocol):
+    """Observes named training events; may only influence training via ``trainer.request_stop``.
+    Registered as a component (``component.CallbackComponent``); a ``Component`` may be
+    passed as a callback too.
+
+    Events: ``on_step_end(trainer, step)`` after every step; optionally
+    ``on_evaluation(trainer, step, val_loss) -> dict | None`` after every validation
+    (step 0 included), whose returned record is merged into the ``val_loss`` metrics
+    line. A stop requested in ``on_evaluation`` is rank 0's decision on every rank.
+    A callback with ``state_dict``/``load_state_dict`` is checkpointed under its
+    ``state_key`` (default: its class name)."""
+
+    def on_step_end(self, trainer: Any, step: int) -> None: ...
+
+
 class CallbackComponent(Component):
     """A ``trainer.Callback`` (``on_step_end``, optional ``on_evaluation``, optional
     ``state_dict`` under ``state_key``, default its class name) as a component."""
@@ -156,6 +171,12 @@ class _StopCollector:
     def request_stop(self, reason: str, kind: Any = None) -> None:
         if self.reason is None:
             self.reason = reason
+
+    def request(self, req: Any) -> None:
+        if isinstance(req, Stop):
+            self.request_stop(req.reason)
+        else:
+            self._loop.request(req)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loop, name)

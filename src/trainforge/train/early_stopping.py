@@ -1,4 +1,4 @@
-"""Early stopping on the validation-loss curve, as a trainer callback.
+"""Early stopping on the validation-loss curve, as a loop component (``on_evaluation``).
 
 Two modes, both never stopping before ``min_steps``:
 
@@ -13,7 +13,8 @@ Whatever the mode, every evaluation is predicted and returned as a record
 (predicted stop step, final loss and its std, probability...), which the trainer
 logs, so the prediction's quality can be judged against the finished run.
 
-The only effect on training is ``trainer.request_stop(reason)``. The decision is a
+The only effect on training is ``trainer.request_stop(reason)`` (the loop makes rank 0's
+request everyone's, as a ``Stop`` of kind ``early_stop``). The decision is a
 pure function of the (step, val_loss) history and the settings (the predictor's
 bootstrap is seeded), so ranks that see the same validation losses decide alike.
 ``state_dict`` holds the history as plain lists (``weights_only``-safe).

@@ -15,91 +15,39 @@ returns, so nothing done is lost.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import random
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from trainforge.compression.hooks import build_compressor, check_compression
+from trainforge.compression.hooks import build_compressor
 from trainforge.config import Config, config_to_dict, config_to_toml
 from trainforge.data.pipeline import build_loader, open_data
-from trainforge.errors import CheckpointError, ConfigError
+from trainforge.errors import CheckpointError
 from trainforge.log import get_logger
-from trainforge.model import build_model, model_config_from_section
-from trainforge.model.preflight import check_training, check_writable_dir
+from trainforge.model import model_config_from_section
+from trainforge.model.preflight import check_writable_dir
 from trainforge.monitor import Monitor
-from trainforge.parallel.apply import build_pipeline_parts, check_pipeline_layout, parallelize_module_stack
 from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
 from trainforge.parallel.tensor_parallel import cross_entropy_loss
-from trainforge.precision.casting import apply_precision
-from trainforge.precision.policy import build_policy
 from trainforge.train import checkpoint as ckpt
-from trainforge.train import dist_checkpoint as dckpt
-from trainforge.train.chunked_loss import check_chunked_loss, chunked_cross_entropy, hidden_states
-from trainforge.train.component import Components, Rollback, Stop, StopKind, Window
+from trainforge.train import loop_checkpoint
+from trainforge.train.build import build_model_stack, check_run, pick_device, seed_everything
+from trainforge.train.chunked_loss import chunked_cross_entropy, hidden_states
+from trainforge.train.component import Callback, Components, Rollback, Stop, StopKind, Window
 from trainforge.train.features import build_components
-from trainforge.train.lr_schedule import build_scheduler, follow_schedule, warmup_decay
+from trainforge.train.lr_schedule import build_scheduler
 from trainforge.train.metrics import ConsoleReporter, JsonlSink
 from trainforge.train.mfu import matmul_peak_flops
-from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout, compile_note
 from trainforge.train.optimizer import build_optimizer
-from trainforge.train.step_layout import LocalStep, PipelineStep, pipeline_loss
 from trainforge.train.stop_signals import StopSignals
 from trainforge.train.step_stats import CommShareProbe, window_resources
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
-
-
-class _NullSink:
-    """Metrics sink of non-zero ranks: rank 0 writes the run's files."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class Callback(Protocol):
-    """Observes named training events; may only influence training via ``trainer.request_stop``.
-    Registered as a component (``component.CallbackComponent``); a ``Component`` may be
-    passed as a callback too.
-
-    Events: ``on_step_end(trainer, step)`` after every step; optionally
-    ``on_evaluation(trainer, step, val_loss) -> dict | None`` after every validation
-    (step 0 included), whose returned record is merged into the ``val_loss`` metrics
-    line. A stop requested in ``on_evaluation`` is rank 0's decision on every rank.
-    A callback with ``state_dict``/``load_state_dict`` is checkpointed under its
-    ``state_key`` (default: its class name)."""
-
-    def on_step_end(self, trainer: "Trainer", step: int) -> None: ...
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"config key 'training.device' = {name!r}: CUDA is not available here; use auto or cpu")
-    return device
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class Trainer:
@@ -142,71 +90,21 @@ class Trainer:
         # Local shards are memory-mapped; a URL or data.cache.dir reads through the tiered cache.
         self.data = open_data(cfg.data, self.dist.rank, self.dist.world_size, log=self.log.warning)
         self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
-        # Before anything is allocated: refuse, naming the key, a run this machine cannot hold.
-        check_training(self.model_config, cfg.model.flavor, tcfg.batch_size, tcfg.seq_len, self.device,
-                       state_shards=self.dims.dp_shard * self.dims.tp * self.dims.pp, layer_shards=self.dims.pp,
-                       tp=self.dims.tp, activation_checkpointing=cfg.parallel.activation_checkpointing == "full",
-                       loss_chunk_tokens=tcfg.loss_chunk_tokens)
-        self.dims.check_model(self.model_config)
-        pp_layout = None
-        if self.dims.pp > 1:
-            pp_layout = check_pipeline_layout(self.model_config, self.dims, cfg.parallel, tcfg.batch_size)
-        check_chunked_loss(tcfg.loss_chunk_tokens, self.dims)
-        warning = check_compression(cfg.compression, self.dims, data_parallel_kind(self.dims))
-        if warning and self.is_main:
-            self.log.warning(warning)
-        # Resolved identically on every rank (a hardware probe, agreed by one all-reduce
-        # unless compute is fp32), so a refused combination fails everywhere before the mesh.
-        policy = build_policy(cfg.precision, self.device, log=self.log if self.is_main else None)
-        note = check_precision_layout(policy, self.dims, data_parallel_kind(self.dims))
-        if note and self.is_main:
-            self.log.info(f"precision: {note}")
+        # Before anything is allocated and before the first collective, identically on every rank.
+        policy, pp_layout = check_run(cfg, self.model_config, self.dims, self.device, self.log if self.is_main else None)
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
         self.compressor = build_compressor(cfg.compression, self.dims,
                                            self.mesh["dp_replicate"].get_group() if self.mesh else None,
                                            self.device, tcfg.seed, log=self.log.info if self.is_main else None)
-        # Every rank builds the full model from the same seed, then keeps its part:
-        # sharded/split results equal the single-process model's.
-        full_model = build_model(self.model_config, self.device, seed=tcfg.seed)
-        # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule wrappers.
-        sharded = data_parallel_kind(self.dims) in ("fsdp", "hsdp")
-        runtime = apply_precision(full_model, policy, sharded=sharded)
-        note = compile_note(runtime) if cfg.parallel.compile else None
-        if note and self.is_main:
-            self.log.info(f"precision: {note}")
-        self.mp = TrainerPrecision(cfg.precision, policy, runtime, self.device, sharded=sharded,
-                                   log=self.log if self.is_main else None,
-                                   pp_group=self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
-        self.pipeline = None
-        self.pp_predicted: list[float] | None = None
-        if self.dims.pp > 1:
-            # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
-            self.pipeline, self.model_parts, self.pp_predicted = build_pipeline_parts(
-                full_model, self.mesh, self.dims, cfg.parallel, self.device, tcfg.batch_size, tcfg.seq_len,
-                pp_layout, pipeline_loss(self.mp, tcfg.grad_accum_steps), log=self.log.info if self.is_main else None,
-                compressor=self.compressor, precision=policy)
-            self.model = None
-            runtime.rebind(torch.nn.ModuleList(self.model_parts))  # the stages are copies; free the whole model
-        else:
-            self.model = parallelize_module_stack(full_model, self.mesh, self.dims, cfg.parallel, self.device,
-                                                  self.compressor, precision=policy)
-            self.model_parts = [getattr(self.model, "module", self.model)]  # DDP wraps; state dicts use raw FQNs
-        del full_model
-        # What the optimizers step, clipping measures and checkpoints hold: the fp32 master
-        # copy when parameters are stored low (same FQNs), else the model parts.
-        self.opt_parts = self.mp.opt_parts(self.model_parts)
+        stack = build_model_stack(cfg, self.model_config, self.dims, self.mesh, self.device, policy, self.compressor,
+                                  pp_layout, lambda inputs, targets: self._loss(inputs, targets),
+                                  self.log if self.is_main else None)
+        self.mp, self.model, self.model_parts, self.opt_parts = stack.mp, stack.model, stack.model_parts, stack.opt_parts
+        self.pipeline, self.pp_predicted, self.layout = stack.pipeline, stack.pp_predicted, stack.layout
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
         self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, self.device,
                                            distributed=self.dims.world_size > 1) for part in self.opt_parts]
-        self.schedulers = [build_scheduler(o, *self._schedule_args()) for o in self.optimizers]
-        layout = dict(dims=self.dims, mesh=self.mesh, device=self.device, mp=self.mp,
-                      loss_parallel=cfg.parallel.loss_parallel)
-        if self.pipeline is not None:
-            seq = tcfg.seq_len // self.dims.tp if self.dims.tp > 1 and cfg.parallel.sequence_parallel else tcfg.seq_len
-            self.layout = PipelineStep(self.pipeline, self.model_parts, (tcfg.batch_size, seq, self.model_config.dim),
-                                       **layout)
-        else:
-            self.layout = LocalStep(self.model, lambda inputs, targets: self._loss(inputs, targets), **layout)
+        self.schedulers = [build_scheduler(o, *self.schedule_args()) for o in self.optimizers]
         # Callbacks first: their evaluation records merge before the features' (as they always did).
         self.components = Components([*(callbacks or []), *build_components(
             cfg, self.run_dir, self.mp, self.compressor, self.pp_predicted, self.log.warning if self.is_main else None)])
@@ -285,94 +183,21 @@ class Trainer:
     def stop_kind(self) -> StopKind | None:
         return self.stop.kind if self.stop is not None else None
 
-    # -- checkpointing -----------------------------------------------------------------
-
-    def _train_state(self, include_per_rank: bool) -> dict[str, Any]:
-        return {"step": self.step, "scheduler": self.schedulers[0].state_dict(),
-                "data": self.train_batches.state_dict(), "rng": ckpt.capture_rng_state(),
-                **self.components.state(include_per_rank)}
+    # -- checkpointing (loop_checkpoint.py) ------------------------------------------------
 
     def save(self) -> Path:
         """Write a checkpoint (collective when distributed). Single process: full weights
         as safetensors; several: DCP shards that any other layout can load."""
-        t0 = time.perf_counter()
-        root = self.run_dir / "checkpoints"
-        args = (config_to_dict(self.cfg), dataclasses.asdict(self.model_config), self.data.tokenizer_path,
-                self.cfg.checkpoint.keep_last)
-        self.components.on_checkpoint(self)  # collectives: every rank, before rank 0 writes
-        if self.dims.world_size == 1:
-            state = self._train_state(include_per_rank=True)
-            state["optimizer"] = dckpt.model_and_optim_state(self.opt_parts, self.optimizers)["optim"]
-            path = ckpt.save_checkpoint(root, self.step, self.opt_parts[0], state, *args)
-        else:
-            tmp = ckpt.begin_checkpoint(root, self.step) if self.is_main else root / f".{ckpt.step_dir_name(self.step)}.tmp"
-            dist.barrier()
-            dckpt.save_sharded(tmp, self.opt_parts, self.optimizers)
-            (tmp / "rng").mkdir(exist_ok=True)
-            torch.save(ckpt.capture_rng_state(), tmp / "rng" / f"rank_{self.dist.rank:05d}.pt")
-            self.components.save_rank_files(tmp, self.dist.rank)  # state that differs per rank
-            dist.barrier()
-            path = root / ckpt.step_dir_name(self.step)
-            if self.is_main:
-                state = self._train_state(include_per_rank=False)
-                del state["rng"]  # per rank, under rng/
-                path = ckpt.finalize_checkpoint(root, tmp, self.step, state, *args)
-            dist.barrier()
-        self.metrics.write({"step": self.step, "checkpoint": str(path),
-                            "checkpoint_save_s": round(time.perf_counter() - t0, 4)})
-        return path
+        return loop_checkpoint.save(self)
 
     def _load(self, path: Path, rollback: bool = False) -> None:
-        """Restore the checkpoint at ``path``. ``rollback``: keep the live data position
-        (so the batches since the checkpoint are not replayed) and the components that
-        keep their state on a rollback (the bad-step guard)."""
-        meta = ckpt.read_meta(path)
-        ckpt.check_model_compatible(meta, self.model_config, path)
-        tok_digest = meta["files"].get(ckpt.TOKENIZER_FILE)
-        if tok_digest is not None and tok_digest != self.data.manifest["tokenizer"]["sha256"]:
-            raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than {self.data.path}; "
-                                  "resume with the same data.path")
-        state = ckpt.load_train_state(path, self.device)
-        try:
-            if (path / dckpt.SHARDED_DIR).is_dir():
-                dckpt.load_sharded(path, self.opt_parts, self.optimizers)
-            else:
-                weights = ckpt.load_full_weights(path, self.model_config.tie_embeddings)
-                dckpt.load_full(self.opt_parts, self.optimizers, weights, state["optimizer"])
-            if self.mp.master is not None:
-                self.mp.master.master_to_model()
-            for sched in self.schedulers:
-                sched.load_state_dict(state["scheduler"])
-        except (KeyError, ValueError, RuntimeError) as e:
-            raise CheckpointError(f"{path}: model/optimizer/scheduler state does not fit this run ({e})") from None
-        self.components.load(self, path, state, self.dist.rank, lambda f: ckpt.load_tensor_file(f, self.device),
-                             rollback=rollback)
-        self._keep_configured_schedule()
-        if not rollback:
-            self.train_batches.load_state_dict(state["data"])
-        rng_file = path / "rng" / f"rank_{self.dist.rank:05d}.pt"
-        if "rng" in state:
-            ckpt.restore_rng_state(state["rng"])
-        elif rng_file.is_file():  # same rank existed when saved; other layouts keep the seeded state
-            ckpt.restore_rng_state(ckpt.load_tensor_file(rng_file), rng_file)
-        self.step = int(state["step"])
-        self.components.on_load(self)
-        self.log.info(f"{'rolled back to' if rollback else 'resumed from'} {path} at step {self.step}")
+        loop_checkpoint.load(self, path, rollback)
 
-    def _keep_configured_schedule(self) -> None:
-        """A resumed scheduler carries the schedule it was saved with. When the user
-        changed it on resume (e.g. ``--training.steps`` to extend a run, or a new
-        ``--training.lr``), follow the config from the current step on, and say so."""
-        lr = self.cfg.training.lr
-        want = warmup_decay(*self._schedule_args())
-        have = self.schedulers[0].lr_lambdas[0]
-        if vars(have) == vars(want) and self.schedulers[0].base_lrs[0] == lr:
-            return
-        self.log.info(f"LR schedule changed on resume: {vars(have)} lr {self.schedulers[0].base_lrs[0]} -> "
-                      f"{vars(want)} lr {lr}")
-        self.schedulers = [follow_schedule(s, o, want, lr) for s, o in zip(self.schedulers, self.optimizers)]
+    def _rollback(self, bad_steps: int) -> None:
+        """Reload the newest checkpoint from before the last ``bad_steps`` steps (or stop)."""
+        loop_checkpoint.rollback(self, bad_steps)
 
-    def _schedule_args(self) -> tuple:
+    def schedule_args(self) -> tuple:
         t = self.cfg.training
         return t.lr_schedule, t.warmup_steps, t.steps, t.min_lr_ratio, t.decay_ratio, t.decay_shape
 
@@ -430,26 +255,6 @@ class Trainer:
             self.components.after_optimizer_step(self)
         mp.finish_step(self.step + 1, total, grad_norm, group_norms)
         return total, grad_norm
-
-    def _rollback(self, bad_steps: int) -> None:
-        """Reload the newest checkpoint from before the last ``bad_steps`` steps, keeping the
-        data position (the batches in between are not replayed) and the bad-step policy.
-        Stops the run when there is no such checkpoint. Collective when distributed."""
-        first_bad = self.step - bad_steps + 1
-        found = [p for p in ckpt.list_checkpoints(self.run_dir / "checkpoints")
-                 if ckpt.checkpoint_step(p) < first_bad]
-        if not found:
-            self.request(Stop(f"{bad_steps} bad steps in a row and no checkpoint from before step {first_bad} "
-                              "to roll back to", StopKind.BAD_STEPS))
-            return
-        from_step = self.step
-        self._load(found[-1], rollback=True)
-        if self.is_main:  # the abandoned timeline's checkpoints: --resume continues the rolled-back run
-            for newer in ckpt.list_checkpoints(self.run_dir / "checkpoints"):
-                if ckpt.checkpoint_step(newer) > self.step:
-                    ckpt.remove_checkpoint(newer)  # renamed first: a kill never leaves half of one
-        self.metrics.write({"step": self.step, "rolled_back_from_step": from_step, "rolled_back_to": str(found[-1]),
-                            "data": self.train_batches.state_dict()})
 
     def _validation_record(self, val: float) -> dict[str, Any]:
         """The metrics line of a validation at ``self.step``, with what ``on_evaluation``
