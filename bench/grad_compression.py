@@ -53,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.shaped_link import open_link  # noqa: E402
-from trainforge.train.metrics import read_jsonl  # noqa: E402
+from trainforge.monitor.jsonl import read_jsonl  # noqa: E402
 
 NPROC = 2
 BATCH, SEQ = 4, 32

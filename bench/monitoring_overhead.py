@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.train_throughput import cpu_counters, cpu_model, load_note  # noqa: E402
 from trainforge.config import load_config  # noqa: E402
-from trainforge.train.metrics import read_jsonl  # noqa: E402
+from trainforge.monitor.jsonl import read_jsonl  # noqa: E402
 from trainforge.train.trainer import Trainer  # noqa: E402
 
 CONFIGS = ("off", "default", "full")

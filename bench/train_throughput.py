@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         # The LR schedule (and the plain copy of it) spans cfg.training.steps as built; only the
         # loop's stopping point moves, so the run ends by request_stop, not by reaching `last`.
         bench = AlternatingBench(plain, args.warmup_steps, k, args.pairs, tokens_per_step)
-        trainer.callbacks.append(bench)
+        trainer.components.add(bench)
         tcfg.log_interval = k
         tcfg.steps = max(tcfg.steps, args.warmup_steps + args.pairs * k + 1)
         trainer.fit()

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from trainforge import exit_codes
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 ARGS = ["--model.flavor", "debug", "--training.steps", "60", "--training.batch_size", "8",
         "--training.seq_len", "64", "--training.log_interval", "1", "--checkpoint.interval", "25",

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from conftest import StopAt, debug_config
 from trainforge.config import load_config
 from trainforge.errors import CheckpointError
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.trainer import Trainer
 
 

@@ -136,6 +136,7 @@ def _fit(cfg, run_dir: Path, resume: bool, from_step: int | None, signals) -> tu
     group is torn down (a barrier) when every rank ends at the same step: completed,
     stopped, or a non-finite loss; never after a peer failed (the barrier would wait on it)."""
     from trainforge.parallel.distributed import destroy_distributed
+    from trainforge.train.component import StopKind
     from trainforge.train.stop_signals import NonFiniteLoss
     from trainforge.train.trainer import Trainer
 
@@ -149,7 +150,7 @@ def _fit(cfg, run_dir: Path, resume: bool, from_step: int | None, signals) -> tu
             raise
         finally:
             trainer.close()
-        if not str(summary.get("stop_reason") or "").startswith("rebalance"):
+        if summary.get("stopped_by") is not StopKind.REBALANCE:
             break
         # Pipeline re-balance: the checkpoint just written is reloaded into a fresh split
         # measured now (pp_split = auto); resume is exact, so training is unchanged.
@@ -161,9 +162,11 @@ def _fit(cfg, run_dir: Path, resume: bool, from_step: int | None, signals) -> tu
 def _exit_code(summary: dict) -> int:
     """Early stopping ends a run as complete as reaching training.steps (0: torchrun restarts
     any other code); a [bad_steps] stop is a diverged run; any other stop saved a checkpoint."""
-    if summary.get("stop_reason") is None or summary.get("early_stopped"):
+    from trainforge.train.component import StopKind
+
+    if summary.get("stopped_by") is None or summary.get("stopped_by") is StopKind.EARLY_STOP:
         return exit_codes.COMPLETED
-    if summary.get("stopped_by") == "bad_steps":
+    if summary.get("stopped_by") is StopKind.BAD_STEPS:
         return exit_codes.NONFINITE_LOSS
     return exit_codes.STOPPED
 

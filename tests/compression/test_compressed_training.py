@@ -13,7 +13,7 @@ import pytest
 
 from tests.parallel.test_data_parallel import losses, run, train_cmd
 from tests.parallel.torchrun import run_torchrun
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 WORKERS = Path(__file__).parent / "workers"
 pytestmark = pytest.mark.slow

@@ -31,7 +31,7 @@ import sys
 import pytest
 
 from tests.parallel.torchrun import torchrun_env
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 pytestmark = pytest.mark.slow
 

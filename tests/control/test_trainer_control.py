@@ -12,7 +12,7 @@ import torch
 from conftest import StopAt, debug_config
 from trainforge.cli import main as cli_main
 from trainforge.train.lr_schedule import warmup_decay
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.trainer import Trainer
 
 
@@ -115,7 +115,7 @@ def test_adaptive_lr_lowers_on_a_plateau_and_resume_keeps_the_multiplier(tmp_pat
     # Stopped at 12 and resumed: the multiplier and its half-filled window come back.
     run(debug_config(small_data, *extra), tmp_path / "b", callbacks=[StopAt(12)])
     _, t = run(debug_config(small_data, *extra), tmp_path / "b", resume=True)
-    assert t.adaptive_lr.multiplier == 0.25
+    assert t.components["adaptive_lr"].multiplier == 0.25
     steps = lambda d: [(r["step"], r["loss"], r["lr"]) for r in records(d, "loss")]  # noqa: E731
     assert steps(tmp_path / "b") == steps(tmp_path / "a")
 
@@ -144,14 +144,14 @@ def test_non_finite_step_is_skipped_weights_and_lr_untouched(tmp_path, small_dat
     before = {k: v.clone() for k, v in t.raw_model.state_dict().items()}
     lr, k = t.optimizer.param_groups[0]["lr"], t.scheduler.last_epoch
     loss, _ = t.train_step()
-    assert math.isnan(loss.item()) and t._step_decision.action.value == "skip"
+    assert math.isnan(loss.item()) and t.components["bad_steps"].decision.action.value == "skip"
     assert all(torch.equal(before[n], v) for n, v in t.raw_model.state_dict().items())
     assert t.scheduler.last_epoch == k and t.optimizer.param_groups[0]["lr"] == lr  # LR not advanced
     assert all(p.grad is None for p in t.raw_model.parameters())
     t.step += 1
     t.train_step()  # the next good step applies
     assert not torch.equal(before["tok_embeddings.weight"], t.raw_model.state_dict()["tok_embeddings.weight"])
-    assert t.scheduler.last_epoch == k + 1 and t.bad_steps.counts["skipped"] == 1
+    assert t.scheduler.last_epoch == k + 1 and t.components["bad_steps"].policy.counts["skipped"] == 1
     t.close()
     (rec,) = records(tmp_path / "run", "bad_step")
     assert rec["step"] == 4 and rec["bad_step"] == "skip" and rec["step_loss"] is None

@@ -11,7 +11,7 @@ import torch
 
 from conftest import StopAt, debug_config
 from tests.data.helpers import serve
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.trainer import Trainer
 
 AUGMENT = '[{name = "doc_shuffle", p = 0.5}, {name = "token_replace", p = 0.5, rate = 0.05}]'

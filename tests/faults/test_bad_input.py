@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from tests.faults.conftest import one_error_line, run_cli, train_args

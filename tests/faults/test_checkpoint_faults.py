@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from tests.faults.conftest import one_error_line, run_cli, start_cli, train_args
 from trainforge import cli
 from trainforge.train import checkpoint as ckpt
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 STEPS, INTERVAL = 30, 10  # checkpoints at 10, 20, 30; keep_last 5 keeps them all
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.faults.conftest import cli_env, torchrun_cmd, train_args
 from trainforge.train import checkpoint as ckpt
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 STEPS, INTERVAL = 20, 5
 

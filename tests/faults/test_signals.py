@@ -19,7 +19,7 @@ import pytest
 
 from tests.faults.conftest import cli_env, one_error_line, run_cli, torchrun_cmd, train_args
 from trainforge import exit_codes
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 # Long enough never to finish on its own; no periodic validation or checkpoint, so the
 # only checkpoint is the one the stop writes.

@@ -13,7 +13,7 @@ import pytest
 
 from tests.parallel.torchrun import torchrun_env
 from trainforge.monitor.sinks import free_port
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 COMMON = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.steps", "6", "--training.batch_size", "4",
           "--training.warmup_steps", "2", "--training.log_interval", "2", "--training.val_interval", "0",

@@ -16,7 +16,7 @@ from trainforge.cli import main as cli_main
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.monitor.sinks import free_port
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.trainer import Trainer
 
 from .helpers import FULL_MONITOR, find_tool, missing_tool_reason, non_loopback_ipv4, promtool_check

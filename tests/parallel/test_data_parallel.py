@@ -18,7 +18,7 @@ from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.parallel.dims import ParallelDims
 from trainforge.train import checkpoint as ckpt
 from trainforge.train import dist_checkpoint as dckpt
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 GLOBAL_BATCH = 8
 COMMON = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.steps", "6",

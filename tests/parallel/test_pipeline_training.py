@@ -11,7 +11,7 @@ import pytest
 
 from tests.parallel.test_data_parallel import assert_same_training, run, train_cmd
 from tests.parallel.torchrun import WORKERS
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 
 LAYERS = ["--model.n_layers", "4"]  # interleaved / V schedules need 2 stages per rank
 

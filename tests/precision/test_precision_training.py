@@ -12,7 +12,7 @@ from tests.compression.test_compressed_training import WORKERS
 from tests.parallel.test_data_parallel import losses, run, train_cmd, weights
 from tests.parallel.torchrun import run_torchrun
 from trainforge.config import load_config
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow

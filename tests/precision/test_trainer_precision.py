@@ -20,7 +20,7 @@ from trainforge.precision.hardware import CACHE_FILE, cpu_capability, read_cpuin
 from trainforge.precision.policy import build_policy
 from trainforge.precision.section import PrecisionSection
 from trainforge.train import checkpoint as ckpt
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.mixed_precision import check_precision_layout
 from trainforge.train.trainer import Trainer
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from trainforge.train.component import Component
+
 
 class AdaptiveLR:
     """Settings as in the module docstring; ``multiplier`` (in [min_multiplier, 1]) is the
@@ -114,3 +116,48 @@ class AdaptiveLR:
         self._losses = [float(x) for x in state["losses"]]
         self._healthy_windows = int(state["healthy_windows"])
         self.last_event = None
+
+
+class AdaptiveLRComponent(Component):
+    """The multiplier as a loop component: fed one logging window's mean training loss
+    (after ``warmup_steps``; the same host values on every rank), applied after every
+    scheduler step and after a checkpoint loads; a change is a metrics record."""
+
+    name = "adaptive_lr"
+
+    def __init__(self, adaptive: AdaptiveLR, warmup_steps: int):
+        self.adaptive, self.warmup_steps = adaptive, warmup_steps
+
+    @property
+    def multiplier(self) -> float:
+        return self.adaptive.multiplier
+
+    def _apply(self, loop: Any) -> None:
+        for opt, sched in zip(loop.optimizers, loop.schedulers):
+            self.adaptive.apply(opt, sched)
+
+    def after_optimizer_step(self, loop: Any) -> None:
+        self._apply(loop)
+
+    def on_load(self, loop: Any) -> None:
+        self._apply(loop)
+
+    def on_log(self, loop: Any, window: Any) -> None:
+        finite = [x for x in window.losses if math.isfinite(x)]
+        if window.steps[0] <= self.warmup_steps or not finite:
+            return
+        before = self.adaptive.multiplier
+        self.adaptive.observe(sum(finite) / len(finite))
+        if self.adaptive.multiplier != before:
+            self._apply(loop)
+            loop.metrics.write({"step": loop.step, "lr_multiplier": self.adaptive.multiplier,
+                                "lr_event": self.adaptive.last_event})
+            if loop.is_main:
+                loop.log.info(f"step {loop.step}: adaptive LR {self.adaptive.last_event}: multiplier "
+                              f"{before:.3g} -> {self.adaptive.multiplier:.3g}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.adaptive.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.adaptive.load_state_dict(state)

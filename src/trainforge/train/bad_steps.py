@@ -22,6 +22,18 @@ Decisions, in order of precedence for one step:
 
 The median (not a mean) keeps one spike from hiding the next. Hand-written: torch
 has no such policy (``GradScaler`` skips non-finite steps only under fp16 scaling).
+
+``BadStepGuard`` is the loop's component: it feeds the policy and carries its verdict
+out. Cost (only when ``[bad_steps] enabled``): every step, after the gradient norm and
+before the optimizer, this rank's loss and the global gradient norm go into one 2-value
+float64 tensor, are summed over all ranks (one all-reduce when distributed) and read on
+the host (one ``.tolist()``). The update must be skipped or applied before the next step
+starts, so this is the one host sync per step the house rules otherwise forbid; on CPU
+it is free (ops are synchronous anyway), on CUDA it stalls the launch queue once per
+step. A non-finite value on any rank makes the sum non-finite on every rank, and an
+all-reduce returns the same bits to every rank, so all ranks feed the policy identical
+values and take the same decision. With the guard off the loop has neither the
+collective nor the read.
 """
 
 from __future__ import annotations
@@ -31,6 +43,11 @@ import math
 import statistics
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainforge.train.component import Component, Rollback, Stop, StopKind
 
 
 class StepAction(enum.Enum):
@@ -132,3 +149,89 @@ class BadStepPolicy:
         self.rollbacks = int(state["rollbacks"])
         self.counts = {k: int(v) for k, v in state["counts"].items()}
         self._recent = [float(x) for x in state["recent"]]
+
+
+def step_health(loss: torch.Tensor, grad_norm: torch.Tensor, world_size: int, dp: int, tp: int) -> tuple[float, float]:
+    """(mean loss over data-parallel ranks, global grad norm) as host floats, bitwise
+    identical on every rank; non-finite on every rank when non-finite on any.
+
+    ``loss`` is this rank's mean loss (zero on pipeline stages other than the last);
+    ``grad_norm`` the global pre-clip norm, the same on every rank. Tensor-parallel
+    ranks hold the same loss, hence the division by ``dp x tp``. Collective when
+    ``world_size > 1``; one host sync."""
+    v = torch.stack([loss.detach().reshape(()).double(), grad_norm.detach().reshape(()).double()])
+    if world_size == 1:
+        loss_v, norm_v = v.tolist()
+        return loss_v, norm_v
+    dist.all_reduce(v)
+    loss_v, norm_v = v.tolist()
+    return loss_v / (dp * tp), norm_v / world_size
+
+
+def step_batches(epoch: int, position: int, n: int, batches_per_epoch: int) -> list[tuple[int, int]]:
+    """The (epoch, global batch) pairs the next ``n`` reads of a ``TokenBatches`` in state
+    (epoch, position) return (it starts the next epoch once position reaches the end)."""
+    out = []
+    for _ in range(n):
+        if position >= batches_per_epoch:
+            epoch, position = epoch + 1, 0
+        out.append((epoch, position))
+        position += 1
+    return out
+
+
+def bad_step_record(decision: StepDecision, loss: float, grad_norm: float, batches: list[tuple[int, int]],
+                    data: Any) -> dict[str, Any]:
+    """Metrics record of a non-OK decision. ``samples`` lists every sequence the step
+    trained on as (shard index, token offset) in the prepared data, with the
+    (epoch, global batch) each came from in ``data_batches``."""
+    samples = [[int(s), int(o)] for e, p in batches for s, o in data.global_batch_windows(e, p)]
+    return {"step": decision.step, "bad_step": decision.action.value, "bad_step_reason": decision.reason,
+            "step_loss": loss, "step_grad_norm": grad_norm, "spike": decision.spike,
+            "spike_ratio": decision.spike_ratio, "consecutive_bad": decision.consecutive_bad,
+            "data_batches": [list(b) for b in batches], "samples": samples}
+
+
+class BadStepGuard(Component):
+    """The policy as a loop component: judges every step before the optimizer (a
+    rejected step changes no weights, optimizer state or LR), logs non-OK verdicts with
+    the step's sample ids, and asks the loop to stop or roll back. ``decision`` is the
+    verdict on the latest step. A rollback keeps this live state (its rollback count)."""
+
+    name = "bad_steps"
+    keep_on_rollback = True
+
+    def __init__(self, policy: BadStepPolicy, grad_accum_steps: int):
+        self.policy, self.grad_accum_steps = policy, grad_accum_steps
+        self.decision: StepDecision | None = None
+        self._data_before = (0, 0)
+
+    def on_step_start(self, loop: Any) -> None:
+        self._data_before = (loop.train_batches.epoch, loop.train_batches.position)
+
+    def before_optimizer_step(self, loop: Any, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        dims = loop.dims
+        loss_v, norm_v = step_health(loss, grad_norm, dims.world_size, dims.dp, dims.tp)
+        decision = self.decision = self.policy.observe(loop.step + 1, loss_v, norm_v)
+        if decision.action is not StepAction.OK:
+            batches = step_batches(*self._data_before, self.grad_accum_steps, loop.train_batches.batches_per_epoch)
+            loop.metrics.write(bad_step_record(decision, loss_v, norm_v, batches, loop.train_batches))
+            if loop.is_main:
+                loop.log.warning(f"bad step {decision.step}: {decision.action.value}: {decision.reason}")
+            if decision.action is StepAction.STOP:
+                loop.request(Stop(decision.reason, StopKind.BAD_STEPS))
+            elif decision.action is StepAction.ROLLBACK:
+                loop.request(Rollback(decision.consecutive_bad))
+        return decision.action in (StepAction.OK, StepAction.FLAG)
+
+    def on_log(self, loop: Any, window: Any) -> dict[str, Any]:
+        return {"skipped_steps": self.policy.counts["skipped"], "rollbacks": self.policy.rollbacks}
+
+    def on_fit_end(self, loop: Any, summary: dict[str, Any]) -> None:
+        summary["bad_steps"] = {**self.policy.counts, "rollbacks": self.policy.rollbacks}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state)

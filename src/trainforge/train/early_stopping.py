@@ -1,4 +1,4 @@
-"""Early stopping on the validation-loss curve, as a trainer callback.
+"""Early stopping on the validation-loss curve, as a loop component (``on_evaluation``).
 
 Two modes, both never stopping before ``min_steps``:
 
@@ -13,7 +13,8 @@ Whatever the mode, every evaluation is predicted and returned as a record
 (predicted stop step, final loss and its std, probability...), which the trainer
 logs, so the prediction's quality can be judged against the finished run.
 
-The only effect on training is ``trainer.request_stop(reason)``. The decision is a
+The only effect on training is ``trainer.request_stop(reason)`` (the loop makes rank 0's
+request everyone's, as a ``Stop`` of kind ``early_stop``). The decision is a
 pure function of the (step, val_loss) history and the settings (the predictor's
 bootstrap is seeded), so ranks that see the same validation losses decide alike.
 ``state_dict`` holds the history as plain lists (``weights_only``-safe).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+from trainforge.train.component import Component
 from trainforge.train.curve_predictor import CurvePredictor
 
 
@@ -31,8 +33,10 @@ class Stoppable(Protocol):
     def request_stop(self, reason: str) -> None: ...
 
 
-class EarlyStopping:
-    """``budget_steps``: the run's step budget (``training.steps``) the prediction aims at;
+class EarlyStopping(Component):
+    """A loop component (``on_evaluation``), checkpointed where older runs kept it
+    (``callbacks/EarlyStopping`` in ``train_state.pt``).
+    ``budget_steps``: the run's step budget (``training.steps``) the prediction aims at;
     ``min_delta``: loss improvement worth training for (absolute, in loss units);
     ``confidence``: probability needed to stop in predict mode; ``patience``: evaluations
     without improvement in patience mode; ``predictor``: fitting settings."""
@@ -58,6 +62,8 @@ class EarlyStopping:
         self.losses: list[float] = []
         self.last_record: dict[str, Any] | None = None
 
+    name = "callbacks/EarlyStopping"  # its key when it was a trainer callback: old checkpoints load as they are
+
     def patience_state(self) -> tuple[float, int, int]:
         """(best loss, its step, evaluations since it) over the history, where "best"
         means beating the previous best by more than ``min_delta``."""
@@ -68,9 +74,6 @@ class EarlyStopping:
             else:
                 since += 1
         return best, best_step, since
-
-    def on_step_end(self, trainer: Any, step: int) -> None:
-        """Part of the trainer's callback protocol; this callback acts on evaluations only."""
 
     def on_evaluation(self, trainer: Stoppable, step: int, val_loss: float) -> dict[str, Any]:
         """Record ``val_loss`` at ``step``, predict, and call ``trainer.request_stop`` when

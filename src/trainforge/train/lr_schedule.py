@@ -120,3 +120,15 @@ def build_scheduler(optimizer: torch.optim.Optimizer, kind: str = "cosine", warm
     """A ``LambdaLR`` over every param group of ``optimizer`` with the multiplier
     ``warmup_decay(...)`` (same arguments, same ``ValueError``s)."""
     return LambdaLR(optimizer, warmup_decay(kind, warmup_steps, total_steps, min_lr_ratio, decay_ratio, decay_shape))
+
+
+def follow_schedule(scheduler: LambdaLR, optimizer: torch.optim.Optimizer, multiplier: WarmupDecay,
+                    lr: float) -> LambdaLR:
+    """A ``LambdaLR`` continuing ``scheduler``'s step count with another ``multiplier``
+    and peak ``lr`` (a resumed run whose schedule the user changed). Built through the
+    public constructor (``initial_lr`` per group, ``last_epoch``), so no scheduler
+    internals are written; its constructor's first step lands on the current step and
+    sets every group's LR to ``lr * multiplier(step)``."""
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr
+    return LambdaLR(optimizer, multiplier, last_epoch=scheduler.last_epoch - 1)

@@ -1,6 +1,5 @@
 """Where training progress is shown: the console (a rich progress bar on a TTY, plain
-log lines otherwise). The JSONL file and the other sinks live in ``trainforge.monitor``;
-``JsonlSink`` and ``read_jsonl`` are re-exported here for callers of the old location."""
+log lines otherwise). The JSONL file and the other sinks live in ``trainforge.monitor``."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import sys
 from typing import Any
 
 from trainforge.log import get_logger
-from trainforge.monitor.jsonl import JsonlSink, read_jsonl  # noqa: F401  (re-exported)
 
 
 class ConsoleReporter:

@@ -36,6 +36,7 @@ from trainforge.precision.hardware import DTYPE_NAMES
 from trainforge.precision.loss_scale import LossScaler
 from trainforge.precision.memory import MemoryReport, memory_report
 from trainforge.precision.policy import DEFAULT_GROUP, FP32, PrecisionPolicy, fsdp_mixed_precision
+from trainforge.train.component import Component
 
 
 def check_precision_layout(policy: PrecisionPolicy, dims, kind: str) -> str | None:
@@ -248,3 +249,37 @@ class TrainerPrecision:
             for group, level in self.controller.current.items():
                 self.runtime.set_compute_dtype(group, level)
             self.pending = [_Pending(**p) for p in state.get("pending", [])]
+
+
+class PrecisionComponent(Component):
+    """The loop's component for what ``TrainerPrecision`` keeps across steps: the loss
+    scale and the dynamic controller. Checkpointed under ``precision`` (nothing for fp32
+    runs); every ``precision.dynamic_interval_steps`` steps, after the records of the
+    steps it read, the controller sees the buffered steps (one host sync) and each
+    switch becomes a metrics record with its reason."""
+
+    name = "precision"
+
+    def __init__(self, mp: TrainerPrecision):
+        self.mp = mp
+        if mp.controller is None:  # nothing to observe: keep the hook off the loop
+            self.after_step = None  # type: ignore[assignment]
+
+    def on_log(self, loop: Any, window: Any) -> dict[str, Any]:
+        return self.mp.window_metrics()  # precision per group, loss scale, memory per dtype
+
+    def after_step(self, loop: Any, step: int) -> None:
+        if step % self.mp.interval_steps == 0:
+            for sw in self.mp.observe(loop.layout.mean_over_dp):
+                loop.metrics.write({"step": step, "precision_switch": f"{sw.group} {sw.old} -> {sw.new}",
+                                    "group": sw.group, "from": sw.old, "to": sw.new, "reason": sw.reason,
+                                    "decided_at_step": sw.step})
+
+    def on_checkpoint(self, loop: Any) -> None:
+        self.mp.resolve_pending(loop.layout.mean_over_dp)  # collective: every rank, before rank 0 writes
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.mp.state_dict() or {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.mp.load_state_dict(state)

@@ -46,3 +46,20 @@ class CommShareProbe:
             elapsed_us = (time.perf_counter() - t0) * 1e6
         comm_us = sum(e.cpu_time_total for e in prof.events() if e.name.startswith(COMM_EVENT_PREFIXES))
         self.last_share = min(1.0, comm_us / max(elapsed_us, 1.0))
+
+
+def window_resources(device: torch.device, world_size: int, probe: CommShareProbe) -> dict:
+    """Peak memory (max over ranks) and, when distributed, the communication share
+    (mean over ranks) for a logging window's records. Collective when distributed."""
+    import torch.distributed as dist
+
+    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.int64)
+    stats: dict = {}
+    if world_size > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if probe.last_share is not None:
+            share = torch.tensor([probe.last_share], dtype=torch.float64)
+            dist.all_reduce(share)  # mean over ranks
+            stats["comm_share"] = share.item() / world_size
+    stats["peak_memory_bytes"] = int(peak.item())
+    return stats

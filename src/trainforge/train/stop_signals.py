@@ -33,13 +33,14 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from trainforge import exit_codes
 from trainforge.errors import TrainforgeError
+from trainforge.train.component import Component
 
 
 class StopSignals:
@@ -120,3 +121,19 @@ def check_finite(steps: list[int], losses: list[float], grad_norms: list[float] 
                                 f"Lower training.lr (now {lr:g}), enable [bad_steps] to skip or roll back such "
                                 f"steps, or resume from the last checkpoint (before step {step}) with a lower "
                                 f"rate: --resume {run_dir} --training.lr ...")
+
+
+class FiniteLossCheck(Component):
+    """The default non-finite policy as a loop component (registered when no
+    ``[bad_steps]`` guard handles such steps): after a logging window's records are
+    written, ``check_finite`` on its losses (and norms, unless an fp16 loss scaler skips
+    inf-gradient steps itself). ``lr`` and ``run_dir`` are for the message."""
+
+    name = "finite_loss"
+
+    def __init__(self, lr: float, run_dir: object, check_norms: bool):
+        self.lr, self.run_dir, self.check_norms = lr, run_dir, check_norms
+
+    def after_log(self, loop: Any, window: Any) -> None:
+        # Identical on every rank (all-reduced losses, global norms): every rank raises at the same step.
+        check_finite(window.steps, window.losses, window.norms if self.check_norms else None, self.lr, self.run_dir)

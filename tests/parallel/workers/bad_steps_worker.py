@@ -21,7 +21,7 @@ import torch
 
 from trainforge.config import load_config
 from trainforge.parallel.distributed import destroy_distributed, init_distributed
-from trainforge.train.metrics import read_jsonl
+from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.trainer import Trainer
 
 DATA, OUT = Path(sys.argv[1]), Path(sys.argv[2])

@@ -1,0 +1,120 @@
+"""What a ``Trainer`` is built from, before its loop runs: the device, the seeded RNGs,
+the checks that refuse a run before anything is allocated, and the model stack (the
+full model, precision applied first, then the parallel layout from outside, and the
+step mechanics of that layout: ``step_layout.py``)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainforge.compression.hooks import check_compression
+from trainforge.errors import ConfigError
+from trainforge.model import build_model
+from trainforge.model.preflight import check_training
+from trainforge.parallel.apply import build_pipeline_parts, check_pipeline_layout, parallelize_module_stack
+from trainforge.parallel.data_parallel import data_parallel_kind
+from trainforge.precision.casting import apply_precision
+from trainforge.precision.policy import PrecisionPolicy, build_policy
+from trainforge.train.chunked_loss import check_chunked_loss
+from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout, compile_note
+from trainforge.train.step_layout import LocalStep, LossFn, PipelineStep, StepLayout, pipeline_loss
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"config key 'training.device' = {name!r}: CUDA is not available here; use auto or cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log: logging.Logger | None
+              ) -> tuple[PrecisionPolicy, Any]:
+    """Refuse, naming the key, a run this machine or layout cannot hold: before anything is
+    allocated and before the first collective, identically on every rank. Returns the
+    resolved precision policy and the pipeline layout (None unpipelined). ``log``: rank 0's."""
+    tcfg = cfg.training
+    check_training(model_config, cfg.model.flavor, tcfg.batch_size, tcfg.seq_len, device,
+                   state_shards=dims.dp_shard * dims.tp * dims.pp, layer_shards=dims.pp,
+                   tp=dims.tp, activation_checkpointing=cfg.parallel.activation_checkpointing == "full",
+                   loss_chunk_tokens=tcfg.loss_chunk_tokens)
+    dims.check_model(model_config)
+    pp_layout = None
+    if dims.pp > 1:
+        pp_layout = check_pipeline_layout(model_config, dims, cfg.parallel, tcfg.batch_size)
+    check_chunked_loss(tcfg.loss_chunk_tokens, dims)
+    warning = check_compression(cfg.compression, dims, data_parallel_kind(dims))
+    if warning and log is not None:
+        log.warning(warning)
+    # Resolved identically on every rank (a hardware probe, agreed by one all-reduce
+    # unless compute is fp32), so a refused combination fails everywhere before the mesh.
+    policy = build_policy(cfg.precision, device, log=log)
+    note = check_precision_layout(policy, dims, data_parallel_kind(dims))
+    if note and log is not None:
+        log.info(f"precision: {note}")
+    return policy, pp_layout
+
+
+@dataclass
+class ModelStack:
+    """``model``: the wrapped model (None when pipelined); ``model_parts``: this rank's
+    unwrapped modules (pipeline stages, or the one model), FQNs unchanged; ``opt_parts``:
+    what optimizers step, clipping measures and checkpoints hold (the fp32 master copy
+    when parameters are stored low, else ``model_parts``)."""
+
+    mp: TrainerPrecision
+    model: torch.nn.Module | None
+    model_parts: list[torch.nn.Module]
+    opt_parts: list[torch.nn.Module]
+    pipeline: Any | None
+    pp_predicted: list[float] | None  # the split's planned per-stage seconds
+    layout: StepLayout
+
+
+def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device: torch.device,
+                      policy: PrecisionPolicy, compressor: Any, pp_layout: Any, loss_fn: LossFn,
+                      log: logging.Logger | None) -> ModelStack:
+    """Every rank builds the full model from the same seed, then keeps its part, so
+    sharded/split results equal the single-process model's. ``loss_fn``: the mean loss of
+    the unpipelined model (the trainer's ``_loss``)."""
+    tcfg = cfg.training
+    full_model = build_model(model_config, device, seed=tcfg.seed)
+    # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule wrappers.
+    sharded = data_parallel_kind(dims) in ("fsdp", "hsdp")
+    runtime = apply_precision(full_model, policy, sharded=sharded)
+    note = compile_note(runtime) if cfg.parallel.compile else None
+    if note and log is not None:
+        log.info(f"precision: {note}")
+    mp = TrainerPrecision(cfg.precision, policy, runtime, device, sharded=sharded, log=log,
+                          pp_group=mesh["pp"].get_group() if dims.pp > 1 else None)
+    common = dict(dims=dims, mesh=mesh, device=device, mp=mp, loss_parallel=cfg.parallel.loss_parallel)
+    if dims.pp > 1:
+        # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
+        pipeline, model_parts, predicted = build_pipeline_parts(
+            full_model, mesh, dims, cfg.parallel, device, tcfg.batch_size, tcfg.seq_len, pp_layout,
+            pipeline_loss(mp, tcfg.grad_accum_steps), log=log.info if log is not None else None,
+            compressor=compressor, precision=policy)
+        runtime.rebind(torch.nn.ModuleList(model_parts))  # the stages are copies; free the whole model
+        seq = tcfg.seq_len // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else tcfg.seq_len
+        layout: StepLayout = PipelineStep(pipeline, model_parts, (tcfg.batch_size, seq, model_config.dim), **common)
+        model = None
+    else:
+        pipeline, predicted = None, None
+        model = parallelize_module_stack(full_model, mesh, dims, cfg.parallel, device, compressor, precision=policy)
+        model_parts = [getattr(model, "module", model)]  # DDP wraps; state dicts use raw FQNs
+        layout = LocalStep(model, loss_fn, **common)
+    del full_model
+    return ModelStack(mp, model, model_parts, mp.opt_parts(model_parts), pipeline, predicted, layout)

@@ -1,0 +1,48 @@
+"""The loop's components for one run, built from the config's sections: the one place
+that names the features. A new feature is a ``Component`` in its own file plus one
+line here; ``trainer.py`` does not change. Registration order is the order hooks run
+(and the order their metrics merge into a record: a later key wins)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainforge.train.component import Component
+
+
+def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predicted: list[float] | None,
+                     log: Any) -> list[Component]:
+    """``mp``: the run's ``TrainerPrecision``; ``compressor``: the gradient compressor or
+    None; ``pp_predicted``: the pipeline split's planned stage seconds (None unpipelined);
+    ``log``: a warning function on rank 0, None elsewhere."""
+    from trainforge.train.mixed_precision import PrecisionComponent
+
+    tcfg, par = cfg.training, cfg.parallel
+    out: list[Component] = [PrecisionComponent(mp)]
+    if compressor is not None:
+        from trainforge.train.compression_component import CompressionComponent
+
+        out.append(CompressionComponent(compressor, warn=log))
+    if pp_predicted is not None and par.rebalance_threshold:
+        from trainforge.train.rebalance import PipelineRebalance
+
+        out.append(PipelineRebalance(pp_predicted, par.rebalance_threshold, par.rebalance_min_steps, tcfg.steps))
+    policy = cfg.bad_steps.build()
+    if policy is not None:
+        from trainforge.train.bad_steps import BadStepGuard
+
+        out.append(BadStepGuard(policy, tcfg.grad_accum_steps))
+    else:  # [bad_steps] has its own non-finite policy
+        from trainforge.train.stop_signals import FiniteLossCheck
+
+        out.append(FiniteLossCheck(tcfg.lr, run_dir, check_norms=not mp.scaler.enabled))
+    adaptive = cfg.adaptive_lr.build()
+    if adaptive is not None:
+        from trainforge.train.adaptive_lr import AdaptiveLRComponent
+
+        out.append(AdaptiveLRComponent(adaptive, tcfg.warmup_steps))
+    early_stop = cfg.early_stop.build(tcfg.steps)
+    if early_stop is not None:
+        out.append(early_stop)
+    return out
+
