@@ -19,6 +19,7 @@ from tests.infer.helpers import model_for
 from trainforge.data.dataset import load_prepared
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.loading import load_model
+from trainforge.infer.prepare import prepare_model
 from trainforge.infer.quantize import (Int4Linear, Int8Linear, QuantLinear, choose_kernel, linear_names,
                                        measure_kernels, quantize_model, quantize_state_dict, save_quantized)
 from trainforge.infer.quantize.common import kernel_works
