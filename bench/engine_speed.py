@@ -6,6 +6,9 @@ The engine's batch-1 decode tok/s for fp32, int8 and int4 (fused, quantised in m
 continuous batching of 32 requests (generated tok/s), and optionally Hugging Face
 ``generate()`` (``--hf``), on seeded random weights. Each number is the best of ``--repeats``
 runs (after a warm-up): on a shared machine the fastest run is the one least disturbed.
+Beside each wall-clock rate, ``*_cpu_tok_s`` counts tokens per second of this process's CPU
+time over the whole request (prefill included): with ``--threads 1`` it does not move when
+other processes take the cores in turn, which makes A/B ratios on a shared machine usable.
 ``bench/inference.py`` is the full benchmark; this probe runs in a minute so that many
 interleaved rounds fit. It uses only APIs that trees before the one-forward redesign also
 have (the engine fused its model itself there; ``prepare_model`` does it now).
@@ -36,14 +39,17 @@ except ImportError:  # a tree before the redesign: Engine fuses and packs itself
 SIZES = {"tiny": FLAVORS["tiny"], "90m": dataclasses.replace(FLAVORS["small"], vocab_size=8192)}
 
 
-def decode_tok_s(engine: Engine, prompt: list[int], n: int) -> float:
+def decode_tok_s(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
+    """(decode tok/s by the wall clock, tokens per CPU second of the whole request)."""
+    c0 = time.process_time()
     req = engine.generate([prompt], SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))[0]
-    return (n - 1) / (req.finished_s - req.first_token_s)
+    return (n - 1) / (req.finished_s - req.first_token_s), n / (time.process_time() - c0)
 
 
-def best(fn, repeats: int) -> float:
+def best(fn, repeats: int) -> tuple[float, float]:
     fn()  # warm-up
-    return max(fn() for _ in range(repeats))
+    runs = [fn() for _ in range(repeats)]
+    return max(r[0] for r in runs), max(r[1] for r in runs)
 
 
 def main() -> None:
@@ -72,18 +78,19 @@ def main() -> None:
         engines = {k: Engine(prepare_model(m), EngineConfig(max_batch_size=1, max_queue=1, max_context=ctx))
                    for k, m in models.items()}
         for k, e in engines.items():
-            out[f"{k}_tok_s"] = best(lambda: decode_tok_s(e, prompt, a.new_tokens), a.repeats)
+            out[f"{k}_tok_s"], out[f"{k}_cpu_tok_s"] = best(lambda: decode_tok_s(e, prompt, a.new_tokens), a.repeats)
         rng = np.random.default_rng(a.batch)
         prompts = [rng.integers(0, cfg.vocab_size, int(rng.integers(8, 49))).tolist() for _ in range(a.batch)]
         params = SamplingParams(max_new_tokens=a.batch_new_tokens, temperature=0, ignore_eos=True)
         batched = Engine(models["fp32"], EngineConfig(max_batch_size=a.batch, max_queue=a.batch,
                                                       max_context=48 + a.batch_new_tokens))
 
-        def run_batched() -> float:
-            t0 = time.perf_counter()
+        def run_batched() -> tuple[float, float]:
+            t0, c0 = time.perf_counter(), time.process_time()
             batched.generate(prompts, params)
-            return a.batch * a.batch_new_tokens / (time.perf_counter() - t0)
-        out[f"batch{a.batch}_tok_s"] = best(run_batched, max(1, a.repeats - 1))
+            n = a.batch * a.batch_new_tokens
+            return n / (time.perf_counter() - t0), n / (time.process_time() - c0)
+        out[f"batch{a.batch}_tok_s"], out[f"batch{a.batch}_cpu_tok_s"] = best(run_batched, max(1, a.repeats - 1))
         if a.hf:
             import transformers
 
@@ -93,8 +100,9 @@ def main() -> None:
                                                                         attn_implementation="sdpa")).eval()
             hf.load_state_dict(to_hf_state_dict(base.state_dict(), cfg), strict=True)
 
-            def run_hf() -> float:
+            def run_hf() -> tuple[float, float]:
                 stamps: list[float] = []
+                c0 = time.process_time()
 
                 class Stamp(transformers.StoppingCriteria):
                     def __call__(self, input_ids, scores, **kwargs):
@@ -102,9 +110,10 @@ def main() -> None:
                         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
                 hf.generate(torch.tensor([prompt]), max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens,
                             do_sample=False, stopping_criteria=[Stamp()], pad_token_id=0, eos_token_id=None)
-                return (a.new_tokens - 1) / (stamps[-1] - stamps[0])
-            out["hf_tok_s"] = best(run_hf, a.repeats)
+                return (a.new_tokens - 1) / (stamps[-1] - stamps[0]), a.new_tokens / (time.process_time() - c0)
+            out["hf_tok_s"], out["hf_cpu_tok_s"] = best(run_hf, a.repeats)
             out["fp32_vs_hf"] = out["fp32_tok_s"] / out["hf_tok_s"]
+            out["fp32_vs_hf_cpu"] = out["fp32_cpu_tok_s"] / out["hf_cpu_tok_s"]
     with open(a.json, "w") as f:
         json.dump(out, f)
     print(json.dumps(out))
