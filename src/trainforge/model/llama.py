@@ -7,6 +7,14 @@ The model knows nothing about parallelism, precision or compression: those are
 applied from outside (``trainforge.parallel``, ``trainforge.precision``). Rotary
 embeddings use the "rotate half" layout of Hugging Face's ``LlamaForCausalLM``, so
 weights convert between the two by renaming only (see ``hf.py``).
+
+This forward is the only definition of the model's math. Training calls
+``forward(tokens)``; inference calls ``forward(tokens, positions, cache)`` with an
+``AttentionCache`` (``attention_cache.py``) that the attention writes keys/values into and
+reads its context from, so prefill and batched decode run these very modules. Modules also
+carry ``decode_calls``: the same computation for one token per row, allocation-free, bound
+to a preallocated workspace (``fast_decode.py``), each tested against its ``forward``.
+Fused kinds (``fused.py``) and quantised linears are module swaps applied from outside.
 """
 
 from __future__ import annotations
@@ -45,9 +53,9 @@ class RMSNorm(nn.Module):
             return [lambda: out.copy_(self(x))]
         sq, ms = ws.norm_scratch(x.shape[0])
         d, eps = ws.scalar(float(x.shape[1])), ws.scalar(self.eps)
-        return [functools.partial(torch.mul, x, x, out=sq), functools.partial(torch.sum, sq, dim=-1, keepdim=True, out=ms),
-                functools.partial(ms.div_, d), functools.partial(ms.add_, eps), ms.rsqrt_,
-                functools.partial(torch.mul, x, ms, out=out), functools.partial(out.mul_, self.weight)]
+        p = functools.partial
+        return [p(torch.mul, x, x, out=sq), p(torch.sum, sq, dim=-1, keepdim=True, out=ms), p(ms.div_, d),
+                p(ms.add_, eps), ms.rsqrt_, p(torch.mul, x, ms, out=out), p(out.mul_, self.weight)]
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
