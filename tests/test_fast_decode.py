@@ -14,7 +14,7 @@ import torch
 from tests.infer.helpers import model_for
 from trainforge.infer.fusion import fuse_model
 from trainforge.model.attention_cache import PagedCache
-from trainforge.model.fast_decode import DecodeWorkspace, FastDecoder
+from trainforge.model.fast_decode import DecodeWorkspace, FastDecoder, RowBlockLinear
 from trainforge.model.fused import FusedFeedForward, FusedRMSNorm
 
 ATOL = RTOL = 1e-5
@@ -114,3 +114,20 @@ def test_the_fast_path_is_built_from_the_models_own_parameters():
         again = dec.step(1, 32)
     assert not torch.allclose(before, after)
     torch.testing.assert_close(again, after, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 65])
+def test_row_block_linear_matches_the_linear_it_replaces(rows):
+    """The row-block product (2 threads: two blocks of output rows) and the fallback above
+    64 rows both equal F.linear; the weight stays shared."""
+    lin = torch.nn.Linear(96, 160, bias=False)
+    fast = RowBlockLinear.of(lin)
+    assert fast.weight is lin.weight
+    x = torch.randn(1, rows, 96, generator=torch.Generator().manual_seed(rows))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(fast(x), lin(x), atol=1e-6, rtol=1e-6)
+    finally:
+        torch.set_num_threads(threads)

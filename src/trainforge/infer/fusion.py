@@ -6,6 +6,8 @@ and its decode fast path); this file only decides where they replace the plain o
 - gate+up: the SwiGLU ``w1`` (gate) and ``w3`` (up) become one ``w13`` (``FusedFeedForward``).
 - residual-add + RMSNorm: every block's norms and the final norm become ``FusedRMSNorm``
   (``FusedTransformerBlock``).
+- row-block linears (``row_block_linears``, CPU): every float linear becomes a
+  ``RowBlockLinear``, whose few-row products (a prompt's prefill) spread over the threads.
 
 Quantised linears concatenate in their stored form (``QuantLinear.cat``), so fusion may run
 before or after the quantisation swap, as long as the layers are not packed yet.
@@ -24,6 +26,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainforge.infer.quantize.common import QuantLinear
+from trainforge.model.fast_decode import RowBlockLinear
 from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedRMSNorm, FusedTransformerBlock
 from trainforge.model.llama import Attention, FeedForward, RMSNorm
 
@@ -74,6 +77,16 @@ def fuse_model(model: nn.Module, qkv: bool = True, gate_up: bool = True, add_nor
     if add_norm and type(model.norm) is RMSNorm:
         model.norm = FusedRMSNorm.of(model.norm)
     return done
+
+
+def row_block_linears(model: nn.Module) -> int:
+    """Swap every bias-free float ``nn.Linear`` for a ``RowBlockLinear`` on the same weight
+    (in place); returns how many. Run after fusion (``cat_linears`` takes plain linears)."""
+    swaps = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
+             if type(m) is nn.Linear and m.bias is None]
+    for parent, name, m in swaps:
+        setattr(parent, name, RowBlockLinear.of(m))
+    return len(swaps)
 
 
 class _OpCounter(TorchDispatchMode):

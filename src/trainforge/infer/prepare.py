@@ -1,9 +1,9 @@
 """Make a model ready for the engine, from outside: the inference module swaps, in order.
 
 ``prepare_model(model, fuse=True, quant_kernel=None)`` puts the model in eval mode, applies
-the fusion rules (``fusion.py``: QKV, gate+up, add+RMSNorm) and builds every quantised
-layer's kernel form (``quantize.pack_quantized``). Fusion runs first because quantised
-layers concatenate only before packing. The engine (``engine.py``) takes the model as it
+the fusion rules (``fusion.py``: QKV, gate+up, add+RMSNorm, then row-block linears on
+CPU) and builds every quantised layer's kernel form (``quantize.pack_quantized``). Fusion
+runs first because quantised layers concatenate only before packing. The engine (``engine.py``) takes the model as it
 is and never changes it; ``describe_model`` reports what was applied.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainforge.infer.fusion import fuse_model
+from trainforge.infer.fusion import fuse_model, row_block_linears
 from trainforge.infer.quantize import QuantLinear, pack_quantized
 from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedTransformerBlock
 
@@ -26,6 +26,8 @@ def prepare_model(model: nn.Module, fuse: bool = True, quant_kernel: str | None 
     model.eval()
     if fuse:
         fuse_model(model)
+        if model.tok_embeddings.weight.device.type == "cpu":
+            row_block_linears(model)
     pack_quantized(model, quant_kernel)
     return model
 

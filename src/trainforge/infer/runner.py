@@ -5,9 +5,7 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
 
 - ``prefill(tokens, slots)``: one sequence's prompt, T tokens at once:
   ``model(tokens, positions=0..T-1, cache)`` with the cache set to store keys/values at
-  ``slots`` (the prompt attends to itself). Allocates freely (once per request). On CPU,
-  the linears of a short prompt take the decode step's row-block matmul
-  (``fast_decode.RowBlockLinears``).
+  ``slots`` (the prompt attends to itself). Allocates freely (once per request).
 - ``decode(B, S)``: one token for each of B sequences of different lengths. Inputs are
   buffers the engine fills: ``tokens``, ``positions`` and the cache's ``slots``, ``gather``,
   ``bias`` (each row's first S slots and its mask). The step is the model's
@@ -26,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from trainforge.infer.kv_pool import KVPool
 from trainforge.model.attention_cache import PagedCache
-from trainforge.model.fast_decode import FastDecoder, RowBlockLinears
+from trainforge.model.fast_decode import FastDecoder
 from trainforge.model.llama import Transformer
 
 
@@ -50,8 +48,6 @@ class ModelRunner:
         self.slots, self.gather, self.bias = self.cache.slots, self.cache.gather, self.cache.bias
         self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions) \
             if FastDecoder.supports(model) else None
-        split = self.decoder is not None and self.decoder.ws.split > 1
-        self._prefill_mode = RowBlockLinears(self.decoder.linears) if split else None
         self._compiled = None
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
@@ -93,10 +89,7 @@ class ModelRunner:
         self.cache.set_prefill(slots)
         positions = torch.arange(T, device=tokens.device)
         rows = None if all_logits else slice(T - 1, T)
-        if self._prefill_mode is None:
-            return self.model(tokens[None], positions, self.cache, output_rows=rows)[0]
-        with self._prefill_mode:
-            return self.model(tokens[None], positions, self.cache, output_rows=rows)[0]
+        return self.model(tokens[None], positions, self.cache, output_rows=rows)[0]
 
     # -- torch.compile ----------------------------------------------------------------------
 

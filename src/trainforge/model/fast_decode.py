@@ -25,8 +25,8 @@ import functools
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from trainforge.model.attention_cache import PagedCache
 from trainforge.model.llama import RopeInto, Transformer, rope_tables_folded
@@ -71,26 +71,29 @@ class LinearInto:
         self.bind(x, out, scratch)()
 
 
-class RowBlockLinears(TorchFunctionMode):
-    """Inside this mode, ``F.linear(x, w)`` of one of ``linears``' float weights with at most
-    ``LinearInto.MAX_ROWS`` rows runs the row-block ``bmm`` (same dot products): the plain
-    forward of a short prompt gets the decode step's threaded matmul. Allocates its outputs."""
+class RowBlockLinear(nn.Linear):
+    """``nn.Linear`` (same ``weight``, same name) whose product for at most
+    ``LinearInto.MAX_ROWS`` rows on a multi-threaded CPU runs as ``LinearInto``'s row-block
+    ``bmm`` (same dot products): a short prompt's prefill gets the decode step's threaded
+    matmul. Swapped in from outside for inference (``infer/fusion.py``); allocates its output."""
 
-    def __init__(self, linears: dict[int, LinearInto]):
-        super().__init__()
-        self.by_weight = {id(into.mod.weight): into for into in linears.values() if into.float and into.split > 1}
+    @classmethod
+    def of(cls, linear: nn.Linear) -> RowBlockLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias  # shared: a tied output stays tied
+        return new
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.linear and len(args) == 2 and not kwargs:
-            into = self.by_weight.get(id(args[1]))
-            x = args[0]
-            if into is not None and x.dim() >= 2 and x.numel() // x.shape[-1] <= into.MAX_ROWS:
-                x2 = x.reshape(-1, x.shape[-1])
-                out = torch.empty(x2.shape[0], into.wt.shape[1], dtype=x.dtype, device=x.device)
-                into(x2, out, torch.empty_like(out).view(-1))
-                return out.view(*x.shape[:-1], out.shape[1])
-        return func(*args, **kwargs)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, split = self.weight, torch.get_num_threads()
+        n, k = w.shape
+        m = x.numel() // k
+        if split < 2 or m > LinearInto.MAX_ROWS or n % split or self.bias is not None or not x.device.type == "cpu":
+            return F.linear(x, w, self.bias)
+        blocks = w.view(split, n // split, k).transpose(1, 2)  # (split, K, N/split)
+        y = torch.bmm(x.reshape(m, k).expand(split, m, k), blocks)  # (split, M, N/split)
+        return y.transpose(0, 1).reshape(*x.shape[:-1], n)
 
 
 class DecodeWorkspace:
