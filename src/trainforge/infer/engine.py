@@ -2,10 +2,11 @@
 
 ``Engine(model, EngineConfig, tokenizer, eos_ids)`` takes a ready model (fused and
 quantised beforehand by ``prepare.prepare_model``, or plain; the engine never changes it)
-and owns one ``KVPool``, one ``ModelRunner`` and one ``BatchSampler``, all sized once. ``submit`` puts a request in a bounded FIFO queue
-(``QueueFull`` once running + waiting reach ``max_batch_size + max_queue``: a request
-submitted while a batch row is free waits only until the next step, so it takes that row's
-share of the bound, not a queue place); each ``step``:
+and owns one ``KVPool``, one ``ModelRunner`` and one ``BatchSampler``, all sized once.
+``submit`` puts a request in a bounded FIFO queue (``QueueFull`` once running + waiting
+reach ``max_batch_size + max_queue``: a request submitted while a batch row is free waits
+only until the next step, so it takes that row's share of the bound, not a queue place);
+each ``step``:
 
 1. drops aborted requests (their blocks go back to the pool);
 2. admits waiting requests while a batch row is free and the pool can reserve blocks for
