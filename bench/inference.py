@@ -71,9 +71,11 @@ from torch import nn
 from bench.train_throughput import cpu_counters, cpu_model, load_note, process_cpu_s
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.fusion import count_ops
+from trainforge.infer.prepare import prepare_model
 from trainforge.infer.quantize import QuantLinear, measure_kernels, quantize_model
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model import FLAVORS, build_model
+from trainforge.model.attention_cache import StaticCache
 from trainforge.model.hf import to_hf_config_dict, to_hf_state_dict
 
 SIZES = {"tiny": FLAVORS["tiny"], "90m": dataclasses.replace(FLAVORS["small"], vocab_size=8192)}
@@ -108,10 +110,10 @@ def read_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
 
 def matmul_ceiling_tok_s(engine: Engine, repeats: int = 5) -> float:
     """Tokens/s if a batch-1 decode step were only its linears, run by the engine's own kernel
-    (``LinearInto``) on its own weights: best of 5. What the rest of the step costs is the gap
+    (``fast_decode.LinearInto``) on its own weights: best of 5. What the rest of the step costs is the gap
     between this and the measured decode speed."""
     calls = []
-    for into in engine.runner._into.values():
+    for into in engine.runner.decoder.linears.values():
         n, k = into.mod.weight.shape
         calls.append(into.bind(torch.randn(1, k), torch.empty(1, n)))
 
@@ -192,8 +194,8 @@ class HFGenerate:
 
 
 class PlainLoop:
-    """The loop ``trainforge generate`` used before the engine: static KVCache, one
-    ``model(token, start_pos)`` call and one ``.item()`` per token."""
+    """The loop ``trainforge generate`` used before the engine: a static cache
+    (``StaticCache``), one ``model(token, positions, cache)`` call and one ``.item()`` per token."""
 
     name = "plain"
 
@@ -206,27 +208,22 @@ class PlainLoop:
     def run(self, prompt: list[int], n: int) -> Sample:
         model = self.model
         t0 = time.perf_counter()
-        model.setup_caches(1, len(prompt) + n)
-        try:
-            logits = model(torch.tensor([prompt]), start_pos=0)[:, -1]
+        cache = StaticCache.for_model(model, 1, len(prompt) + n)
+        logits = model(torch.tensor([prompt]), cache.advance(len(prompt)), cache)[:, -1]
+        nxt = logits.argmax(dim=-1, keepdim=True)
+        ids = [int(nxt.item())]
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            logits = model(nxt, cache.advance(1), cache)[:, -1]
             nxt = logits.argmax(dim=-1, keepdim=True)
-            ids = [int(nxt.item())]
-            t1 = time.perf_counter()
-            pos = len(prompt)
-            for _ in range(n - 1):
-                logits = model(nxt, start_pos=pos)[:, -1]
-                nxt = logits.argmax(dim=-1, keepdim=True)
-                ids.append(int(nxt.item()))
-                pos += 1
-            t2 = time.perf_counter()
-        finally:
-            model.clear_caches()
+            ids.append(int(nxt.item()))
+        t2 = time.perf_counter()
         return Sample(t1 - t0, (n - 1) / (t2 - t1), ids)
 
 
 class Ours:
     def __init__(self, name: str, model, context: int, compile: bool = False):
-        self.name, self.model = name, model
+        self.name, self.model = name, prepare_model(model)
         self.engine = Engine(model, EngineConfig(max_batch_size=1, max_queue=1, max_context=context, compile=compile))
         self.bytes_per_token = weight_bytes_per_token(model)
         self.resident = resident_bytes(model) + self.engine.pool.nbytes + self.engine.runner.workspace_bytes
@@ -335,13 +332,13 @@ def checkpoint_agreement(path: str, group_size: int, n_prompts: int = 8, n_new: 
     names = ("heapq.py", "bisect.py", "colorsys.py", "fnmatch.py", "shlex.py", "glob.py", "keyword.py", "this.py")
     prompts = [tok.encode((stdlib / n).read_text()).ids[:32] for n in names[:n_prompts]]
     params = SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True)
-    ref = Engine(copy.deepcopy(fp32), EngineConfig(max_batch_size=n_prompts, max_context=32 + n_new)).generate(
+    ref = Engine(prepare_model(copy.deepcopy(fp32)), EngineConfig(max_batch_size=n_prompts, max_context=32 + n_new)).generate(
         prompts, params)
     out = {"checkpoint": str(loaded.path), "params": fp32.cfg.num_params(), "prompts": n_prompts, "new_tokens": n_new}
     for mode, kw in (("int8", {}), ("int4", {"group_size": group_size})):
         m = copy.deepcopy(fp32)
         quantize_model(m, mode, **kw)
-        got = Engine(m, EngineConfig(max_batch_size=n_prompts, max_context=32 + n_new)).generate(prompts, params)
+        got = Engine(prepare_model(m), EngineConfig(max_batch_size=n_prompts, max_context=32 + n_new)).generate(prompts, params)
         tf = [teacher_forced_agreement(m, fp32, p + r.output_ids, len(p)) for p, r in zip(prompts, ref)]
         free = [np.mean([a == b for a, b in zip(g.output_ids, r.output_ids)]) for g, r in zip(got, ref)]
         out[mode] = {"teacher_forced": float(np.mean(tf)), "free_running": float(np.mean(free))}
@@ -353,7 +350,7 @@ def decode_op_counts(base) -> dict:
     res = {}
     for fuse in (False, True):
         model = base if not fuse else copy.deepcopy(base)
-        e = Engine(model, EngineConfig(max_batch_size=1, max_context=64, fuse=fuse))
+        e = Engine(prepare_model(model, fuse=fuse), EngineConfig(max_batch_size=1, max_context=64))
         e.submit([1, 2, 3], SamplingParams(max_new_tokens=8, temperature=0))
         e.step()
         ops = count_ops(e.runner.decode, 1, 16)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from trainforge.model import FLAVORS, build_model
+from trainforge.model.attention_cache import StaticCache
 from trainforge.errors import ConfigError
 
 
@@ -14,10 +15,10 @@ def test_kv_cache_decoding_matches_full_forward(tie):
     tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(tokens)
-        model.setup_caches(2, 32)
-        parts = [model(tokens[:, :9], 0)] + [model(tokens[:, i:i + 1], i) for i in range(9, 20)]
-        parts.append(model(tokens[:, 20:], 20))  # a multi-token chunk after decoding
-        model.clear_caches()
+        cache = StaticCache.for_model(model, 2, 32)
+        parts = [model(tokens[:, :9], cache.advance(9), cache)]
+        parts += [model(tokens[:, i:i + 1], cache.advance(1), cache) for i in range(9, 20)]
+        parts.append(model(tokens[:, 20:], cache.advance(4), cache))  # a multi-token chunk after decoding
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
 
 

@@ -200,13 +200,17 @@ def _load_for_engine(a, kv_slots=None):
             raise TrainforgeError(f"--quantize {a.quantize}: {a.checkpoint} is already quantised "
                                   f"({loaded.quantization['mode']})")
         quantize_model(loaded.model, a.quantize, a.group_size, pack=False)
+    from trainforge.infer.prepare import prepare_model
+
+    # The inference swaps (fusion, quantised kernels) happen here, before the engine is built.
+    prepare_model(loaded.model, fuse=not a.no_fuse, quant_kernel=a.quant_kernel)
     return loaded
 
 
 def _engine_config(a, **kw):
     from trainforge.infer.engine import EngineConfig
 
-    return EngineConfig(fuse=not a.no_fuse, compile=a.compile, quant_kernel=a.quant_kernel, **kw)
+    return EngineConfig(compile=a.compile, **kw)
 
 
 def _generate(argv: list[str]) -> int:

@@ -25,6 +25,7 @@ import torch
 
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.loading import load_model
+from trainforge.infer.prepare import prepare_model
 from trainforge.infer.sampling import SamplingParams
 
 V1 = Path(__file__).parent / "v1"
@@ -38,7 +39,9 @@ def test_old_model_directories_load_and_generate_the_same(name, sub):
     with torch.no_grad():
         logits = loaded.model(torch.tensor([PROMPT]))[0, -1]
     torch.testing.assert_close(logits, torch.tensor(EXPECTED[name]["last_logits"]), rtol=0, atol=1e-4)
-    engine = Engine(loaded.model, EngineConfig(max_batch_size=2, max_context=64), loaded.tokenizer, loaded.eos_ids)
+    # The old engine fused the model it was given; prepare_model does that now.
+    engine = Engine(prepare_model(loaded.model), EngineConfig(max_batch_size=2, max_context=64), loaded.tokenizer,
+                    loaded.eos_ids)
     req = engine.generate([PROMPT], SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))[0]
     assert req.output_ids == EXPECTED[name]["greedy_tokens"]
 

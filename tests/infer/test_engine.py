@@ -10,6 +10,7 @@ import torch
 
 from tests.infer.helpers import model_for
 from trainforge.infer.engine import Engine, EngineConfig, QueueFull, RequestTooLong
+from trainforge.infer.prepare import prepare_model
 from trainforge.infer.runner import count_allocations
 from trainforge.infer.sampling import SamplingParams
 
@@ -29,7 +30,7 @@ def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
 def test_greedy_matches_the_models_own_argmax_loop(fuse):
     model = model_for("gqa2")
     want = [argmax_loop(model, p, GREEDY.max_new_tokens) for p in PROMPTS]
-    engine = Engine(model, EngineConfig(max_batch_size=4, block_size=8, max_context=128, fuse=fuse))
+    engine = Engine(prepare_model(model, fuse=fuse), EngineConfig(max_batch_size=4, block_size=8, max_context=128))
     got = [r.output_ids for r in engine.generate(PROMPTS, GREEDY)]
     assert got == want
 
@@ -127,7 +128,8 @@ def test_abort_frees_the_requests_blocks():
 def test_a_float32_decode_step_allocates_nothing(fuse):
     """Counted by the profiler's allocator events: the runner's decode step (every layer)
     and a whole engine step (bookkeeping + greedy/top-k sampling) in steady state."""
-    engine = Engine(model_for("gqa4"), EngineConfig(max_batch_size=4, block_size=4, max_context=128, fuse=fuse))
+    engine = Engine(prepare_model(model_for("gqa4"), fuse=fuse),
+                    EngineConfig(max_batch_size=4, block_size=4, max_context=128))
     engine.submit(PROMPTS[1], SamplingParams(max_new_tokens=60, temperature=0))
     engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=60, temperature=0.8, top_k=20, repetition_penalty=1.2,
                                              seed=1))

@@ -9,7 +9,9 @@ import torch
 from tests.infer.helpers import model_for
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.fusion import FusedAttention, FusedFeedForward, FusedTransformerBlock, count_ops, fuse_model
+from trainforge.infer.prepare import prepare_model
 from trainforge.infer.sampling import SamplingParams
+from trainforge.model.attention_cache import StaticCache
 
 ATOL = RTOL = 1e-5
 
@@ -26,17 +28,17 @@ def test_fused_model_forward_matches_unfused(shape):
     with torch.no_grad():
         torch.testing.assert_close(fused(tokens), plain(tokens), atol=ATOL, rtol=RTOL)
         # The model's own KV-cache path works on the fused modules too.
-        fused.setup_caches(2, 48)
-        fused(tokens, start_pos=0)
-        step = fused(tokens[:, :1], start_pos=40)
-        fused.clear_caches()
+        cache = StaticCache.for_model(fused, 2, 48)
+        fused(tokens, cache.advance(40), cache)
+        step = fused(tokens[:, :1], cache.advance(1), cache)
         want = plain(torch.cat([tokens, tokens[:, :1]], dim=1))[:, -1:]
     torch.testing.assert_close(step, want, atol=ATOL, rtol=RTOL)
 
 
 def engine_logits(fuse: bool):
     """Prefill logits and 12 decode steps of logits for a batch of 3 sequences."""
-    engine = Engine(model_for("gqa4"), EngineConfig(max_batch_size=3, block_size=4, max_context=96, fuse=fuse))
+    engine = Engine(prepare_model(model_for("gqa4"), fuse=fuse),
+                    EngineConfig(max_batch_size=3, block_size=4, max_context=96))
     seen = []
     prefill, decode = engine.runner.prefill, engine.runner.decode
     engine.runner.prefill = lambda *a, **k: (lambda o: (seen.append(o.clone()), o)[1])(prefill(*a, **k))
@@ -61,7 +63,7 @@ def test_fused_engine_matches_unfused_and_counts_fewer_ops():
     L = 3
     # Per layer: 3 QKV matmuls -> 1, 2 gate/up -> 1, one rope pass fewer (5 ops); 7 -> 5 ops per norm
     # (2 per layer + the final one).
-    assert len(plain.runner._into) - len(fused.runner._into) == 3 * L  # linears launched per step
+    assert len(plain.runner.decoder.linears) - len(fused.runner.decoder.linears) == 3 * L  # linears launched per step
     assert before["compute"] - after["compute"] >= 3 * L + 5 * L + 2 * (2 * L + 1)
     print(f"decode step ops: {before['compute']} -> {after['compute']} (compute), "
           f"{before['total']} -> {after['total']} (with views)")

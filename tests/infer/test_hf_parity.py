@@ -1,6 +1,6 @@
 """The engine against ``transformers.LlamaForCausalLM`` with the same weights (small
 random models, two grouped-query shapes): logits within 1e-4 (fp32) on prefill and at every
-decode step, and the same 64 greedy tokens. Unfused and fused (the engine's default)."""
+decode step, and the same 64 greedy tokens. Unfused and fused (``prepare_model``'s default)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import transformers
 
 from tests.infer.helpers import SHAPES, model_for
 from trainforge.infer.engine import Engine, EngineConfig
+from trainforge.infer.prepare import prepare_model
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model.hf import to_hf_config_dict, to_hf_state_dict
 
@@ -47,7 +48,7 @@ def test_logits_and_greedy_tokens_match_transformers(shape, fuse):
     hf_tokens = out.sequences[0, len(prompt):].tolist()
     hf_step_logits = torch.cat(out.logits)  # (64, V): step i's logits, before any processor
 
-    engine = Engine(model, EngineConfig(max_batch_size=2, block_size=8, max_context=128, fuse=fuse))
+    engine = Engine(prepare_model(model, fuse=fuse), EngineConfig(max_batch_size=2, block_size=8, max_context=128))
     # Prefill logits at every prompt position, into a scratch sequence of the pool.
     engine.pool.add(10_000, len(prompt))
     slots = torch.tensor(engine.pool.append_slots(10_000, len(prompt)))

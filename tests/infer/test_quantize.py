@@ -19,6 +19,7 @@ from tests.infer.helpers import model_for
 from trainforge.data.dataset import load_prepared
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.loading import load_model
+from trainforge.infer.prepare import prepare_model
 from trainforge.infer.quantize import (Int4Linear, Int8Linear, QuantLinear, choose_kernel, linear_names,
                                        measure_kernels, quantize_model, quantize_state_dict, save_quantized)
 from trainforge.infer.quantize.common import kernel_works
@@ -72,7 +73,7 @@ def test_quantised_layers_fuse_and_decode_like_unfused():
     for fuse in (False, True):
         model = model_for("gqa4")
         quantize_model(model, "int8", pack=False)
-        engine = Engine(model, EngineConfig(max_batch_size=2, max_context=64, fuse=fuse))
+        engine = Engine(prepare_model(model, fuse=fuse), EngineConfig(max_batch_size=2, max_context=64))
         assert engine.kernels == {"fbgemm": 13 if fuse else 22}  # 3 x 7 linears + output; fused: 3 x 4 + 1
         outs.append([r.output_ids for r in engine.generate([[1, 2, 3], [4, 5, 6, 7]],
                                                            SamplingParams(max_new_tokens=16, temperature=0))])

@@ -1,11 +1,12 @@
 """The inference engine: continuous batching over a paged KV cache.
 
-``Engine(model, EngineConfig, tokenizer, eos_ids)`` owns the model (it applies the fusion
-pass and packs quantised layers), one ``KVPool``, one ``ModelRunner`` and one
-``BatchSampler``, all sized once. ``submit`` puts a request in a bounded FIFO queue
-(``QueueFull`` once running + waiting reach ``max_batch_size + max_queue``: a request
-submitted while a batch row is free waits only until the next step, so it takes that row's
-share of the bound, not a queue place); each ``step``:
+``Engine(model, EngineConfig, tokenizer, eos_ids)`` takes a ready model (fused and
+quantised beforehand by ``prepare.prepare_model``, or plain; the engine never changes it)
+and owns one ``KVPool``, one ``ModelRunner`` and one ``BatchSampler``, all sized once.
+``submit`` puts a request in a bounded FIFO queue (``QueueFull`` once running + waiting
+reach ``max_batch_size + max_queue``: a request submitted while a batch row is free waits
+only until the next step, so it takes that row's share of the bound, not a queue place);
+each ``step``:
 
 1. drops aborted requests (their blocks go back to the pool);
 2. admits waiting requests while a batch row is free and the pool can reserve blocks for
@@ -35,9 +36,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from trainforge.infer.fusion import fuse_model
 from trainforge.infer.kv_pool import KVPool
-from trainforge.infer.quantize import pack_quantized
+from trainforge.infer.prepare import describe_model
 from trainforge.infer.request import Request
 from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import BatchSampler, SamplingParams
@@ -59,10 +59,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     n_blocks: int = 0  # KV pool size in blocks; 0 = max_batch_size full-context sequences
     max_context: int = 0  # prompt + generated tokens per sequence; 0 = the model's max_seq_len
-    fuse: bool = True  # QKV, gate+up and add+RMSNorm fusion (fusion.py)
     compile: bool = False  # torch.compile the decode step (slow to start on CPU)
     sync_interval_steps: int = 0  # decode steps between host reads of tokens; 0 = 1 on CPU, 8 on CUDA
-    quant_kernel: str | None = None  # kernel for quantised layers; None = each layer's own choice
 
     def validate(self) -> None:
         for name in ("max_batch_size", "block_size", "max_queue"):
@@ -108,10 +106,9 @@ class Engine:
         config = config or EngineConfig()
         config.validate()
         self.config, self.tokenizer, self.eos_ids = config, tokenizer, tuple(eos_ids)
-        model.eval()
-        self.fusions = fuse_model(model) if config.fuse else {}
-        self.kernels = pack_quantized(model, config.quant_kernel)
         self.model = model
+        described = describe_model(model)  # what prepare_model applied (read only)
+        self.fusions, self.kernels = described["fusions"], described["quant_kernels"]
         cfg = model.cfg
         emb = model.tok_embeddings.weight
         self.device = emb.device

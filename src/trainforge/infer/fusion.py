@@ -1,21 +1,19 @@
-"""Operator fusion for inference, applied to a built model from outside (a module swap).
+"""Fusion rules for inference: which module swaps to apply to a built model, from outside.
+The fused module kinds themselves live in ``trainforge.model.fused`` (each with its forward
+and its decode fast path); this file only decides where they replace the plain ones.
 
-- QKV: ``wq``, ``wk``, ``wv`` become one ``wqkv`` (rows concatenated), one matmul instead of three.
-- gate+up: the SwiGLU ``w1`` (gate) and ``w3`` (up) become one ``w13``.
-- residual-add + RMSNorm: the norm that follows each residual add is computed as
-  x * rsqrt(x.x + d*eps) * (w * sqrt(d)), the sum of squares as one dot product and the
-  sqrt(d) folded into the weight (precomputed by the engine), straight after the add (in
-  place in decode): add + 5 ops instead of add + 7, and no temporaries. On CUDA it is
-  ``aten._fused_rms_norm``, a single kernel there; on CPU that op is a composite of the same
-  five ops plus scalar temporaries, so it is not used. No eager kernel also does the add;
-  ``torch.compile`` of the decode step (``EngineConfig.compile``) puts add and norm in one loop.
+- QKV: ``wq``, ``wk``, ``wv`` become one ``wqkv`` (``FusedAttention``).
+- gate+up: the SwiGLU ``w1`` (gate) and ``w3`` (up) become one ``w13`` (``FusedFeedForward``).
+- residual-add + RMSNorm: every block's norms and the final norm become ``FusedRMSNorm``
+  (``FusedTransformerBlock``).
+- row-block linears (``row_block_linears``, CPU): every float linear becomes a
+  ``RowBlockLinear``, whose few-row products (a prompt's prefill) spread over the threads.
 
-Fused layers compute the same sums in the same order per output element, so logits match the
-unfused model to float rounding (tests: 1e-5). Quantised linears concatenate in their stored
-form (``QuantLinear.cat``), so fusion may run before or after the quantisation swap, as long
-as the layers are not packed yet. ``count_ops`` counts the ATen operators a call dispatches
-(views included), for the before/after report. ``fuse_model`` mutates the model: the engine
-owns the model it is given.
+Quantised linears concatenate in their stored form (``QuantLinear.cat``), so fusion may run
+before or after the quantisation swap, as long as the layers are not packed yet.
+``count_ops`` counts the ATen operators a call dispatches (views included), for the
+before/after report. ``fuse_model`` mutates the model it is given (``prepare.py`` applies
+it before an engine is built; the engine never changes its model).
 """
 
 from __future__ import annotations
@@ -24,24 +22,13 @@ from collections import Counter
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainforge.infer.quantize.common import QuantLinear
-from trainforge.model.llama import Attention, FeedForward, RMSNorm, TransformerBlock, attend
-
-
-def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-    """``norm(x)`` the fused way (see the module docstring) for fp32; other dtypes use the
-    module, which computes in fp32 itself."""
-    if x.dtype != torch.float32 or norm.weight.dtype != torch.float32:
-        return norm(x)
-    d = x.shape[-1]
-    if x.is_cuda:
-        return torch.ops.aten._fused_rms_norm(x, [d], norm.weight, norm.eps)[0]
-    r = torch.rsqrt(torch.linalg.vecdot(x, x).unsqueeze(-1) + d * norm.eps)
-    return x * r * (norm.weight * d ** 0.5)
+from trainforge.model.fast_decode import RowBlockLinear
+from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedRMSNorm, FusedTransformerBlock
+from trainforge.model.llama import Attention, FeedForward, RMSNorm
 
 
 def cat_linears(mods: list[nn.Module]) -> nn.Module | None:
@@ -57,52 +44,6 @@ def cat_linears(mods: list[nn.Module]) -> nn.Module | None:
             return None
         return type(mods[0]).cat(mods)
     return None
-
-
-class FusedAttention(nn.Module):
-    """``Attention`` with one ``wqkv`` projection; same forward contract (incl. ``cache``)."""
-
-    def __init__(self, wqkv: nn.Module, wo: nn.Module, n_heads: int, n_kv_heads: int, head_dim: int):
-        super().__init__()
-        self.wqkv, self.wo = wqkv, wo
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.split = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
-        self.cache = None
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split(self.split, dim=-1)
-        q = q.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = k.reshape(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = v.reshape(B, T, -1, self.head_dim).transpose(1, 2)
-        out = attend(q, k, v, cos, sin, self.cache, start_pos)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
-
-
-class FusedFeedForward(nn.Module):
-    """SwiGLU with one ``w13`` = [gate; up] projection: w2(silu(g) * u)."""
-
-    def __init__(self, w13: nn.Module, w2: nn.Module, hidden_dim: int):
-        super().__init__()
-        self.w13, self.w2, self.hidden_dim = w13, w2, hidden_dim
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.w13(x).split(self.hidden_dim, dim=-1)
-        return self.w2(F.silu(g) * u)
-
-
-class FusedTransformerBlock(nn.Module):
-    """``TransformerBlock`` whose norms run as one fused kernel on the just-added residual.
-    Same submodule names, so quantisation and the engine find them where they were."""
-
-    def __init__(self, block: TransformerBlock):
-        super().__init__()
-        self.attention_norm, self.attention = block.attention_norm, block.attention
-        self.ffn_norm, self.feed_forward = block.ffn_norm, block.feed_forward
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        x = x + self.attention(rms_norm(x, self.attention_norm), cos, sin, start_pos)
-        return x + self.feed_forward(rms_norm(x, self.ffn_norm))
 
 
 def _unwrap(block: nn.Module) -> nn.Module:
@@ -133,7 +74,19 @@ def fuse_model(model: nn.Module, qkv: bool = True, gate_up: bool = True, add_nor
             block = FusedTransformerBlock(block)
             done["add_norm"] += 1
         model.layers[name] = block
+    if add_norm and type(model.norm) is RMSNorm:
+        model.norm = FusedRMSNorm.of(model.norm)
     return done
+
+
+def row_block_linears(model: nn.Module) -> int:
+    """Swap every bias-free float ``nn.Linear`` for a ``RowBlockLinear`` on the same weight
+    (in place); returns how many. Run after fusion (``cat_linears`` takes plain linears)."""
+    swaps = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
+             if type(m) is nn.Linear and m.bias is None]
+    for parent, name, m in swaps:
+        setattr(parent, name, RowBlockLinear.of(m))
+    return len(swaps)
 
 
 class _OpCounter(TorchDispatchMode):

@@ -1,8 +1,8 @@
 """Generation through the engine for one prompt, on a model that may still be training:
 the sample printed after ``trainforge train``. ``generate`` leaves the model as it found it
-(no fusion, train/eval mode restored). ``trainforge generate`` (cli.py) builds its engine
-itself: it loads a checkpoint it owns, so it may fuse, quantise and compile, and reports
-the engine's statistics."""
+(no fusion: the engine runs the model as it is). ``trainforge generate`` (cli.py) builds
+its engine itself: it loads a checkpoint it owns, so it prepares it (``prepare.prepare_model``:
+fusion, quantised kernels), may compile, and reports the engine's statistics."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, 
              tokenizer=None, config: EngineConfig | None = None):
     """Continue ``prompt_ids``; returns the finished ``Request`` (``output_ids``, ``text``
     when a tokenizer is given, ``finish_reason``). A one-row engine sized to this request
-    unless ``config`` says otherwise (``config.fuse`` rewrites the model: off by default)."""
+    unless ``config`` says otherwise. The model is used as it is (no fusion)."""
     params.validate()
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
@@ -28,7 +28,7 @@ def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, 
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + --max_new_tokens {params.max_new_tokens} exceeds the "
                          f"model's max_seq_len {model.cfg.max_seq_len}")
     was_training = model.training
-    config = config or EngineConfig(max_batch_size=1, max_queue=1, max_context=total, fuse=False)
+    config = config or EngineConfig(max_batch_size=1, max_queue=1, max_context=total)
     # The engine computes in the parameters' dtype into buffers of that dtype; a caller's
     # autocast (the trainer's mixed precision) would hand it other dtypes.
     device_type = model.tok_embeddings.weight.device.type

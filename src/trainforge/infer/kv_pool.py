@@ -9,7 +9,8 @@ finished sequence's blocks go straight back to the free list.
 
 The slot axis sits between heads and head dim, (H_kv, slots, D), so gathering the slots of B
 sequences with one ``index_select`` gives (H_kv, B * S, D), which views as the batch of
-(H_kv * B) key matrices that ``bmm`` wants, without a permute copy (see ``runner.py``).
+(H_kv * B) key matrices that ``bmm`` wants, without a permute copy (see
+``model/attention_cache.py``, whose ``PagedCache`` the runner builds over ``k`` / ``v``).
 
 Block 0 is never handed out: it is the padding block. Gather indices past a sequence's
 length point into it, and their scores are masked, so padding reads harmless zeros.
@@ -19,7 +20,7 @@ max_new_tokens) when it is admitted and *takes* them one at a time as it grows. 
 sequence therefore never finds the pool empty (no preemption needed), and blocks reserved
 but not yet taken stay free for the moment. vLLM's block manager does the same bookkeeping
 with preemption on top; the pool here is hand-written because the tensor layout has to
-match the runner's gather, which no PyTorch library provides.
+match the paged cache's gather, which no PyTorch library provides.
 """
 
 from __future__ import annotations

@@ -7,15 +7,30 @@ The model knows nothing about parallelism, precision or compression: those are
 applied from outside (``trainforge.parallel``, ``trainforge.precision``). Rotary
 embeddings use the "rotate half" layout of Hugging Face's ``LlamaForCausalLM``, so
 weights convert between the two by renaming only (see ``hf.py``).
+
+This forward is the only definition of the model's math. Training calls
+``forward(tokens)``; inference calls ``forward(tokens, positions, cache)`` with an
+``AttentionCache`` (``attention_cache.py``) that the attention writes keys/values into and
+reads its context from, so prefill and batched decode run these very modules. Modules also
+carry ``decode_calls``: the same computation for one token per row, allocation-free, bound
+to a preallocated workspace (``fast_decode.py``), each tested against its ``forward``.
+Fused kinds (``fused.py``) and quantised linears are module swaps applied from outside.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainforge.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from trainforge.model.attention_cache import AttentionCache, LayerCache
+    from trainforge.model.fast_decode import DecodeWorkspace
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +45,17 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def decode_calls(self, ws: DecodeWorkspace, x: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
+        """out <- forward(x) for x (B, dim) without allocation: in float32 the same ops
+        (``mean`` is sum / d), each ``out=`` or in place; other dtypes call ``forward``."""
+        if x.dtype != torch.float32:
+            return [lambda: out.copy_(self(x))]
+        sq, ms = ws.norm_scratch(x.shape[0])
+        d, eps = ws.scalar(float(x.shape[1])), ws.scalar(self.eps)
+        p = functools.partial
+        return [p(torch.mul, x, x, out=sq), p(torch.sum, sq, dim=-1, keepdim=True, out=ms), p(ms.div_, d),
+                p(ms.add_, eps), ms.rsqrt_, p(torch.mul, x, ms, out=out), p(out.mul_, self.weight)]
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,39 +74,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-class KVCache(nn.Module):
-    """Pre-allocated per-layer key/value cache for incremental decoding, (B, H_kv, T_max, D)."""
+def rope_tables_folded(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables ``RopeInto`` reads: rotate-half's sign folded into the sine, so that
+    rotate_half(x) * sin == [x2, x1] * sin' term by term (negation is exact)."""
+    sin = sin.to(dtype).clone()
+    sin[:, :sin.shape[1] // 2].neg_()
+    return cos.to(dtype), sin
 
-    def __init__(self, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype, device=None):
-        super().__init__()
-        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, start_pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start_pos + k.shape[2]
-        self.k[:, :, start_pos:end] = k
-        self.v[:, :, start_pos:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+class RopeInto:
+    """``apply_rope`` in place, without allocation: x (B, n, D) <- x*cos + [x2, x1]*sin'
+    (tables from ``rope_tables_folded``, indexed by each row's position; ``tmp`` like x)."""
+
+    def __init__(self, x: torch.Tensor, tmp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        half = x.shape[-1] // 2
+        self.x, self.t, self.cos, self.sin = x, tmp, cos, sin
+        self.pairs = ((tmp[..., :half], x[..., half:]), (tmp[..., half:], x[..., :half]))
+
+    def __call__(self) -> None:
+        for dst, src in self.pairs:
+            dst.copy_(src)
+        self.t.mul_(self.sin)
+        self.x.mul_(self.cos)
+        self.x.add_(self.t)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           cache: KVCache | None, start_pos: int) -> torch.Tensor:
-    """Causal attention of (B, H, T, D) queries over (B, Hkv, T, D) keys/values: rotary
-    embeddings, then the cache (if any) appended to, then SDPA. Shared by the model and
-    the inference fusion pass, so both attend identically. Returns (B, H, T, D)."""
-    T = q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+           cache: LayerCache | None) -> torch.Tensor:
+    """Attention of (B, H, T, D) queries over (B, Hkv, T, D) keys/values: rotary embeddings,
+    then causal SDPA over the sequence itself (training) or the cache's attention, which
+    stores k/v and reads the context the cache's owner set for this step. Shared by every
+    attention kind (plain, fused), so all attend identically. Returns (B, H, T, D)."""
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if cache is not None:
-        k, v = cache.update(start_pos, k, v)
-    S = k.shape[2]
-    if S == T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    # Decoding against a cache: query i sits at absolute position start_pos + i.
-    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=start_pos)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if cache is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return cache.attend(q, k, v)
 
 
 class Attention(nn.Module):
@@ -91,17 +119,41 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        self.cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts come from the projections' output sizes (-1), not the config, so the
         # same code runs when tensor parallelism leaves n_heads / tp heads on each rank.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        out = attend(q, k, v, cos, sin, self.cache, start_pos)
+        out = attend(q, k, v, cos, sin, cache)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def decode_calls(self, ws: DecodeWorkspace, h: torch.Tensor, out: torch.Tensor,
+                     cache: LayerCache) -> list[Callable[[], None]]:
+        """The allocation-free decode step of ``forward`` for h (B, dim) -> out (B, dim)
+        (fast_decode.py): three projections into the workspace, rotary in place, the
+        cache's attention, ``wo``."""
+        B, D = h.shape[0], self.head_dim
+        q, k, v = ws.qkv_views(B, self.n_heads * D, self.n_kv_heads * D, fused=False)
+        calls = [ws.linear(m).bind(h, o) for m, o in ((self.wq, q), (self.wk, k), (self.wv, v))]
+        ropes = [q.view(B, -1, D), k.view(B, -1, D)]
+        return calls + attention_decode_calls(ws, ropes, q, k, v, cache, self.wo, out)
+
+
+def attention_decode_calls(ws: DecodeWorkspace, ropes: list[torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, cache: LayerCache, wo: nn.Module, out: torch.Tensor
+                           ) -> list[Callable[[], None]]:
+    """What every attention kind's decode step does once q, k, v (B, H*D) / (B, Hkv*D) are
+    projected: rotary in place on the (B, n, D) views ``ropes`` (``apply_rope``'s formula,
+    see ``RopeInto``), the cache's attention into the workspace, ``wo`` into ``out``."""
+    at = ws.attention_out(q.shape[0], q.shape[1])
+    calls: list[Callable[[], None]] = [ws.rope(x) for x in ropes]
+    calls += cache.decode_calls(ws, q, k, v, at)
+    calls.append(ws.linear(wo).bind(at, out))
+    return calls
 
 
 class FeedForward(nn.Module):
@@ -116,6 +168,14 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
+    def decode_calls(self, ws: DecodeWorkspace, h: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
+        """``forward`` without allocation: gate and up into the workspace, silu and the
+        product in place (into the gate's buffer), ``w2`` into ``out``."""
+        g, u = ws.gate_up_views(h.shape[0], self.w1.out_features, fused=False)
+        return [ws.linear(self.w1).bind(h, g), ws.linear(self.w3).bind(h, u),
+                functools.partial(F.silu, g, inplace=True), functools.partial(g.mul_, u),
+                ws.linear(self.w2).bind(g, out)]
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -125,9 +185,18 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def decode_calls(self, ws: DecodeWorkspace, x: torch.Tensor, cache: LayerCache) -> list[Callable[[], None]]:
+        """``forward`` for one token per row, x (B, dim) updated in place, no allocation.
+        Each submodule contributes its own ``decode_calls``."""
+        h, delta = ws.hidden(x.shape[0])
+        return [*self.attention_norm.decode_calls(ws, x, h), *self.attention.decode_calls(ws, h, delta, cache),
+                functools.partial(x.add_, delta), *self.ffn_norm.decode_calls(ws, x, h),
+                *self.feed_forward.decode_calls(ws, h, delta), functools.partial(x.add_, delta)]
 
 
 class Transformer(nn.Module):
@@ -172,34 +241,35 @@ class Transformer(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
-        """tokens: (B, T) int64 -> logits (B, T, vocab). ``start_pos`` is the absolute
-        position of tokens[:, 0] when decoding against caches set by ``setup_caches``.
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: AttentionCache | None = None, output_rows: slice | None = None) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab).
+
+        Training passes tokens alone: positions 0..T-1, causal attention within the
+        sequence. Inference passes ``positions`` (T,) shared by the rows or (B, T) per row
+        (rotary tables are indexed by them) and an ``AttentionCache`` (attention_cache.py)
+        that stores each layer's keys/values and supplies the context to attend to; its
+        owner sets the step's metadata (slots, lengths) before the call. ``output_rows``
+        keeps only those positions before the final norm (prefill needs the last one).
 
         A pipeline stage sets ``tok_embeddings`` / ``norm`` / ``output`` to None when it
         does not own them; it then takes and/or returns hidden states (B, T, dim)."""
         T = tokens.shape[1]
-        if start_pos + T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos = self.rope_cos[start_pos:start_pos + T]
-        sin = self.rope_sin[start_pos:start_pos + T]
+        if positions is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D)
+        elif positions.dim() == 1:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, D)
+        else:  # (B, T): (B, 1, T, D), broadcast over heads
+            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, start_pos)
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, cache.layer(int(name)) if cache is not None else None)
+        if output_rows is not None:
+            h = h[:, output_rows]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
-
-    def setup_caches(self, batch_size: int, max_seq_len: int | None = None) -> None:
-        """Allocate static KV caches for generation (``clear_caches`` removes them)."""
-        max_seq_len = max_seq_len or self.cfg.max_seq_len
-        w = self.output.weight
-        for layer in self.layers.values():
-            layer.attention.cache = KVCache(batch_size, self.cfg.n_kv_heads, max_seq_len, self.cfg.head_dim,
-                                            w.dtype, w.device)
-
-    def clear_caches(self) -> None:
-        for layer in self.layers.values():
-            layer.attention.cache = None
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:

@@ -46,6 +46,14 @@ class QuantLinear(nn.Module):
 
     MODE = ""
     STORED: tuple[str, ...] = ()
+    _KINDS: dict[str, type[QuantLinear]] = {}  # MODE -> subclass, filled as subclasses are defined
+
+    def __init_subclass__(cls, **kwargs):
+        # Kinds register themselves, so this file needs no import of int8.py / int4.py
+        # (which import it): no import cycle. The package __init__ imports both kinds.
+        super().__init_subclass__(**kwargs)
+        if cls.MODE:
+            QuantLinear._KINDS[cls.MODE] = cls
 
     def __init__(self, in_features: int, out_features: int, kernel: str = "auto"):
         super().__init__()
@@ -238,10 +246,7 @@ def measure_kernels(mode: str, device: torch.device | str, n: int = 4096, k: int
 
 
 def _mode_class(mode: str) -> type[QuantLinear]:
-    from trainforge.infer.quantize.int4 import Int4Linear
-    from trainforge.infer.quantize.int8 import Int8Linear
-
-    classes = {"int8": Int8Linear, "int4": Int4Linear}
+    classes = QuantLinear._KINDS
     if mode not in classes:
         raise ValueError(f"quantization mode {mode!r}: use one of {sorted(classes)}")
     return classes[mode]

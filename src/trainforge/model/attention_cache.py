@@ -1,0 +1,186 @@
+"""Attention caches: the object an inference forward passes to the model's attention.
+
+``Transformer.forward(tokens, positions, cache)`` hands each block ``cache.layer(i)``; the
+attention computes q, k, v and rotary embeddings itself, then calls
+``layer_cache.attend(q, k, v)``, which stores the new keys/values and attends over the
+context the cache's owner set up for this step (vLLM's attention backends and gpt-fast's
+single forward work the same way). The model's math is written once; a cache decides only
+where keys and values live and which of them a query sees.
+
+- ``StaticCache``: contiguous (B, H_kv, T_max, D) per layer, every row at the same
+  position (gpt-fast's static cache). ``advance(T)`` returns the positions of the next T
+  tokens and is called once per forward.
+- ``PagedCache``: the engine's paged KV pool (``infer/kv_pool.py`` holds the block
+  bookkeeping and hands over its tensors, (n_layers, H_kv, slots, D)). The owner writes the
+  step's metadata into the cache's buffers: ``slots`` (where each row's new token goes),
+  ``gather`` (each row's first S slots, its page table padded with the padding block) and
+  ``bias`` (0 up to the row's length, -inf past it), then calls ``set_decode(B, S)``; a
+  prompt goes in with ``set_prefill(slots)``.
+
+``PagedCache.decode_calls`` is the allocation-free form of its ``attend`` for one token per
+row (see ``fast_decode.py``), with a parity test against ``attend``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from trainforge.model.fast_decode import DecodeWorkspace
+
+
+class AttentionCache:
+    """What ``Transformer.forward`` needs of a cache: a per-layer view whose ``attend``
+    takes rotated q (B, H, T, D), k and v (B, H_kv, T, D) and returns (B, H, T, D)."""
+
+    n_layers: int
+
+    def __init__(self, n_layers: int):
+        self.n_layers = n_layers
+        # Made once: forward asks for a layer's view every step.
+        self._layers = [LayerCache(self, i) for i in range(n_layers)]
+
+    def layer(self, index: int) -> LayerCache:
+        return self._layers[index]
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_calls(self, index: int, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor) -> list[Callable[[], None]]:
+        raise NotImplementedError(f"{type(self).__name__} has no allocation-free decode step")
+
+
+class LayerCache:
+    """One layer's view of a cache: what an attention module receives."""
+
+    def __init__(self, cache: AttentionCache, index: int):
+        self.cache, self.index = cache, index
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.cache.attend(self.index, q, k, v)
+
+    def decode_calls(self, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor) -> list[Callable[[], None]]:
+        return self.cache.decode_calls(self.index, ws, q, k, v, out)
+
+
+class StaticCache(AttentionCache):
+    """Contiguous keys/values (n_layers, B, H_kv, T_max, D), all rows at the same position."""
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+        super().__init__(n_layers)
+        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0  # tokens stored
+        self.start_pos = 0  # position of the current forward's first token
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, max_seq_len: int | None = None) -> StaticCache:
+        cfg, w = model.cfg, model.tok_embeddings.weight
+        return cls(cfg.n_layers, batch_size, cfg.n_kv_heads, max_seq_len or cfg.max_seq_len, cfg.head_dim,
+                   w.dtype, w.device)
+
+    def advance(self, n_tokens: int) -> torch.Tensor:
+        """Positions (T,) of the next ``n_tokens`` tokens; the forward that follows stores them there."""
+        end = self.length + n_tokens
+        if end > self.k.shape[3]:
+            raise ValueError(f"{end} tokens exceed the cache's {self.k.shape[3]} (raise max_seq_len)")
+        self.start_pos, self.length = self.length, end
+        return torch.arange(self.start_pos, end, device=self.k.device)
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, T = self.start_pos, q.shape[2]
+        end = start + T
+        self.k[index, :, :, start:end] = k
+        self.v[index, :, :, start:end] = v
+        k, v = self.k[index, :, :, :end], self.v[index, :, :, :end]
+        gqa = q.shape[1] != k.shape[1]
+        if end == T:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # Query i sits at absolute position start + i.
+        mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class PagedCache(AttentionCache):
+    """Keys/values in a paged pool, k / v (n_layers, H_kv, n_slots, D), for up to
+    ``max_rows`` sequences of up to ``context_slots`` slots each (see the module docstring
+    for the metadata the owner fills)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, max_rows: int, context_slots: int):
+        super().__init__(k.shape[0])
+        self.k, self.v = k, v
+        self.max_rows, self.context_slots = max_rows, context_slots
+        dev = dict(device=k.device)
+        R, C = max_rows, context_slots
+        self.slots = torch.zeros(R, dtype=torch.long, **dev)
+        self.gather = torch.zeros(R * C, dtype=torch.long, **dev)
+        self.bias = torch.zeros(R * C, dtype=k.dtype, **dev)
+        self._prefill_slots: torch.Tensor | None = None
+        self._shape = (0, 0)  # (B, S) of the decode step
+
+    def set_prefill(self, slots: torch.Tensor) -> None:
+        """The next forward is one sequence's prompt (positions 0..T-1) stored at ``slots`` (T,)."""
+        self._prefill_slots = slots
+
+    def set_decode(self, rows: int, context: int) -> None:
+        """The next forward is one token for each of ``rows`` sequences; ``gather`` / ``bias``
+        hold ``context`` slots per row and ``slots`` each row's new slot."""
+        self._prefill_slots, self._shape = None, (rows, context)
+
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kp, vp = self.k[index], self.v[index]  # (H_kv, slots, D)
+        gqa = q.shape[1] != k.shape[1]
+        if self._prefill_slots is not None:  # the prompt attends to itself only
+            kp.index_copy_(1, self._prefill_slots, k[0])
+            vp.index_copy_(1, self._prefill_slots, v[0])
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        B, S = self._shape
+        Hkv, D = k.shape[1], k.shape[3]
+        kp.index_copy_(1, self.slots[:B], k[:, :, 0].transpose(0, 1))  # (H_kv, B, D)
+        vp.index_copy_(1, self.slots[:B], v[:, :, 0].transpose(0, 1))
+        gather = self.gather[:B * S]
+        kg = kp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)  # (B, H_kv, S, D)
+        vg = vp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)
+        mask = self.bias[:B * S].view(B, 1, 1, S)
+        return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa)
+
+    def decode_calls(self, index: int, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor) -> list[Callable[[], None]]:
+        """``attend`` for one token per row without allocation: q (B, H*D), k / v (B, H_kv*D)
+        (views of the workspace, rotated), out (B, H*D). Every row's first S slots are
+        gathered with one ``index_select`` into (H_kv, B*S, D), which views as the batch of
+        H_kv*B key matrices ``bmm`` wants (no permute copy); q is scaled before q.k (SDPA
+        scales the product: equal to float rounding)."""
+        B, S = ws.rows, ws.context
+        D = ws.head_dim
+        H, Hkv = q.shape[1] // D, k.shape[1] // D
+        G = H // Hkv
+        kp, vp = self.k[index], self.v[index]
+        slots, gather, bias = self.slots[:B], self.gather[:B * S], self.bias[:B * S].view(1, B, 1, S)
+        kg, vg, qt, scores, probs, ao = ws.attention_scratch()  # flat buffers, sized for the largest step
+        n = B * S
+        kg, vg = kg[:Hkv * n * D].view(Hkv, n, D), vg[:Hkv * n * D].view(Hkv, n, D)
+        qt, ao = qt[:H * B * D].view(Hkv, B, G, D), ao[:H * B * D].view(Hkv * B, G, D)
+        scores, probs = scores[:H * n].view(Hkv * B, G, S), probs[:H * n].view(Hkv * B, G, S)
+        kg_t = kg.view(Hkv * B, S, D).transpose(1, 2)
+        vg_b = vg.view(Hkv * B, S, D)
+        qt_b, scores4 = qt.view(Hkv * B, G, D), scores.view(Hkv, B, G, S)
+        ao_perm = ao.view(Hkv, B, G, D).permute(1, 0, 2, 3)
+        q_perm = q.view(B, Hkv, G, D).permute(1, 0, 2, 3)
+        p = functools.partial
+        return [p(kp.index_copy_, 1, slots, k.view(B, Hkv, D).transpose(0, 1)),
+                p(vp.index_copy_, 1, slots, v.view(B, Hkv, D).transpose(0, 1)),
+                p(torch.index_select, kp, 1, gather, out=kg), p(torch.index_select, vp, 1, gather, out=vg),
+                p(torch.mul, q_perm, ws.scalar(D ** -0.5), out=qt),
+                p(torch.bmm, qt_b, kg_t, out=scores), p(scores4.add_, bias),
+                p(torch.ops.aten._softmax.out, scores, -1, False, out=probs),
+                p(torch.bmm, probs, vg_b, out=ao),
+                p(out.view(B, Hkv, G, D).copy_, ao_perm)]
