@@ -108,7 +108,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
         parallelize_module(model, tp_mesh, top)
 
     # Block inputs: only x is a tensor to lay out; cos/sin (T, head_dim) stay plain
-    # replicated tensors and start_pos is an int. Redistributing x to Replicate once here
+    # replicated tensors and the attention cache is None in training. Redistributing x to Replicate once here
     # (an all-gather with SP, a no-op otherwise) lets wq/wk/wv (w1/w3) share one DTensor
     # input, so their input-gradients are summed locally and all-reduced/reduce-scattered once.
     for block in model.layers.values():
