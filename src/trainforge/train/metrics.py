@@ -44,3 +44,12 @@ class ConsoleReporter:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def validation_message(record: dict[str, Any]) -> str:
+    """The console line of a validation record (with early stopping's prediction, if any)."""
+    text = f"step {record['step']} val_loss {record['val_loss']:.4f}"
+    if record.get("predicted_final_loss") is not None:
+        text += (f" (predicted final {record['predicted_final_loss']:.4f} +- {record['predicted_final_loss_std']:.4f}"
+                 f", improvement below min_delta from step {record['predicted_stop_step']})")
+    return text

@@ -42,7 +42,7 @@ from trainforge.train.chunked_loss import chunked_cross_entropy, hidden_states
 from trainforge.train.component import Callback, Components, Rollback, Stop, StopKind, Window
 from trainforge.train.features import build_components
 from trainforge.train.lr_schedule import build_scheduler
-from trainforge.train.metrics import ConsoleReporter
+from trainforge.train.metrics import ConsoleReporter, validation_message
 from trainforge.train.mfu import matmul_peak_flops
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.stop_signals import StopSignals
@@ -380,7 +380,7 @@ class Trainer:
         val = self.evaluate()
         record = self._validation_record(val)
         self.metrics.write(record)
-        reporter.message(_validation_message(record))
+        reporter.message(validation_message(record))
         return val
 
     @property
@@ -393,10 +393,3 @@ class Trainer:
         self.train_batches.close()
         self.metrics.close()
 
-
-def _validation_message(record: dict[str, Any]) -> str:
-    text = f"step {record['step']} val_loss {record['val_loss']:.4f}"
-    if record.get("predicted_final_loss") is not None:
-        text += (f" (predicted final {record['predicted_final_loss']:.4f} +- {record['predicted_final_loss_std']:.4f}"
-                 f", improvement below min_delta from step {record['predicted_stop_step']})")
-    return text
