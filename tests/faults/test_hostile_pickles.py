@@ -44,6 +44,9 @@ from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.infer.loading import load_model
 from trainforge.model.hf import to_hf_config_dict, to_hf_state_dict
 from trainforge.train import checkpoint as ckpt
+from trainforge.train import loop_checkpoint
+from trainforge.train.component import Components
+from trainforge.train.compression_component import CompressionComponent
 from trainforge.train.trainer import Trainer
 
 _OP = {op.name: op.code.encode("latin-1") for op in pickletools.opcodes}
@@ -487,17 +490,17 @@ class _Compressor:
 def test_compression_state_file_refuses_hostile_payloads(pristine, draw):
     """``compression/rank_*.pt`` is read only by a multi-process resume with compression
     (seconds of torchrun per example), so this runs the trainer's own reader of it,
-    ``Trainer._load_compression``, on this rank's file."""
+    ``loop_checkpoint.load_components`` with the compression component, on this rank's file."""
     run_dir, marker = _copy(pristine["sharded"])
     ck = _newest(run_dir)
     f = ck / "compression" / "rank_00000.pt"
     assert ckpt.load_tensor_file(f)  # the genuine file loads
     data, spec = hostile(draw, f.read_bytes(), marker, True)
     tamper(ck, "compression/rank_00000.pt", data)
-    trainer = SimpleNamespace(compressor=_Compressor(), dist=SimpleNamespace(rank=0), device=torch.device("cpu"),
-                              is_main=True)
+    loop = SimpleNamespace(components=Components([CompressionComponent(_Compressor())]),
+                           dist=SimpleNamespace(rank=0), device=torch.device("cpu"), is_main=True)
     with pytest.raises(TrainforgeError) as e:
-        Trainer._load_compression(trainer, ck)
+        loop_checkpoint.load_components(loop, ck, {})
     assert_refused(e.value, f, marker, spec)
     shutil.rmtree(run_dir.parent)
 

@@ -89,8 +89,7 @@ def load(loop: Any, path: Path, rollback: bool = False) -> None:
             sched.load_state_dict(state["scheduler"])
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: model/optimizer/scheduler state does not fit this run ({e})") from None
-    loop.components.load(loop, path, state, loop.dist.rank, lambda f: ckpt.load_tensor_file(f, loop.device),
-                         rollback=rollback)
+    load_components(loop, path, state, rollback)
     _keep_configured_schedule(loop)
     if not rollback:
         loop.train_batches.load_state_dict(state["data"])
@@ -137,3 +136,12 @@ def rollback(loop: Any, bad_steps: int) -> None:
                 ckpt.remove_checkpoint(newer)  # renamed first: a kill never leaves half of one
     loop.metrics.write({"step": loop.step, "rolled_back_from_step": from_step, "rolled_back_to": str(found[-1]),
                         "data": loop.train_batches.state_dict()})
+
+
+def load_components(loop: Any, path: Path, state: dict[str, Any], rollback: bool = False) -> None:
+    """Every registered component's state from checkpoint ``path``: its entry in
+    ``train_state.pt`` (``state``) or, for per-rank state, this rank's
+    ``<name>/rank_NNNNN.pt``, read with the safe loader (a hostile or corrupt file is a
+    ``CheckpointError`` naming it; nothing reaches the component)."""
+    loop.components.load(loop, path, state, loop.dist.rank, lambda f: ckpt.load_tensor_file(f, loop.device),
+                         rollback=rollback)
