@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from conftest import StopAt, debug_config
-from trainforge.train.component import Component, Components, Stop, StopKind
+from tests.control.test_trainer_control import run
 from trainforge.monitor.jsonl import read_jsonl
+from trainforge.train.component import Component, Components, Stop, StopKind
 from trainforge.train.trainer import Trainer
 
 
@@ -45,11 +46,7 @@ class AppliedSteps(Component):
 
 
 def fit(cfg, run_dir, components, resume=False):
-    t = Trainer(cfg, run_dir, resume=resume, callbacks=components, progress=False)
-    try:
-        return t.fit(), t
-    finally:
-        t.close()
+    return run(cfg, run_dir, resume=resume, callbacks=components)
 
 
 def test_a_component_is_hooked_logged_checkpointed_and_resumed(tmp_path, small_data):

@@ -32,6 +32,11 @@ class StepLayout:
         self._loss_parallel = dims.tp > 1 and loss_parallel
         self._pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
 
+    def next_batch(self, batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (inputs, targets) micro-batch, on the device (non-blocking from pinned memory)."""
+        inputs, targets = batches.next()
+        return inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+
     def loss_ctx(self):
         return loss_context(self._loss_parallel)
 
@@ -89,9 +94,7 @@ class LocalStep(StepLayout):
         mp = self.mp
         total = torch.zeros((), device=self.device)
         for micro in range(micro_batches):
-            inputs, targets = batches.next()
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
+            inputs, targets = self.next_batch(batches)
             with self.loss_ctx():
                 with mp.autocast(track_activations=track_activations and micro == 0):
                     loss = self.loss_fn(inputs, targets) / micro_batches
@@ -129,9 +132,7 @@ class PipelineStep(StepLayout):
         mp = self.mp
         total = torch.zeros((), device=self.device)
         for _ in range(micro_batches):
-            inputs, targets = batches.next()
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
+            inputs, targets = self.next_batch(batches)
             # The schedule runs forward and backward; the loss exists on the last stage only.
             with self.loss_ctx(), mp.autocast():
                 loss = self.pipeline.step(inputs, targets)
