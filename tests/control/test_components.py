@@ -57,6 +57,9 @@ def test_a_component_is_hooked_logged_checkpointed_and_resumed(tmp_path, small_d
     assert first.events[:5] == ["start", "judge", "applied", "end", "start"]
     state = torch.load(tmp_path / "run" / "checkpoints" / "step_0000003" / "train_state.pt", weights_only=True)
     assert state["applied_steps"] == {"count": 3}
+    # The monitor is registered too (last), flushes before each checkpoint and adds its cost
+    # to the summary; it has no checkpoint state, so train_state.pt has no entry for it.
+    assert "monitor" not in state and summary["monitor_s"] >= 0
     again = AppliedSteps()
     fit(cfg(), tmp_path / "run", [again], resume=True)
     logged = {r["step"]: r["applied_steps"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in r}

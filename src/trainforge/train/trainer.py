@@ -44,6 +44,7 @@ from trainforge.train.features import build_components
 from trainforge.train.lr_schedule import build_scheduler
 from trainforge.train.metrics import ConsoleReporter, validation_message
 from trainforge.train.mfu import matmul_peak_flops
+from trainforge.train.monitor_component import MonitorComponent
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.stop_signals import StopSignals
 from trainforge.train.step_stats import CommShareProbe, window_resources
@@ -158,6 +159,7 @@ class Trainer:
         self.metrics = Monitor(cfg.monitor, self.run_dir / METRICS_FILE if self.is_main else None, self.model_parts,
                                self.optimizers, self.device, self.dims, self.dist, step_fn=lambda: self.step,
                                opt_parts=self.opt_parts)
+        self.components.add(MonitorComponent(self.metrics))  # built last: its probes start with the run
         n_params = self.model_config.num_params()
         self.log.info(f"model {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, vocab {self.data.vocab_size}; "
                       f"data {self.data.path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
