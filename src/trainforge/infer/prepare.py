@@ -3,8 +3,9 @@
 ``prepare_model(model, fuse=True, quant_kernel=None)`` puts the model in eval mode, applies
 the fusion rules (``fusion.py``: QKV, gate+up, add+RMSNorm, then row-block linears on
 CPU) and builds every quantised layer's kernel form (``quantize.pack_quantized``). Fusion
-runs first because quantised layers concatenate only before packing. The engine (``engine.py``) takes the model as it
-is and never changes it; ``describe_model`` reports what was applied.
+runs first because quantised layers concatenate only before packing. The engine
+(``engine.py``) takes the model as it is and never changes it; ``describe_model`` reports
+what was applied.
 """
 
 from __future__ import annotations
