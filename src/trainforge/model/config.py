@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainforge.model.preflight import MODEL_KEYS, check_shape
+from trainforge.model.preflight import MODEL_KEYS, MOE_KEYS, check_moe, check_shape
 
 # Direct construction (checkpoint metadata, tests): the field names themselves.
 _FIELD_KEYS = {**MODEL_KEYS, "vocab_size": "model.vocab_size", "max_seq_len": "model.max_seq_len"}
@@ -28,31 +28,72 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # Mixture of experts (model/moe.py); n_routed_experts = 0 is a dense model.
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    n_activated_experts: int = 0  # top-k
+    moe_inter_dim: int = 0  # each expert's SwiGLU width
+    n_dense_layers: int = 0  # the first blocks keep the dense FeedForward
+    score_func: str = "softmax"  # "sigmoid" (DeepSeek-V3) or "softmax" (Mixtral)
+    route_scale: float = 1.0
+    norm_topk_prob: bool = True  # softmax: renormalise the chosen weights (sigmoid always does)
+    n_group: int = 1  # group-limited routing: experts in n_group groups,
+    topk_group: int = 1  # tokens choose among the topk_group best groups
+    bias_update_rate: float = 0.0  # loss-free balancing gamma (train/moe_balance.py); 0 = off
+    aux_loss_alpha: float = 0.0  # batch-wise auxiliary balance loss
+    seq_aux_loss_alpha: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 eq. 17-20)
 
     def __post_init__(self) -> None:
         # Positive sizes first: 0 heads would otherwise be a ZeroDivisionError.
         check_shape({f: getattr(self, f) for f in _FIELD_KEYS}, _FIELD_KEYS)
+        if self.n_routed_experts:
+            check_moe({f: getattr(self, f) for f in MOE_KEYS}, self.n_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_routed_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.n_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return max(0, self.n_layers - self.n_dense_layers) if self.is_moe else 0
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count computed from the shape (no model needed)."""
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameter count computed from the shape (no model needed). ``active``: only
+        what one token uses (a MoE layer's router, shared and ``n_activated_experts``
+        routed experts; equal to the total for a dense model)."""
         d, h = self.dim, self.head_dim
         attn = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
-        mlp = 3 * d * self.ffn_hidden_dim
-        per_layer = attn + mlp + 2 * d
+        dense_layer = attn + 3 * d * self.ffn_hidden_dim + 2 * d
+        expert = 3 * d * self.moe_inter_dim
+        routed = self.n_activated_experts if active else self.n_routed_experts
+        moe_layer = attn + 2 * d + d * self.n_routed_experts + expert * (self.n_shared_experts + routed)
+        moe_layers = self.n_moe_layers
         emb = self.vocab_size * d
         out = 0 if self.tie_embeddings else self.vocab_size * d
-        total = self.n_layers * per_layer + d + out
+        total = (self.n_layers - moe_layers) * dense_layer + moe_layers * moe_layer + d + out
         return total + (emb if include_embedding else 0)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (forward + backward): 6·N for the matmuls plus
-        the attention score/value products, 12·L·d·T (PaLM appendix B convention).
-        The input embedding is a lookup, not a matmul, so it is excluded."""
-        return 6.0 * self.num_params(include_embedding=False) + 12.0 * self.n_layers * self.dim * seq_len
+        """Training FLOPs per token (forward + backward): 6·N for the matmuls (N: the
+        active parameters) plus the attention score/value products, 12·L·d·T (PaLM
+        appendix B convention). The input embedding is a lookup, not a matmul, so it is
+        excluded."""
+        n = self.num_params(include_embedding=False, active=True)
+        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+
+    def describe_params(self) -> str:
+        """"12.3M parameters" or, for MoE, "45.6M parameters (12.3M active)"."""
+        text = f"{self.num_params() / 1e6:.2f}M parameters"
+        if self.is_moe:
+            text += f" ({self.num_params(active=True) / 1e6:.2f}M active per token)"
+        return text
 
 
 FLAVORS: dict[str, ModelConfig] = {
@@ -71,7 +112,26 @@ FLAVORS: dict[str, ModelConfig] = {
                              ffn_hidden_dim=28672, rope_theta=500000.0, max_seq_len=8192),
     "llama-405b": ModelConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
                               ffn_hidden_dim=53248, rope_theta=500000.0, max_seq_len=8192),
+    # Mixture of experts (DeepSeek-V3 style: sigmoid router, loss-free balancing, shared
+    # expert, first block dense). < 1M parameters, for tests.
+    "moe-debug": ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=176,
+                             n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=32,
+                             n_dense_layers=1, score_func="sigmoid", bias_update_rate=1e-3),
+    # tiny's shape with its 7 upper feed-forwards split into 16 experts of a quarter of the
+    # width (4 active + 1 shared): ~21M parameters, ~11M active; trains on the built-in corpus.
+    "moe-tiny": ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=8192, ffn_hidden_dim=704,
+                            n_routed_experts=16, n_shared_experts=1, n_activated_experts=4, moe_inter_dim=176,
+                            n_dense_layers=1, score_func="sigmoid", route_scale=1.0, n_group=4, topk_group=2,
+                            bias_update_rate=1e-3),
+    # small's shape, 32 experts of 256 (6 active + 2 shared) in 11 of 12 blocks.
+    "moe-small": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, vocab_size=32000,
+                             ffn_hidden_dim=2048, n_routed_experts=32, n_shared_experts=2, n_activated_experts=6,
+                             moe_inter_dim=256, n_dense_layers=1, score_func="sigmoid", route_scale=2.5, n_group=4,
+                             topk_group=2, bias_update_rate=1e-3),
 }
+
+# [model] keys that override a flavor (ModelSection's fields of the same names).
+OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "tie_embeddings", *MOE_KEYS)
 
 
 def model_config_from_section(section, vocab_size: int | None, seq_len: int | None = None) -> ModelConfig:
@@ -80,12 +140,13 @@ def model_config_from_section(section, vocab_size: int | None, seq_len: int | No
     ``vocab_size`` comes from the prepared data's tokenizer, so a flavor trains on
     any corpus; ``seq_len`` raises ``max_seq_len`` when training needs longer rope tables."""
     base = FLAVORS[section.flavor]
-    changes = {k: getattr(section, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim",
-                                                "tie_embeddings") if getattr(section, k) is not None}
+    changes = {k: getattr(section, k) for k in OVERRIDES if getattr(section, k) is not None}
     if vocab_size is not None:
         changes["vocab_size"] = vocab_size
     if seq_len is not None and seq_len > base.max_seq_len:
         changes["max_seq_len"] = seq_len
     # Named as the user set them (model.*, training.seq_len), before ModelConfig checks its fields.
     check_shape({f: changes.get(f, getattr(base, f)) for f in MODEL_KEYS}, MODEL_KEYS)
+    if changes.get("n_routed_experts", base.n_routed_experts):
+        check_moe({f: changes.get(f, getattr(base, f)) for f in MOE_KEYS}, changes.get("n_layers", base.n_layers))
     return dataclasses.replace(base, **changes)

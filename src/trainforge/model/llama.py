@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainforge.model.config import ModelConfig
+from trainforge.model.swiglu import FeedForward
 
 if TYPE_CHECKING:
     from trainforge.model.attention_cache import AttentionCache, LayerCache
@@ -156,34 +157,21 @@ def attention_decode_calls(ws: DecodeWorkspace, ropes: list[torch.Tensor], q: to
     return calls
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def decode_calls(self, ws: DecodeWorkspace, h: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
-        """``forward`` without allocation: gate and up into the workspace, silu and the
-        product in place (into the gate's buffer), ``w2`` into ``out``."""
-        g, u = ws.gate_up_views(h.shape[0], self.w1.out_features, fused=False)
-        return [ws.linear(self.w1).bind(h, g), ws.linear(self.w3).bind(h, u),
-                functools.partial(F.silu, g, inplace=True), functools.partial(g.mul_, u),
-                ws.linear(self.w2).bind(g, out)]
-
-
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``layer``: the block's index; a MoE config gives blocks from ``n_dense_layers`` on
+    a mixture-of-experts feed-forward (``moe.py``) instead of the dense SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        if cfg.is_moe_layer(layer):
+            from trainforge.model.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None) -> torch.Tensor:
@@ -209,7 +197,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -232,10 +220,13 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 p.fill_(1.0)
-            elif name.endswith(("wo.weight", "w2.weight")):
+            elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                 p.normal_(0.0, out_std, generator=gen)
             else:
                 p.normal_(0.0, std, generator=gen)
+        for name, b in self.named_buffers():
+            if name.endswith("expert_bias"):  # loss-free balancing starts unbiased
+                b.zero_()
         cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
                                device=self.rope_cos.device)
         self.rope_cos.copy_(cos)

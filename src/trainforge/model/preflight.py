@@ -59,6 +59,11 @@ HF_KEYS = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "nu
            "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_hidden_dim": "intermediate_size",
            "max_seq_len": "max_position_embeddings"}
 
+# Mixture-of-experts fields of ModelConfig (each a [model] key of the same name).
+MOE_KEYS = ("n_routed_experts", "n_shared_experts", "n_activated_experts", "moe_inter_dim", "n_dense_layers",
+            "score_func", "route_scale", "norm_topk_prob", "n_group", "topk_group", "bias_update_rate",
+            "aux_loss_alpha", "seq_aux_loss_alpha")
+
 GiB = 2**30
 
 
@@ -96,6 +101,42 @@ def check_shape(values: dict[str, object], keys: dict[str, str] = MODEL_KEYS, pr
         raise error(f"{name('max_seq_len')} = {positions}: more than 2^31 positions (the rotary tables alone "
                     f"would need ~{fmt_bytes(rotary_bytes(head_dim, positions))}); use at most "  # type: ignore[arg-type]
                     f"{MAX_POSITIONS}")
+
+
+def check_moe(values: dict[str, object], n_layers: int, prefix: str = "model.",
+              error: type[TrainforgeError] = ConfigError) -> None:
+    """Raise ``error`` naming the ``[model]`` key unless the MoE fields (``MOE_KEYS`` ->
+    value, ``n_routed_experts`` > 0) describe a router that can be built and routed."""
+    def bad(f: str, why: str) -> TrainforgeError:
+        return error(f"config key '{prefix}{f}' = {values[f]!r}: {why}")
+
+    for f in ("n_routed_experts", "n_activated_experts", "moe_inter_dim", "n_group", "topk_group"):
+        v = values[f]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise bad(f, "must be a positive integer for a mixture-of-experts model")
+    for f in ("n_shared_experts", "n_dense_layers"):
+        v = values[f]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise bad(f, "must be an integer >= 0")
+    for f in ("route_scale", "bias_update_rate", "aux_loss_alpha", "seq_aux_loss_alpha"):
+        v = values[f]
+        if not isinstance(v, (int, float)) or v != v or v < 0 or (f == "route_scale" and v == 0):
+            raise bad(f, "must be a finite number >= 0" + (" (and > 0)" if f == "route_scale" else ""))
+    E, k, g, tg = (values[f] for f in ("n_routed_experts", "n_activated_experts", "n_group", "topk_group"))
+    if values["score_func"] not in ("sigmoid", "softmax"):
+        raise bad("score_func", "must be sigmoid (DeepSeek-V3) or softmax (Mixtral)")
+    if values["n_dense_layers"] > n_layers:  # type: ignore[operator]
+        raise bad("n_dense_layers", f"exceeds model.n_layers = {n_layers}")
+    if E % g:  # type: ignore[operator]
+        raise bad("n_group", f"must divide model.n_routed_experts = {E} (experts are split into equal groups)")
+    if g > 1 and E // g < 2:  # type: ignore[operator]
+        raise bad("n_group", f"leaves fewer than 2 experts per group (n_routed_experts = {E}); groups are "
+                             "ranked by the sum of their top-2 scores")
+    if tg > g:  # type: ignore[operator]
+        raise bad("topk_group", f"exceeds model.n_group = {g}")
+    if k > tg * (E // g):  # type: ignore[operator]
+        raise bad("n_activated_experts", f"exceeds the {tg * (E // g)} experts in the model.topk_group = {tg} "
+                                         f"groups a token may use")
 
 
 # -- the estimate ------------------------------------------------------------------------------

@@ -4,19 +4,39 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from trainforge.config_base import _f, _require
 
 
 @dataclass
 class ModelSection:
-    flavor: str = _f("tiny", "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b")
+    flavor: str = _f("tiny", "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
+                                        "mixture of experts: moe-debug, moe-tiny, moe-small")
     dim: int | None = _f(None, "override the flavor's hidden size")
     n_layers: int | None = _f(None, "override the flavor's number of transformer blocks")
     n_heads: int | None = _f(None, "override the flavor's number of query heads")
     n_kv_heads: int | None = _f(None, "override the flavor's number of key/value heads (GQA)")
     ffn_hidden_dim: int | None = _f(None, "override the flavor's SwiGLU hidden size")
     tie_embeddings: bool | None = _f(None, "share input embedding and output projection weights")
+    # Mixture of experts (the moe-* flavors set these; None keeps the flavor's value).
+    n_routed_experts: int | None = _f(None, "routed experts per MoE block (0 = dense model)")
+    n_shared_experts: int | None = _f(None, "always-on experts per MoE block")
+    n_activated_experts: int | None = _f(None, "experts each token is routed to (top-k)")
+    moe_inter_dim: int | None = _f(None, "SwiGLU hidden size of each expert")
+    n_dense_layers: int | None = _f(None, "the first blocks keep a dense feed-forward")
+    score_func: Literal["sigmoid", "softmax"] | None = _f(None, "router scores: sigmoid (DeepSeek-V3) or "
+                                                               "softmax (Mixtral)")
+    route_scale: float | None = _f(None, "multiplies the chosen experts' normalised weights")
+    norm_topk_prob: bool | None = _f(None, "softmax router: renormalise the chosen experts' weights "
+                                           "(sigmoid always does)")
+    n_group: int | None = _f(None, "group-limited routing: experts split into this many groups")
+    topk_group: int | None = _f(None, "group-limited routing: groups a token may use (best by top-2 sum)")
+    bias_update_rate: float | None = _f(None, "auxiliary-loss-free balancing: the router bias moves by this "
+                                              "times sign(mean load - load) after each step; 0 = off")
+    aux_loss_alpha: float | None = _f(None, "batch-wise auxiliary balance loss coefficient (0 = off)")
+    seq_aux_loss_alpha: float | None = _f(None, "sequence-wise balance loss coefficient (DeepSeek-V3; "
+                                                "e.g. 1e-4 beside the bias; 0 = off)")
 
     def validate(self) -> None:
         from trainforge.model.config import FLAVORS

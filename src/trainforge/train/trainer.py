@@ -160,8 +160,7 @@ class Trainer:
                                self.optimizers, self.device, self.dims, self.dist, step_fn=lambda: self.step,
                                opt_parts=self.opt_parts)
         self.components.add(MonitorComponent(self.metrics))  # built last: its probes start with the run
-        n_params = self.model_config.num_params()
-        self.log.info(f"model {cfg.model.flavor}: {n_params / 1e6:.2f}M parameters, vocab {self.data.vocab_size}; "
+        self.log.info(f"model {cfg.model.flavor}: {self.model_config.describe_params()}, vocab {self.data.vocab_size}; "
                       f"data {self.data.path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
                       f"layout {self.dims} ({data_parallel_kind(self.dims)})")
 
