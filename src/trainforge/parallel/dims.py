@@ -3,7 +3,10 @@
 Axes, outermost first: ``pp`` (pipeline stages), ``dp_replicate`` (DDP / the
 replicate axis of HSDP: inter-node), ``dp_shard`` (FSDP2: intra-node), ``tp``
 (tensor parallel: innermost, so its heavy collectives stay on the fastest links).
-Their product is the world size. Validation happens here, before any collective,
+Their product is the world size. ``ep`` (expert parallel) is not a fifth axis: it splits
+the data-parallel ranks (dp = dp_replicate x dp_shard, flattened) into groups of ``ep``
+neighbouring ranks that share one MoE layer's experts; ``edp`` = dp / ep ranks hold the
+same experts (torchtitan / DeepSeek-V3: expert-parallel ranks read different data too). Validation happens here, before any collective,
 so a bad layout fails on every rank with the same message.
 """
 
@@ -25,6 +28,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1  # splits dp; see the module docstring
 
     @classmethod
     def resolve(cls, section, world_size: int) -> "ParallelDims":
@@ -43,12 +47,20 @@ class ParallelDims:
             shard = world_size // rest
         elif shard < 1:
             raise ConfigError(f"config key 'parallel.dp_shard' = {shard}: must be >= 1, or -1 to fill")
-        dims = cls(pp, rep, shard, tp, world_size)
+        ep = getattr(section, "ep", 1)
+        dims = cls(pp, rep, shard, tp, world_size, ep)
         if pp * rep * shard * tp != world_size:
             raise ConfigError(
                 f"parallel layout: pp={pp} x dp_replicate={rep} x dp_shard={shard} x tp={tp} = "
                 f"{pp * rep * shard * tp}, but the world size is {world_size} processes; the product must equal "
                 "the number of processes (torchrun --nproc_per_node x nodes)")
+        if ep < 1:
+            raise ConfigError(f"config key 'parallel.ep' = {ep}: must be >= 1")
+        if dims.dp % ep:
+            raise ConfigError(
+                f"config key 'parallel.ep' = {ep} must divide the data-parallel degree parallel.dp_replicate x "
+                f"parallel.dp_shard = {rep} x {shard} = {dims.dp} (expert-parallel ranks are data-parallel ranks); "
+                "change parallel.ep or parallel.dp_shard / the number of processes")
         return dims
 
     def check_model(self, model_config) -> None:
@@ -60,6 +72,16 @@ class ParallelDims:
         if model_config.ffn_hidden_dim % self.tp:
             raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide model.ffn_hidden_dim = "
                               f"{model_config.ffn_hidden_dim}")
+        if self.ep > 1 and not model_config.is_moe:
+            raise ConfigError(f"config key 'parallel.ep' = {self.ep} needs a mixture-of-experts model "
+                              "(model.n_routed_experts > 0, e.g. model.flavor = moe-debug); use parallel.ep = 1")
+        if self.ep > 1 and model_config.n_routed_experts % self.ep:
+            raise ConfigError(f"config key 'parallel.ep' = {self.ep} must divide model.n_routed_experts = "
+                              f"{model_config.n_routed_experts} (each rank holds the same number of experts)")
+        if model_config.is_moe and self.tp > 1:
+            raise ConfigError(f"config key 'parallel.tp' = {self.tp}: tensor parallelism of mixture-of-experts "
+                              "blocks is not supported (the TP plans shard dense feed-forwards); use parallel.tp = 1 "
+                              "and split the experts with parallel.ep")
         if self.pp > model_config.n_layers:
             raise ConfigError(f"config key 'parallel.pp' = {self.pp} exceeds model.n_layers = "
                               f"{model_config.n_layers}: every stage needs at least one block")
@@ -69,26 +91,42 @@ class ParallelDims:
         """Data-parallel degree: ranks that read different data."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (their expert gradients are summed): dp / ep."""
+        return self.dp // self.ep
+
     def build_mesh(self, device_type: str) -> "ParallelMesh | None":
-        """The 4-D mesh named by ``AXES`` plus a flattened ``dp`` mesh; None for one process."""
+        """The 4-D mesh named by ``AXES`` plus a flattened ``dp`` mesh and, with ``ep`` > 1,
+        ``dp`` unflattened to ``(edp, ep)`` (ep innermost: neighbouring ranks); None for one process."""
         if self.world_size == 1:
             return None
         world = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                  mesh_dim_names=AXES)
-        return ParallelMesh(world, world["dp_replicate", "dp_shard"]._flatten("dp"))
+        dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        experts = dp._unflatten(0, (self.edp, self.ep), ("edp", "ep")) if self.ep > 1 else None
+        return ParallelMesh(world, dp, experts)
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
     """``world["tp"]``, ``world["pp"]``... are the per-axis sub-meshes; ``dp`` is
     dp_replicate x dp_shard flattened (data loading, loss averaging). The flattened mesh
-    is kept here because slicing it from the root mesh is deprecated."""
+    is kept here because slicing it from the root mesh is deprecated. ``experts``: the
+    2-D ``(edp, ep)`` mesh over this rank's dp ranks (None unless ``ep`` > 1); ``mesh["ep"]``
+    and ``mesh["edp"]`` are its axes."""
 
     world: DeviceMesh
     dp: DeviceMesh
+    experts: DeviceMesh | None = None
 
     def __getitem__(self, axis: str | tuple[str, ...]) -> DeviceMesh:
-        return self.dp if axis == "dp" else self.world[axis]
+        if axis == "dp":
+            return self.dp
+        if axis in ("ep", "edp"):
+            assert self.experts is not None, "no expert-parallel mesh (parallel.ep = 1)"
+            return self.experts[axis]
+        return self.world[axis]
 
     def local_rank(self, axis: str) -> int:
         return self[axis].get_local_rank()

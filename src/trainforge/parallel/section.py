@@ -1,4 +1,4 @@
-"""``[parallel]`` (the layout: data, tensor and pipeline parallel degrees and their
+"""``[parallel]`` (the layout: data, tensor, pipeline and expert parallel degrees and their
 options) and ``[distributed]`` (process-group behaviour: how long to wait for a peer)."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ class ParallelSection:
     dp_shard: int = _f(-1, "FSDP2 shards per replica; -1 = whatever the other axes leave of the world size")
     tp: int = _f(1, "tensor-parallel degree (DTensor; keep within a node)")
     pp: int = _f(1, "pipeline stages")
+    ep: int = _f(1, "expert-parallel degree: each MoE layer's routed experts split over this many data-parallel "
+                    "ranks (must divide dp_replicate x dp_shard and model.n_routed_experts)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = _f(
         "1f1b", "pipeline schedule")
     microbatches: int = _f(0, "pipeline microbatches per step; 0 = 2 x the number of stages")
@@ -35,7 +37,7 @@ class ParallelSection:
                               "before data parallel); ~1.0x on CPU, costs tens of seconds at start")
 
     def validate(self) -> None:
-        for name in ("dp_replicate", "tp", "pp"):
+        for name in ("dp_replicate", "tp", "pp", "ep"):
             v = getattr(self, name)
             _require(v >= 1, f"parallel.{name}", v, "an integer >= 1")
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
