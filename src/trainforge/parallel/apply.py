@@ -4,10 +4,13 @@
    parameter casts, fp32 master copy, autocast rule wrappers, which every later step keeps)
 1. pipeline split (each rank keeps its stages; FQNs unchanged)  -- ``pipeline.py``
 2. tensor parallel (DTensor plans; must see plain modules)        -- ``tensor_parallel.py``
+   or expert parallel (MoE models; experts sharded over ``ep``,
+   token all-to-all hooks; per pipeline stage)                     -- ``expert_parallel.py``
 3. activation checkpointing (wraps whole blocks)                  -- ``activation_checkpoint.py``
 4. compile (optional, per block: ``parallel.compile``; ~1.0x on CPU, real gains on GPU)
 5. data parallel: FSDP2 / HSDP last, so it shards the TP-sharded
-   DTensors along one more mesh axis; DDP only without TP/PP      -- ``data_parallel.py``
+   DTensors along one more mesh axis; DDP only without TP/PP; the
+   expert-parallel parameters are left out (reduced over edp)    -- ``data_parallel.py``
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
                              device: torch.device, compressor=None, precision=None) -> nn.Module:
     """Steps 2-5 for one model or pipeline-stage module. Returns the module to call.
     ``compressor`` compresses gradients on the dp_replicate axis (step 5); ``precision``
-    (a ``PrecisionPolicy``) gives FSDP2 its mixed-precision policy (step 5)."""
+    (a ``PrecisionPolicy``) gives FSDP2 its mixed-precision policy (step 5). With
+    ``dims.ep`` > 1 the expert gradients need ``expert_grad_reducer(parts, ...)`` after
+    each backward."""
+    ignored: list[nn.Parameter] = []
+    if dims.ep > 1 and mesh is not None:
+        from trainforge.parallel.expert_parallel import apply_expert_parallel
+
+        ignored = apply_expert_parallel(model, mesh.experts)
     if dims.tp > 1 and mesh is not None:
         from trainforge.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -36,7 +46,17 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
         # FSDP's per-block hooks stay outside the compiled regions.
         for block in model.layers.values():
             block.compile()
-    return apply_data_parallel(model, mesh, dims, device, compressor, precision)
+    return apply_data_parallel(model, mesh, dims, device, compressor, precision, ignored_params=ignored)
+
+
+def expert_grad_reducer(parts: list[nn.Module], mesh: ParallelMesh | None, dims: ParallelDims):
+    """The finisher of expert gradients (sum over edp, divide by dp) for the parameters of
+    ``parts`` (unwrapped modules), or None without expert parallelism."""
+    if dims.ep == 1 or mesh is None:
+        return None
+    from trainforge.parallel.expert_parallel import ExpertGradReducer, expert_params
+
+    return ExpertGradReducer([p for part in parts for p in expert_params(part)], mesh["edp"], dims.dp)
 
 
 def explicit_split(section) -> list[int] | None:

@@ -17,6 +17,9 @@ With a low-precision ``[precision]`` policy, FSDP2's ``MixedPrecisionPolicy`` ga
 parameters in the compute dtype and reduces gradients in ``reduce_dtype``; the sharded
 fp32 parameters are the master weights. Modules of the fp32 rules that own parameters
 (norms, a router) become their own units gathered in fp32, sharded before their block.
+
+Expert-parallel parameters (``expert_parallel.py``) are ``ignored_params`` here: they are
+already split over ``ep`` and their gradients are reduced over ``edp`` instead.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def data_parallel_kind(dims: ParallelDims) -> str:
 
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
-               mp_policy: MixedPrecisionPolicy | None = None, compressor=None, precision=None) -> nn.Module:
+               mp_policy: MixedPrecisionPolicy | None = None, compressor=None, precision=None,
+               ignored_params: list[nn.Parameter] | None = None) -> nn.Module:
     """``precision``: a ``PrecisionPolicy`` (overrides ``mp_policy``); None or all-fp32 keeps
     FSDP2's defaults, so fp32 runs are unchanged."""
     fp32_units: list[nn.Module] = []
@@ -53,9 +57,10 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
         # Without compression: plain FSDP. With it: shard over dp_shard only; the
         # replicate axis is averaged by the compressed all-reduce hooks below.
         dp_mesh = mesh.world["dp_shard"]
-    kw = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    ignored = {"ignored_params": set(ignored_params)} if ignored_params else {}
+    kw = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), **ignored}
     for unit in fp32_units:  # before the blocks holding them: a unit is claimed by its first fully_shard
-        fully_shard(unit, mesh=dp_mesh, mp_policy=fsdp_fp32_policy(precision))
+        fully_shard(unit, mesh=dp_mesh, mp_policy=fsdp_fp32_policy(precision), **ignored)
     blocks = list(model.layers.items())
     for i, (_, block) in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.
@@ -74,8 +79,13 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
     return model
 
 
-def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compressor=None) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compressor=None,
+              ignored_params: list[nn.Parameter] | None = None) -> nn.Module:
     kw = {}
+    if ignored_params:
+        ids = {id(p) for p in ignored_params}
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, [fqn for fqn, p in model.named_parameters() if id(p) in ids])
     if getattr(compressor, "needs_single_bucket", False):
         # PowerSGD launches its second all-reduce from a future callback, which hangs
         # on gloo once there is more than one bucket: give it one bucket.
@@ -91,14 +101,15 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compre
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims,
-                        device: torch.device, compressor=None, precision=None) -> nn.Module:
+                        device: torch.device, compressor=None, precision=None,
+                        ignored_params: list[nn.Parameter] | None = None) -> nn.Module:
     """Wrap or shard ``model`` in place; returns the module to call (DDP returns a wrapper).
     ``compressor`` (``compression.hooks.build_compressor``) compresses the dp_replicate axis;
     ``precision`` (a ``PrecisionPolicy``) sets FSDP2's mixed precision (DDP reduces
-    gradients in the parameters' dtype)."""
+    gradients in the parameters' dtype). ``ignored_params``: left out of both (experts)."""
     kind = data_parallel_kind(dims)
     if kind == "none" or mesh is None:
         return model
     if kind == "ddp":
-        return apply_ddp(model, mesh, device, compressor)
-    return apply_fsdp(model, mesh, dims, compressor=compressor, precision=precision)
+        return apply_ddp(model, mesh, device, compressor, ignored_params)
+    return apply_fsdp(model, mesh, dims, compressor=compressor, precision=precision, ignored_params=ignored_params)

@@ -17,7 +17,12 @@ from trainforge.compression.hooks import check_compression
 from trainforge.errors import ConfigError
 from trainforge.model import build_model
 from trainforge.model.preflight import check_training
-from trainforge.parallel.apply import build_pipeline_parts, check_pipeline_layout, parallelize_module_stack
+from trainforge.parallel.apply import (
+    build_pipeline_parts,
+    check_pipeline_layout,
+    expert_grad_reducer,
+    parallelize_module_stack,
+)
 from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.precision.casting import apply_precision
 from trainforge.precision.policy import PrecisionPolicy, build_policy
@@ -117,4 +122,7 @@ def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device:
         model_parts = [getattr(model, "module", model)]  # DDP wraps; state dicts use raw FQNs
         layout = LocalStep(model, loss_fn, **common)
     del full_model
+    reducer = expert_grad_reducer(model_parts, mesh, dims)
+    if reducer is not None:
+        layout.grad_finishers.append(reducer)
     return ModelStack(mp, model, model_parts, mp.opt_parts(model_parts), pipeline, predicted, layout)

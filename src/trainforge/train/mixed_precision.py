@@ -48,6 +48,10 @@ def check_precision_layout(policy: PrecisionPolicy, dims, kind: str) -> str | No
         raise ConfigError(f"config key 'precision.param_dtype' = {n[policy.param_dtype]!r}: low-precision "
                           "parameter storage under tensor or pipeline parallelism needs FSDP2 (parallel.dp_shard "
                           "> 1), whose sharded fp32 parameters are the master weights; use param_dtype = auto")
+    if policy.param_dtype != FP32 and not sharded and getattr(dims, "ep", 1) > 1:
+        raise ConfigError(f"config key 'precision.param_dtype' = {n[policy.param_dtype]!r}: low-precision "
+                          "parameter storage with expert parallelism (parallel.ep > 1) needs FSDP2 (parallel.dp_shard "
+                          "> 1); use param_dtype = auto")
     if policy.param_dtype == torch.float16 and policy.optimizer_state_dtype == torch.float16 and not sharded:
         raise ConfigError("config key 'precision.optimizer_state_dtype' = 'fp16': fp16 parameters with an fp16 "
                           "optimizer cannot be loss-scaled (GradScaler does not unscale fp16 gradients); use "

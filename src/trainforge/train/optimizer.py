@@ -1,10 +1,15 @@
 """AdamW with decoupled weight decay on matrices only (norm gains and biases are
-not decayed: decaying a gain pulls it towards 0 and hurts, per common practice)."""
+not decayed: decaying a gain pulls it towards 0 and hurts, per common practice).
+
+Parameters that are DTensors on different meshes (expert parallelism's (edp, ep) mesh
+beside FSDP2's) go into separate param groups with the same settings: foreach kernels
+group a param group's tensors by device and dtype only, and one op cannot mix meshes."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def _pick_implementation(requested: str, device: torch.device, distributed: bool = False) -> dict[str, bool]:
@@ -25,9 +30,14 @@ def build_optimizer(model: nn.Module, section, lr: float, device: torch.device,
     """``section`` is the ``[optimizer]`` config section; ``lr`` the peak learning rate.
     ``distributed``: parameters are DTensors, where auto picks foreach (the fused CPU
     kernel does not take DTensors)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": section.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    by_mesh: dict[int | None, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            by_mesh.setdefault(id(p.device_mesh) if isinstance(p, DTensor) else None, []).append(p)
+    groups = []
+    for params in by_mesh.values():
+        groups += [{"params": [p for p in params if p.dim() >= 2], "weight_decay": section.weight_decay},
+                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = groups[:2] + [g for g in groups[2:] if g["params"]]  # the first two always exist (as before)
     return torch.optim.AdamW(groups, lr=lr, betas=(section.beta1, section.beta2), eps=section.eps,
                              **_pick_implementation(section.implementation, device, distributed))

@@ -5,7 +5,12 @@ all shards and pipeline stages, the mean over data-parallel ranks) and two step
 mechanics: ``LocalStep`` runs forward and backward per micro-batch on one model (DDP,
 FSDP2, TP wrap it from outside), ``PipelineStep`` hands the micro-batches to the
 pipeline schedule and validates through the stages. Both return the step's mean loss
-as a device tensor: no host sync here.
+as a device tensor: no host sync here. ``grad_finishers`` run once after each step's
+backward, before clipping (expert parallelism reduces the expert gradients there).
+
+Gradients may be DTensors on different meshes (FSDP2's dp mesh, expert parallelism's
+(edp, ep) mesh): the norm is taken per mesh and combined, and clipping runs per mesh
+(one foreach op cannot mix meshes).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ class StepLayout:
         self.dims, self.mesh, self.device, self.mp = dims, mesh, device, mp
         self._loss_parallel = dims.tp > 1 and loss_parallel
         self._pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+        self.grad_finishers: list[Callable[[], None]] = []
+
+    def finish_grads(self) -> None:
+        for finish in self.grad_finishers:
+            finish()
 
     def next_batch(self, batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (inputs, targets) micro-batch, on the device (non-blocking from pinned memory)."""
@@ -42,9 +52,14 @@ class StepLayout:
 
     def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of ``grads`` over every rank's shards and pipeline stages (collective)."""
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-        if isinstance(norm, DTensor):  # sharded grads: per-shard partial norms -> the full norm
-            norm = norm.full_tensor()
+        groups = _by_mesh(grads)
+        norms = []
+        for group in groups:
+            norm = torch.nn.utils.get_total_norm(group, foreach=True)
+            if isinstance(norm, DTensor):  # sharded grads: per-shard partial norms -> the full norm
+                norm = norm.full_tensor()
+            norms.append(norm)
+        norm = norms[0] if len(norms) == 1 else torch.stack(norms).pow(2).sum().sqrt()
         if self._pp_group is not None:  # each pipeline rank holds different layers: combine squared norms
             sq = norm.pow(2)
             dist.all_reduce(sq, group=self._pp_group)
@@ -57,7 +72,8 @@ class StepLayout:
         params = [p for part in parts for p in part.parameters()]
         norm = self.global_norm([p.grad for p in params if p.grad is not None])
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+            for group in _by_mesh(params):
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
         return norm
 
     def mean_over_dp(self, values: torch.Tensor) -> torch.Tensor:
@@ -82,6 +98,15 @@ class StepLayout:
         return {}
 
 
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by DTensor mesh (plain tensors together), in first-seen order;
+    ``[[]]`` for none, so a norm of nothing is still computed (and is 0)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(id(t.device_mesh) if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values()) or [[]]
+
+
 class LocalStep(StepLayout):
     """One model on this rank (wrapped for DDP/FSDP2/TP or not). ``loss_fn(inputs,
     targets)`` is the mean cross-entropy of ``model`` (the trainer's ``_loss``)."""
@@ -100,6 +125,7 @@ class LocalStep(StepLayout):
                     loss = self.loss_fn(inputs, targets) / micro_batches
                 mp.scaler.scale(loss).backward()
             total += loss.detach()
+        self.finish_grads()
         return total
 
     def evaluate(self, val_set: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -138,6 +164,7 @@ class PipelineStep(StepLayout):
                 loss = self.pipeline.step(inputs, targets)
             if loss is not None:
                 total += mp.unscale_loss(loss)
+        self.finish_grads()
         return total
 
     def evaluate(self, val_set: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
