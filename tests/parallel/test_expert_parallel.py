@@ -1,0 +1,157 @@
+"""Expert parallelism (``parallel.ep``) through the real CLI under torchrun (gloo, CPU):
+MoE training with the experts split over ranks matches single-process training at the
+same global batch and seed, alone (FSDP2 or DDP for the rest), with edp > 1 (expert
+gradients summed over the ranks holding the same experts) and under pipeline stages;
+its sharded checkpoints load at ep 1 and in one process; bad layouts are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, losses, run, weights
+from tests.parallel.torchrun import WORKERS, run_torchrun
+from trainforge.errors import ConfigError
+from trainforge.model import FLAVORS
+from trainforge.monitor.jsonl import read_jsonl
+from trainforge.parallel.dims import ParallelDims
+from trainforge.parallel.section import ParallelSection
+from trainforge.train import dist_checkpoint as dckpt
+
+GLOBAL_BATCH = 8
+COMMON = ["--model.flavor", "moe-debug", "--training.seq_len", "32", "--training.steps", "6",
+          "--training.warmup_steps", "2", "--training.log_interval", "1", "--training.val_interval", "3",
+          "--training.val_batches", "2", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5",
+          "--sample.max_new_tokens", "0", "--training.threads", "1"]
+
+
+def launcher(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "trainforge"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "trainforge"]
+
+
+def train_cmd(nproc: int, run_dir, data, *extra: str) -> list[str]:
+    return [*launcher(nproc), "train", "--run_dir", str(run_dir), "--data.path", str(data), *COMMON, *extra]
+
+
+def biases(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in w.items() if k.endswith("router.expert_bias")}
+
+
+def assert_biases_moved(w: dict[str, torch.Tensor]) -> None:
+    """The loss-free balance (train/moe_balance.py, merged separately) moves every MoE
+    layer's selection bias. Until that component exists this check is an expected failure
+    (after every other assertion of the test has run); once it exists it is strict."""
+    moved = all(b.abs().sum() > 0 for b in biases(w).values())
+    if importlib.util.find_spec("trainforge.train.moe_balance") is None:
+        pytest.xfail("train/moe_balance.py (the bias update) is not on this branch: router biases stay 0")
+    assert moved, {k: b.tolist() for k, b in biases(w).items()}
+
+
+def assert_same_training(run_dir, ref_dir, steps=range(1, 7), final: int = 6) -> dict[str, torch.Tensor]:
+    """Losses (train and validation) within LOSS_RTOL, final weights within WEIGHT_ATOL,
+    router biases identical to single-process. Returns the final weights."""
+    got, want = losses(run_dir), losses(ref_dir)
+    assert sorted(got) == list(steps)
+    for s in steps:
+        assert abs(got[s] - want[s]) <= LOSS_RTOL * abs(want[s]), (s, got[s], want[s])
+    vals = lambda d: {r["step"]: r["val_loss"] for r in read_jsonl(d / "metrics.jsonl") if "val_loss" in r}  # noqa
+    got_v, want_v = vals(run_dir), vals(ref_dir)
+    assert got_v and all(abs(got_v[s] - want_v[s]) <= LOSS_RTOL * want_v[s] for s in got_v)
+    name = f"step_{final:07d}"
+    a, b = weights(run_dir / "checkpoints" / name), weights(ref_dir / "checkpoints" / name)
+    assert a.keys() == b.keys() and biases(b)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
+    for k in biases(b):  # the selection bias decides routing: it must be the same, not close
+        assert torch.equal(a[k], b[k]), (k, a[k], b[k])
+    return a
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_data):
+    ref = tmp_path_factory.mktemp("moe_ref") / "run"
+    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH)))
+    return ref
+
+
+@pytest.fixture(scope="module")
+def ep2_run(tmp_path_factory, small_data):
+    """2 processes, ep 2 (FSDP2 over dp_shard 2 for the non-expert parameters)."""
+    run_dir = tmp_path_factory.mktemp("ep2") / "run"
+    r = run(train_cmd(2, run_dir, small_data, "--training.batch_size", "4", "--parallel.ep", "2"))
+    assert "(fsdp)" in r.stderr
+    return run_dir
+
+
+@pytest.mark.slow
+def test_dispatch_matches_local_experts():
+    """Outputs, input gradients and expert gradients of one MoE layer with its experts on
+    two ranks equal the single-device layer's, also when one rank receives no token."""
+    run_torchrun(WORKERS / "ep_dispatch.py", 2)
+
+
+@pytest.mark.slow
+def test_ep2_matches_single_process(reference, ep2_run):
+    w = assert_same_training(ep2_run, reference)
+    assert (ep2_run / "checkpoints" / "step_0000006" / dckpt.SHARDED_DIR).is_dir()
+    assert_biases_moved(w)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc, batch, layout", [
+    (2, 4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]),  # DDP for the rest
+    (4, 2, ["--parallel.dp_shard", "4"]),  # edp 2: expert grads summed over two ranks each
+    (4, 4, ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.pp_split", "0,2"]),
+], ids=["ep2-ddp2", "ep2-fsdp4", "ep2-fsdp2-pp2"])
+def test_ep_layouts_match_single_process(tmp_path, small_data, reference, nproc, batch, layout):
+    run_dir = tmp_path / "run"
+    run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(batch), "--parallel.ep", "2", *layout))
+    assert_biases_moved(assert_same_training(run_dir, reference))
+
+
+@pytest.mark.slow
+def test_ep_checkpoint_resumes_at_other_layouts(tmp_path, reference, ep2_run):
+    """The ep 2 run's step-3 sharded checkpoint resumes at ep 1 (FSDP2 over 2 processes)
+    and in one process; both continue with the reference's losses and weights."""
+    for nproc, batch in ((2, 4), (1, 8)):
+        run_dir = tmp_path / f"resume{nproc}"
+        shutil.copytree(ep2_run, run_dir)
+        for later in ("step_0000006",):
+            shutil.rmtree(run_dir / "checkpoints" / later)
+        extra = ["--parallel.ep", "1", "--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
+        run([*launcher(nproc), "train", "--resume", str(run_dir), "--training.batch_size", str(batch), *extra])
+        assert_same_training(run_dir, reference)
+
+
+@pytest.mark.parametrize("kw, world, needle", [
+    ({"dp_replicate": 1, "dp_shard": -1, "ep": 3}, 4, "'parallel.ep' = 3 must divide the data-parallel degree"),
+    ({"dp_replicate": 1, "dp_shard": 1, "tp": 2, "ep": 2}, 2, "'parallel.ep' = 2 must divide"),
+    ({"dp_replicate": 1, "dp_shard": -1, "ep": 0}, 2, "'parallel.ep' = 0: must be >= 1"),
+])
+def test_ep_not_fitting_the_mesh_is_refused(kw, world, needle):
+    section = SimpleNamespace(**{"tp": 1, "pp": 1, **kw})
+    with pytest.raises(ConfigError, match=needle):
+        ParallelDims.resolve(section, world)
+
+
+def test_ep_not_fitting_the_model_is_refused():
+    dims = ParallelDims.resolve(SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=2), 2)
+    with pytest.raises(ConfigError, match="'parallel.ep' = 2 needs a mixture-of-experts model"):
+        dims.check_model(FLAVORS["debug"])
+    dims = ParallelDims.resolve(SimpleNamespace(dp_replicate=1, dp_shard=-1, tp=1, pp=1, ep=3), 3)
+    with pytest.raises(ConfigError, match=r"'parallel.ep' = 3 must divide model.n_routed_experts = 8"):
+        dims.check_model(FLAVORS["moe-debug"])
+    dims = ParallelDims.resolve(SimpleNamespace(dp_replicate=1, dp_shard=1, tp=2, pp=1, ep=1), 2)
+    with pytest.raises(ConfigError, match="'parallel.tp' = 2: tensor parallelism of mixture-of-experts"):
+        dims.check_model(FLAVORS["moe-debug"])
+    dims = ParallelDims.resolve(SimpleNamespace(dp_replicate=2, dp_shard=2, tp=1, pp=1, ep=4), 4)
+    dims.check_model(FLAVORS["moe-debug"])
+    assert (dims.ep, dims.edp) == (4, 1)
+    with pytest.raises(ConfigError, match="parallel.ep"):
+        ParallelSection(ep=0).validate()
