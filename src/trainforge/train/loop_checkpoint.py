@@ -86,7 +86,7 @@ def load(loop: Any, path: Path, rollback: bool = False) -> None:
         if loop.mp.master is not None:
             loop.mp.master.master_to_model()
         for sched in loop.schedulers:
-            sched.load_state_dict(state["scheduler"])
+            sched.load_state_dict(_fit_groups(state["scheduler"], len(sched.optimizer.param_groups)))
     except (KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}: model/optimizer/scheduler state does not fit this run ({e})") from None
     load_components(loop, path, state, rollback)
@@ -101,6 +101,18 @@ def load(loop: Any, path: Path, rollback: bool = False) -> None:
     loop.step = int(state["step"])
     loop.components.on_load(loop)
     loop.log.info(f"{'rolled back to' if rollback else 'resumed from'} {path} at step {loop.step}")
+
+
+def _fit_groups(sched_state: dict[str, Any], n_groups: int) -> dict[str, Any]:
+    """The scheduler's per-param-group lists resized to ``n_groups``: every group follows
+    one schedule, but the number of groups depends on the layout (expert parallelism adds
+    groups for the experts' mesh), and a checkpoint loads at any layout."""
+    out = dict(sched_state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = out.get(key)
+        if isinstance(values, list) and values and len(values) != n_groups:
+            out[key] = (values + [values[0]] * n_groups)[:n_groups]
+    return out
 
 
 def _keep_configured_schedule(loop: Any) -> None:
