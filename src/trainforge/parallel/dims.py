@@ -6,8 +6,9 @@ replicate axis of HSDP: inter-node), ``dp_shard`` (FSDP2: intra-node), ``tp``
 Their product is the world size. ``ep`` (expert parallel) is not a fifth axis: it splits
 the data-parallel ranks (dp = dp_replicate x dp_shard, flattened) into groups of ``ep``
 neighbouring ranks that share one MoE layer's experts; ``edp`` = dp / ep ranks hold the
-same experts (torchtitan / DeepSeek-V3: expert-parallel ranks read different data too). Validation happens here, before any collective,
-so a bad layout fails on every rank with the same message.
+same experts (torchtitan / DeepSeek-V3: expert-parallel ranks read different data too).
+Validation happens here, before any collective, so a bad layout fails on every rank with
+the same message.
 """
 
 from __future__ import annotations
