@@ -168,11 +168,11 @@ def main() -> None:
         "ratio_epN_over_ep1": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
     }
     if rank == 0:
-        text = json.dumps(result, indent=1)
-        print(text.replace(result["cpu"]["flags"], "...") if "flags" in result["cpu"] else text)
+        shown = {**result, "cpu": {k: v for k, v in result["cpu"].items() if k != "flags"}}  # flags: in --json
+        print(json.dumps(shown, indent=1))
         if args.json:
             with open(args.json, "w") as f:
-                f.write(text)
+                f.write(json.dumps(result, indent=1))
     destroy_distributed()
 
 

@@ -155,3 +155,20 @@ def test_ep_not_fitting_the_model_is_refused():
     assert (dims.ep, dims.edp) == (4, 1)
     with pytest.raises(ConfigError, match="parallel.ep"):
         ParallelSection(ep=0).validate()
+
+
+@pytest.mark.slow
+def test_ep_composes_with_gradient_compression(tmp_path, small_data, reference):
+    """ep 2 with DDP whose dp_replicate gradients are int8-compressed from step 3 on (the
+    expert gradients are reduced apart from the compressed ones, in full precision):
+    identical to the reference until compression starts, close after."""
+    run_dir = tmp_path / "run"
+    run(train_cmd(2, run_dir, small_data, "--training.batch_size", "4", "--parallel.ep", "2",
+                  "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--compression.codec", "int8",
+                  "--compression.warmup_steps", "2"))
+    got, want = losses(run_dir), losses(reference)
+    assert sorted(got) == list(range(1, 7))
+    for s in got:
+        rtol = LOSS_RTOL if s <= 3 else 1e-3
+        assert abs(got[s] - want[s]) <= rtol * want[s], (s, got[s], want[s])
+    assert got[6] != want[6]  # compression did change something
