@@ -133,6 +133,7 @@ def test_ep_checkpoint_resumes_at_other_layouts(tmp_path, reference, ep2_run):
     ({"dp_replicate": 1, "dp_shard": -1, "ep": 3}, 4, "'parallel.ep' = 3 must divide the data-parallel degree"),
     ({"dp_replicate": 1, "dp_shard": 1, "tp": 2, "ep": 2}, 2, "'parallel.ep' = 2 must divide"),
     ({"dp_replicate": 1, "dp_shard": -1, "ep": 0}, 2, "'parallel.ep' = 0: must be >= 1"),
+    ({"dp_replicate": 1, "dp_shard": -1, "ep": 2, "compile": True}, 2, "'parallel.compile' = true"),
 ])
 def test_ep_not_fitting_the_mesh_is_refused(kw, world, needle):
     section = SimpleNamespace(**{"tp": 1, "pp": 1, **kw})

@@ -57,6 +57,11 @@ class ParallelDims:
                 "the number of processes (torchrun --nproc_per_node x nodes)")
         if ep < 1:
             raise ConfigError(f"config key 'parallel.ep' = {ep}: must be >= 1")
+        if ep > 1 and getattr(section, "compile", False):
+            # Dynamo passes the expert DTensors to _grouped_mm without GroupedExperts' to_local().
+            raise ConfigError(f"config key 'parallel.compile' = true does not yet work with parallel.ep = {ep} "
+                              "(expert-parallel weights under torch.compile); use parallel.compile = false or "
+                              "parallel.ep = 1")
         if dims.dp % ep:
             raise ConfigError(
                 f"config key 'parallel.ep' = {ep} must divide the data-parallel degree parallel.dp_replicate x "
