@@ -15,6 +15,7 @@ from torch import nn
 
 from conftest import StopAt
 from tests.control.test_trainer_control import records, run
+from trainforge.cli import main as cli_main
 from trainforge.config import load_config
 from trainforge.model.config import FLAVORS
 from trainforge.model.moe import MoE, Router, routers
@@ -199,6 +200,11 @@ def test_metrics_carry_routing_load_and_maxvio(small_data, tmp_path):
     assert [r["step"] for r in val] == [0, 3, 6]
     for r in val:
         assert r["moe_maxvio_global"] >= 0 and len(r["moe_maxvio_global_layers"]) == n_moe
+    # The run report plots MaxVio and each MoE layer's expert loads.
+    assert cli_main(["report", str(tmp_path / "run")]) == 0
+    page = (tmp_path / "run" / "report.html").read_text()
+    for title in ["MoE load balance (MaxVio)", *(f"Expert load, MoE layer {i}" for i in range(n_moe))]:
+        assert f"alt='{title}' src='data:image/png;base64," in page, title
 
 
 class GateGrads(Component):
