@@ -151,9 +151,14 @@ def test_loss_free_bias_evens_out_a_skewed_router():
     assert end < 0.25 * start, (start, end)
 
 
-def test_resume_reproduces_the_uninterrupted_run_bias_included(small_data, tmp_path):
+BF16_MASTER = ["--precision.policy", "bf16-mixed", "--precision.force", "true", "--precision.param_dtype", "bf16"]
+
+
+@pytest.mark.parametrize("precision", [[], BF16_MASTER], ids=["fp32", "bf16-params-fp32-master"])
+def test_resume_reproduces_the_uninterrupted_run_bias_included(small_data, tmp_path, precision):
+    # bf16 parameters: the optimizer steps an fp32 mirror, which is what checkpoints hold.
     args = ["--model.bias_update_rate", "0.01", "--training.steps", "6", "--checkpoint.interval", "3",
-            "--training.val_interval", "3", "--training.log_interval", "1"]
+            "--training.val_interval", "3", "--training.log_interval", "1", *precision]
     _, straight = run(moe_config(small_data, *args), tmp_path / "a")
     run(moe_config(small_data, *args), tmp_path / "b", callbacks=[StopAt(3)])
     _, resumed = run(moe_config(small_data, *args), tmp_path / "b", resume=True)
@@ -161,6 +166,10 @@ def test_resume_reproduces_the_uninterrupted_run_bias_included(small_data, tmp_p
     for (fqn, a), (_, b) in zip(routers(straight.raw_model), routers(resumed.raw_model)):
         assert a.expert_bias.abs().max() > 0, fqn
         torch.testing.assert_close(a.expert_bias, b.expert_bias, rtol=0, atol=0)
+    if precision:
+        assert resumed.mp.master is not None
+        for (_, a), (_, m) in zip(routers(resumed.raw_model), routers(resumed.mp.master.module)):
+            torch.testing.assert_close(a.expert_bias, m.expert_bias, rtol=0, atol=0)
     # The metrics of the records both runs wrote agree as well.
     keys = ("moe_maxvio_batch", "moe_load", "moe_bias_spread")
     assert [[r[k] for k in keys] for r in records(tmp_path / "a", "loss")] == \
