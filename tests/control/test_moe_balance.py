@@ -20,7 +20,7 @@ from trainforge.config import load_config
 from trainforge.model.config import FLAVORS
 from trainforge.model.moe import MoE, Router, routers
 from trainforge.train import dist_checkpoint as dckpt
-from trainforge.train.component import Component
+from trainforge.train.component import Component, Window
 from trainforge.train.moe_balance import MoEBalance, max_violation
 from trainforge.train.trainer import Trainer
 
@@ -247,23 +247,32 @@ def test_aux_loss_gradient_is_that_of_the_explicit_loss_averaged_over_micro_batc
     t = Trainer(cfg, tmp_path / "run", callbacks=[spy], progress=False)
     try:
         t.train_step()
+        logged = t.components["moe_balance"].on_log(t, Window([1], [0.0], [0.0]))
     finally:
         t.close()
     ref = spy.model.train()
-    for _, r in routers(ref):
+    live = {}  # each router's auxiliary loss with its graph (the block keeps only the value)
+    for fqn, r in routers(ref):
         r.aux_grad_scale = 0.0  # the explicit term below carries the auxiliary loss instead
+        r.register_forward_hook(lambda m, args, out, fqn=fqn: live.__setitem__(fqn, m.aux_loss))
+
+    aux_losses = []
 
     def gate_grads(with_aux: bool) -> dict[str, torch.Tensor]:
         ref.zero_grad()
         for inputs, targets in spy.batches:
             logits = ref(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            aux = sum(live.values())
+            aux_losses.append(float(aux))
             if with_aux:
-                loss = loss + sum(r.aux_loss for _, r in routers(ref))
+                loss = loss + aux
             (loss / len(spy.batches)).backward()
         return {fqn: r.gate.weight.grad.clone() for fqn, r in routers(ref)}
 
     want, ce_only = gate_grads(True), gate_grads(False)
+    # The logged auxiliary loss: summed over MoE layers, mean over the step's micro-batches.
+    assert logged["moe_aux_loss"] == pytest.approx(sum(aux_losses[:2]) / 2, rel=1e-5)
     assert len(spy.batches) == 2
     for fqn, g in spy.grads.items():
         # fp32 throughout; the two sums differ only in order: 1e-5 relative.

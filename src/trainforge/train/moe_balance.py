@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainforge.model.moe import Router, _in_backward, routers
+from trainforge.model.moe import Router, routers
 from trainforge.train.component import Component, Window
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -80,21 +80,9 @@ class MoEBalance(Component):
                     if m is None or int(m.group(1)) not in self.moe_layers:
                         raise RuntimeError(f"router {fqn} is not in a MoE layer of the model config")
                     held.append((self.moe_layers.index(int(m.group(1))), router, mirror.get(fqn)))
-                    if self.has_aux:
-                        router.register_forward_hook(self._count_aux)
             self._held = held
             self._device = loop.device
-            self._aux_sum = torch.zeros(len(self.moe_layers), device=loop.device)
-            self._aux_n = [0] * len(self.moe_layers)
-            self._ordinal = {id(r): i for i, r, _ in held}
         return self._held
-
-    def _count_aux(self, router: Router, args: Any, out: Any) -> None:
-        """Forward hook: the auxiliary loss of every training forward (not a recompute)."""
-        if router.training and router.aux_loss is not None and not _in_backward():
-            i = self._ordinal[id(router)]
-            self._aux_sum[i] += router.aux_loss.detach().float()
-            self._aux_n[i] += 1
 
     def _reset_window(self) -> None:
         self._steps = 0
@@ -118,10 +106,8 @@ class MoEBalance(Component):
             scale = scaler.scale_tensor() / self.micro_batches
         for _, router, _ in held:
             router.load.zero_()
+            router.aux_loss_sum.zero_()
             router.aux_grad_scale = scale
-        if self.has_aux:
-            self._aux_sum.zero_()
-            self._aux_n = [0] * len(self.moe_layers)
 
     @torch.no_grad()
     def after_optimizer_step(self, loop: Any) -> None:
@@ -131,9 +117,8 @@ class MoEBalance(Component):
         buf = torch.zeros(L, E + 2, device=self._device)
         for i, router, _ in held:
             buf[i, :E] = router.load
+            buf[i, E] = router.aux_loss_sum[0] / router.aux_loss_sum[1].clamp_min(1)  # mean over forwards
             buf[i, E + 1] = 1.0
-            if self.has_aux and self._aux_n[i]:
-                buf[i, E] = self._aux_sum[i] / self._aux_n[i]
         self._all_reduce(buf)  # the one collective of the step
         load = buf[:, :E]  # (L, E) tokens per expert over the global batch
         if self.gamma:
