@@ -280,6 +280,40 @@ def test_aux_loss_gradient_is_that_of_the_explicit_loss_averaged_over_micro_batc
         assert (want[fqn] - ce_only[fqn]).norm() > 100 * 1e-5 * want[fqn].norm(), fqn  # the aux term shows
 
 
+def test_aux_loss_gradient_under_fp16_loss_scaling(small_data, tmp_path):
+    """fp16: the main loss is multiplied by the loss scale (65536) before backward, so the
+    auxiliary gradient must be too, or unscaling shrinks it 65536-fold. alpha = 1 makes it
+    most of the gate's gradient. fp16 compute (the router runs in fp32 by the precision rule)
+    against the fp32 reference: measured 3e-4 of the norm, bound 1%."""
+    cfg = moe_config(small_data, "--model.aux_loss_alpha", "1.0", "--model.seq_aux_loss_alpha", "1.0",
+                     "--training.grad_accum_steps", "2", "--training.grad_clip", "0",
+                     "--precision.policy", "fp16-mixed", "--precision.force", "true")
+    spy = GateGrads()
+    t = Trainer(cfg, tmp_path / "run", callbacks=[spy], progress=False)
+    try:
+        assert t.mp.scaler.enabled and t.mp.scaler.get_scale() > 1
+        t.train_step()
+    finally:
+        t.close()
+    ref = spy.model.train()
+    live = {}
+    for fqn, r in routers(ref):
+        r.aux_grad_scale = 0.0
+        r.register_forward_hook(lambda m, args, out, fqn=fqn: live.__setitem__(fqn, m.aux_loss))
+
+    def gate_grads(with_aux: bool) -> dict[str, torch.Tensor]:
+        ref.zero_grad()
+        for inputs, targets in spy.batches:
+            loss = F.cross_entropy(ref(inputs).float().flatten(0, 1), targets.flatten())
+            ((loss + sum(live.values()) * with_aux) / len(spy.batches)).backward()
+        return {fqn: r.gate.weight.grad.clone() for fqn, r in routers(ref)}
+
+    want, ce_only = gate_grads(True), gate_grads(False)
+    for fqn, g in spy.grads.items():
+        assert (want[fqn] - ce_only[fqn]).norm() > 0.5 * want[fqn].norm(), fqn  # the aux term dominates
+        assert (g - want[fqn]).norm() < 0.01 * want[fqn].norm(), (fqn, float((g - want[fqn]).norm() / want[fqn].norm()))
+
+
 def test_moe_training_loss_goes_down(small_data, tmp_path):
     cfg = moe_config(small_data, "--training.steps", "30", "--training.val_interval", "30",
                      "--training.log_interval", "5", "--training.warmup_steps", "5")
