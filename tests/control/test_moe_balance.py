@@ -94,6 +94,34 @@ def test_bias_moves_by_exactly_gamma_against_the_hand_counted_load(small_data, t
         t.close()
 
 
+class RejectStep(Component):
+    name = "reject_step"
+
+    def __init__(self, step):
+        self.step = step
+
+    def before_optimizer_step(self, loop, loss, grad_norm):
+        return loop.step + 1 != self.step
+
+
+def test_a_rejected_step_moves_no_bias_and_leaves_no_load_behind(small_data, tmp_path):
+    cfg = moe_config(small_data, "--model.bias_update_rate", "0.01")
+    spy = RouterSpy()
+    t = Trainer(cfg, tmp_path / "run", callbacks=[spy, RejectStep(2)], progress=False)
+    try:
+        biases = []
+        for _ in range(3):
+            t.train_step()
+            t.step += 1
+            biases.append({fqn: r.expert_bias.clone() for fqn, r in routers(t.raw_model)})
+        for fqn, load in spy.loads.items():  # step 3's counts: its own tokens only
+            assert load.sum() == BATCH * SEQ * K, fqn
+            torch.testing.assert_close(biases[1][fqn], biases[0][fqn], rtol=0, atol=0)  # step 2 rejected
+            assert not torch.equal(biases[2][fqn], biases[1][fqn])
+    finally:
+        t.close()
+
+
 def test_selection_uses_the_bias_but_the_combine_weights_do_not():
     torch.manual_seed(0)
     cfg = FLAVORS["moe-debug"]

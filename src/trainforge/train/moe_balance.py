@@ -65,6 +65,7 @@ class MoEBalance(Component):
         self.has_aux = bool(model_config.aux_loss_alpha or model_config.seq_aux_loss_alpha)
         self._held: list[tuple[int, Router, Router | None]] | None = None  # (MoE layer #, router, master's)
         self._device: torch.device | None = None
+        self._aux_scale: torch.Tensor | None = None  # fp16: loss scale / micro-batches
         self._reset_window()
 
     # -- routers ------------------------------------------------------------------------
@@ -103,7 +104,10 @@ class MoEBalance(Component):
         scaler = loop.mp.scaler
         if self.has_aux and scaler.enabled:
             scaler.ensure_scale(loop.device)  # GradScaler makes its scale on the first scale()
-            scale = scaler.scale_tensor() / self.micro_batches
+            if self._aux_scale is None:
+                self._aux_scale = torch.empty((), device=scaler.scale_tensor().device)
+            # One tensor updated in place (no host sync; a compiled block sees the same object).
+            scale = self._aux_scale.copy_(scaler.scale_tensor() / self.micro_batches)
         for _, router, _ in held:
             router.load.zero_()
             router.aux_loss_sum.zero_()
