@@ -23,7 +23,7 @@ Balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024, "Auxiliary-Loss-Free Load Bala
   (Switch / GShard). They reach the gradient through ``_AuxLossGrad``: the block's output
   carries them, so the training loss needs no extra term and every layout (DDP, FSDP2,
   pipeline stages, activation checkpointing) backpropagates them unchanged. Their value
-  is kept in ``Router.aux_loss`` for metrics.
+  is kept in ``Router.aux_loss`` (detached) and summed in ``Router.aux_loss_sum`` for metrics.
 """
 
 from __future__ import annotations
@@ -61,10 +61,12 @@ class Router(nn.Module):
         # Tokens routed to each expert since the balance component last read them.
         self.register_buffer("load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.register_buffer("eval_load", torch.zeros(cfg.n_routed_experts), persistent=False)
+        # (sum of the auxiliary losses, number of training forwards) for metrics, counted like ``load``.
+        self.register_buffer("aux_loss_sum", torch.zeros(2), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         # Multiplies the auxiliary losses' gradient: 1 / micro-batches (x the fp16 loss
-        # scale), set by the balance component, so they average like the main loss.
-        self.aux_grad_scale = 1.0
+        # scale, a device tensor), set by the balance component, so they average like the main loss.
+        self.aux_grad_scale: float | torch.Tensor = 1.0
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
@@ -96,6 +98,10 @@ class Router(nn.Module):
                 counts = torch.bincount(idx.flatten(), minlength=self.n_experts).to(self.load.dtype)
                 (self.load if self.training else self.eval_load).add_(counts)
         self.aux_loss = self._aux_loss(scores, idx, seq_len) if self.training else None
+        if self.aux_loss is not None and not _in_backward():
+            with torch.no_grad():
+                self.aux_loss_sum[0] += self.aux_loss.detach()
+                self.aux_loss_sum[1] += 1
         return weights, idx
 
     def _aux_loss(self, scores: torch.Tensor, idx: torch.Tensor, seq_len: int) -> torch.Tensor | None:
@@ -165,13 +171,19 @@ class _AuxLossGrad(torch.autograd.Function):
     ``scale * aux`` had been added to the loss (Megatron's MoEAuxLossAutoScaler idea)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
         ctx.scale = scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        # A tensor scale (the fp16 loss scale lives on the device) is used as is: no host sync.
+        scale = ctx.scale
+        if isinstance(scale, torch.Tensor):
+            g = scale.detach().to(device=grad.device, dtype=torch.float32).reshape(())
+        else:
+            g = torch.full((), scale, dtype=torch.float32, device=grad.device)
+        return grad, g, None
 
 
 class MoE(nn.Module):
@@ -199,8 +211,12 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         aux = self.router.aux_loss
-        if aux is not None and torch.is_grad_enabled():
-            out = _AuxLossGrad.apply(out, aux, self.router.aux_grad_scale)
+        if aux is not None:
+            # The router keeps the value, not its graph: a module holding a non-leaf tensor cannot
+            # be deep-copied (pipeline stages, master weights) and would keep the graph alive.
+            self.router.aux_loss = aux.detach()
+            if torch.is_grad_enabled():
+                out = _AuxLossGrad.apply(out, aux, self.router.aux_grad_scale)
         return out.view(B, T, D)
 
 

@@ -271,6 +271,19 @@ class _TimedStage(PipelineStage):
     def backward_weight_one_chunk(self, *args, **kwargs):
         return self._timer.run(self.stage_index, super().backward_weight_one_chunk, *args, **kwargs)
 
+    def _forward_metadata_inference(self, *args, **kwargs):
+        """torch runs the stage's forward once more on the first step, on placeholder
+        tensors, to learn its output shapes; what that forward writes into buffers (a MoE
+        router's token counts) is put back, so the step counts only its real micro-batches."""
+        saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for b, value in saved:
+                    if not torch.equal(b, value):  # untouched ones keep their version: backward may need them
+                        b.copy_(value)
+
 
 @dataclass(frozen=True)
 class PipelineStepStats:
