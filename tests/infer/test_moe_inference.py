@@ -79,16 +79,20 @@ def quantize_experts(model: nn.Module, mode: str, group_size: int = 32) -> dict:
 
 # -- float: the engine equals the training forward --------------------------------------------
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_engine_greedy_equals_the_training_forward(fuse):
+@pytest.mark.parametrize("fuse,step", [(False, "forward"), (False, "fast"), (True, "fast")])
+def test_engine_greedy_equals_the_training_forward(fuse, step):
     """Five prompts of 1..37 tokens, three batch rows: requests join as others finish
-    (continuous batching), prefill + paged decode, 32 tokens each."""
+    (continuous batching), prefill + paged decode, 32 tokens each. ``step``: the decode step
+    through the model's plain forward, or the fast path (MoE's call is its forward)."""
     want = [argmax_loop(moe_model(), p, N_NEW) for p in PROMPTS]
     model = prepare_model(moe_model(), fuse=fuse)
     if fuse:  # MoE blocks: attention, norms and shared experts fused; routed experts untouched
         assert describe_model(model)["fusions"] == {"qkv": 3, "gate_up": 3, "add_norm": 3}
         assert all(type(m.gate) is nn.Linear for m in model.modules() if isinstance(m, Router))
     engine = Engine(model, EngineConfig(max_batch_size=3, block_size=8, max_context=128))
+    assert engine.runner.decoder is not None  # every module of a MoE block has decode_calls
+    if step == "forward":
+        engine.runner.decoder = None
     got = engine.generate(PROMPTS, GREEDY)
     assert [r.output_ids for r in got] == want
     assert engine.stats()["peak_batch"] == 3 and engine.pool.utilisation()["blocks_used"] == 0

@@ -203,6 +203,14 @@ class MoE(nn.Module):
             out = _AuxLossGrad.apply(out, aux, self.router.aux_grad_scale)
         return out.view(B, T, D)
 
+    def decode_calls(self, ws, h: torch.Tensor, out: torch.Tensor) -> list:
+        """The decode step's call (``model/fast_decode.py``): this forward on the (B, dim) rows.
+        Routing is data-dependent (which experts, how many tokens each), so unlike the dense
+        modules it allocates; the rest of the block keeps its allocation-free calls."""
+        B, D = h.shape
+        rows = h.view(B, 1, D)
+        return [lambda: out.copy_(self(rows).view(B, D))]
+
 
 def routers(module: nn.Module) -> list[tuple[str, Router]]:
     """Every ``Router`` in ``module`` with its FQN (layer order)."""
