@@ -121,9 +121,10 @@ class Router(nn.Module):
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     # torch._grouped_mm takes bf16 on CUDA and fp32/bf16 on CPU; it refuses fp16 (CPU) and
-    # fp32 on CUDA: fall back to per-expert matmuls there.
-    return hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and (
-        x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype == torch.float32))
+    # fp32 on CUDA: fall back to per-expert matmuls there. Its meta kernel (what torch.compile
+    # traces with) takes only bf16, so a compiled fp32 forward uses the per-expert matmuls too.
+    return hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and (x.dtype == torch.bfloat16 or (
+        x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()))
 
 
 class GroupedExperts(nn.Module):

@@ -11,11 +11,21 @@ so on for ``w2`` and ``w3``, under the module's name in the safetensors file.
 ``pack`` builds one packed linear of that kind per expert and projection (the linear
 kinds' kernels, unchanged) and the forward runs only the experts that received tokens, on
 their contiguous slices: a decode step of B rows touches at most B x top-k experts.
-Kernels measured on the moe-tiny shapes (experts 176 x 256, batch 1): fp32, fbgemm int8,
-int8pack and int4pack_cpu all ~9 us per call on this CPU (per-call overhead, the matrices
-are L2-sized), so the int8 default is ``int8pack`` (weight-only, activations stay float:
-equal to the dequantised float model up to rounding, where fbgemm also quantises the
-activations). Quantisation here is for memory; speed comes with larger experts.
+
+Kernels, per expert slice, measured on the moe-tiny experts (16 x (176 x 256), top-4) on this
+CPU at 1 thread (ms per experts call for M routed rows; shared machine, best of 5):
+
+    M rows           4      32     512
+    fp32 grouped   0.42   1.92    5.2   (GroupedExperts, torch._grouped_mm)
+    int8pack_bf16  0.62   3.40   10.3   (the int8 CPU default)
+    fbgemm int8    0.97   5.86    8.7
+    int4pack_cpu   0.69   3.37   11.9   (bf16 activations)
+
+``int8pack`` on fp32 activations takes a slow path for more than one row (8 rows of one
+expert: ~4.7 ms), hence ``int8pack_bf16``; fbgemm also quantises the activations (7-bit per
+tensor), bf16 only rounds them. The experts are L2-sized here, so quantising them buys
+memory, not speed (the per-expert loop costs more than the bytes it saves); the speed comes
+with experts too large for the cache.
 
 The router is never quantised (``quantize.linear_names`` leaves ``*.router.gate`` out and
 loading keeps it fp32): top-k selection over near-tied scores flips under weight
