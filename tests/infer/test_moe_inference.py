@@ -7,7 +7,6 @@ dequantised float reference; a trained moe-debug checkpoint goes through
 from __future__ import annotations
 
 import copy
-import dataclasses
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import torch
 from torch import nn
 
 from conftest import debug_config
-from tests.infer.helpers import sharpen
+from tests.infer.helpers import MOE_SHAPES, model_for
 from trainforge.data.tokenizer import eos_id, load_tokenizer
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.loading import load_model
@@ -26,18 +25,17 @@ from trainforge.infer.quantize import (Int4Experts, Int8Experts, QuantExperts, Q
                                        quantize_model, quantize_state_dict, swap_quantized_linears)
 from trainforge.infer.sampling import SamplingParams
 from trainforge.infer.server import ServerConfig
-from trainforge.model import FLAVORS, build_model
 from trainforge.model.moe import GroupedExperts, Router
 from trainforge.model.preflight import inference_estimate
 
-CFG = dataclasses.replace(FLAVORS["moe-debug"], max_seq_len=256)
+CFG = MOE_SHAPES["moe"]
 N_NEW = 32
 GREEDY = SamplingParams(max_new_tokens=N_NEW, temperature=0)
 PROMPTS = [[5, 17, 300, 42], list(range(1, 38)), [7], [99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89], [1, 2]]
 
 
 def moe_model(seed: int = 0) -> nn.Module:
-    return sharpen(build_model(CFG, seed=seed), seed).eval()
+    return model_for("moe", seed)
 
 
 @torch.no_grad()
