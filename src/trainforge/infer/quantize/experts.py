@@ -13,19 +13,22 @@ kinds' kernels, unchanged) and the forward runs only the experts that received t
 their contiguous slices: a decode step of B rows touches at most B x top-k experts.
 
 Kernels, per expert slice, measured on the moe-tiny experts (16 x (176 x 256), top-4) on this
-CPU at 1 thread (ms per experts call for M routed rows; shared machine, best of 5):
+CPU at 1 thread (ms per experts call for M routed rows; shared 2-core machine, best of 5,
+two runs' ranges):
 
-    M rows           4      32     512
-    fp32 grouped   0.42   1.92    5.2   (GroupedExperts, torch._grouped_mm)
-    int8pack_bf16  0.62   3.40   10.3   (the int8 CPU default)
-    fbgemm int8    0.97   5.86    8.7
-    int4pack_cpu   0.69   3.37   11.9   (bf16 activations)
+    M rows               4            32          512
+    fp32 grouped   0.25-0.33   1.27-2.19   3.9-4.7   (GroupedExperts, torch._grouped_mm)
+    int8pack_bf16  0.21-0.26   1.10-1.83   5.3-5.7   (the int8 CPU default)
+    fbgemm int8    0.44-0.66   2.50-3.25   4.0-5.1
+    int4pack_cpu   0.25-0.31   1.30-1.82   5.4-6.2   (bf16 activations)
 
 ``int8pack`` on fp32 activations takes a slow path for more than one row (8 rows of one
 expert: ~4.7 ms), hence ``int8pack_bf16``; fbgemm also quantises the activations (7-bit per
-tensor), bf16 only rounds them. The experts are L2-sized here, so quantising them buys
-memory, not speed (the per-expert loop costs more than the bytes it saves); the speed comes
-with experts too large for the cache.
+tensor), bf16 only rounds them. The forward calls the kernels straight and keeps their
+bf16 output until the result (the casts back to fp32 between the projections cost more
+than the matmuls at decode sizes). The experts are L2-sized here, so quantising them buys
+memory and a little decode speed; a long prompt's prefill (M in the hundreds) is faster
+with the fp32 grouped GEMM.
 
 The router is never quantised (``quantize.linear_names`` leaves ``*.router.gate`` out and
 loading keeps it fp32): top-k selection over near-tied scores flips under weight
@@ -33,6 +36,8 @@ rounding, and a flipped expert changes the token's whole feed-forward, not one l
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +71,7 @@ class QuantExperts(nn.Module):
         self.kernel_name: str | None = None  # after pack()
         self.weight_bytes = 0
         self._experts: list[tuple[QuantLinear, ...]] | None = None  # per expert: (w1, w2, w3), packed
+        self._kernels: list[tuple[Callable, ...]] = []  # their kernels: (M, K) -> (M, N), in the kernel's dtype
         for p in PROJECTIONS:
             out_f, in_f = self.shape(p)
             like = self.LINEAR(in_f, out_f, kernel=kernel, device="meta", **kw)
@@ -164,6 +170,7 @@ class QuantExperts(nn.Module):
             used.update(lin.pack(name) for lin in lins)
             experts.append(lins)
         self._experts = experts
+        self._kernels = [tuple(lin._impl for lin in lins) for lins in experts]
         self.kernel_name = name if used == {name} else "+".join(sorted(used))
         if self.kernel_name != "reference":
             for buf, _ in list(self.named_buffers(recurse=False)):  # the packed linears own the weights now
@@ -177,7 +184,9 @@ class QuantExperts(nn.Module):
         start = 0
         for e, c in enumerate(counts.tolist()):
             if c:  # experts without tokens cost nothing
-                w1, w2, w3 = self._experts[e]
+                # The kernels straight (x is (M, dim) already): their output stays in the kernel's
+                # dtype (bf16 for the CPU kernels, which round w2's input to bf16 anyway) up to `out`.
+                w1, w2, w3 = self._kernels[e]
                 xs = x[start:start + c]
                 out[start:start + c] = w2(F.silu(w1(xs)) * w3(xs))
                 start += c
