@@ -28,6 +28,8 @@ Balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024, "Auxiliary-Loss-Free Load Bala
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -204,7 +206,7 @@ class MoE(nn.Module):
             out = _AuxLossGrad.apply(out, aux, self.router.aux_grad_scale)
         return out.view(B, T, D)
 
-    def decode_calls(self, ws, h: torch.Tensor, out: torch.Tensor) -> list:
+    def decode_calls(self, ws, h: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
         """The decode step's call (``model/fast_decode.py``): this forward on the (B, dim) rows.
         Routing is data-dependent (which experts, how many tokens each), so unlike the dense
         modules it allocates; the rest of the block keeps its allocation-free calls."""
