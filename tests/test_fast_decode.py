@@ -46,7 +46,7 @@ def fill(model, cache: PagedCache, seqs: list[list[int]]) -> None:
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
-@pytest.mark.parametrize("shape", ["gqa2", "gqa4"])
+@pytest.mark.parametrize("shape", ["gqa2", "gqa4", "moe"])
 def test_prefill_and_batched_decode_through_the_paged_cache_match_the_full_forward(shape, fuse):
     model = model_for(shape)
     if fuse:
@@ -61,7 +61,10 @@ def test_prefill_and_batched_decode_through_the_paged_cache_match_the_full_forwa
         cache = paged(model)
         cache.set_prefill(torch.arange(32, 32 + len(prompts[1])))
         prefill = model(torch.tensor([prompts[1]]), torch.arange(len(prompts[1])), cache)[0]
-        assert torch.equal(prefill, full[1][:-1])  # same ops as training: bit-identical
+        if model.cfg.is_moe:  # each expert's GEMM sees fewer rows than in the full forward: rounding differs
+            torch.testing.assert_close(prefill, full[1][:-1], atol=ATOL, rtol=RTOL)
+        else:
+            assert torch.equal(prefill, full[1][:-1])  # same ops as training: bit-identical
 
         slow_cache, fast_cache = paged(model), paged(model)
         fill(model, slow_cache, prompts)

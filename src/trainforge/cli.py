@@ -179,8 +179,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (quantised layers keep their own)")
     p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
-                   help="quantise a float checkpoint's linear layers at load time (see `trainforge quantize` "
-                        "for the offline step)")
+                   help="quantise a float checkpoint's linear layers (and MoE experts) at load time (see "
+                        "`trainforge quantize` for the offline step)")
     p.add_argument("--group_size", type=int, default=128, help="int4 group size (32, 64, 128 or 256 on CPU)")
     p.add_argument("--quant_kernel", default=None,
                    help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, reference), or "
@@ -278,11 +278,12 @@ def _quantize(argv: list[str]) -> int:
     import dataclasses
 
     from trainforge.infer.loading import load_model
-    from trainforge.infer.quantize import linear_names, quantize_state_dict, save_quantized
+    from trainforge.infer.quantize import expert_names, linear_names, quantize_state_dict, save_quantized
 
     p = argparse.ArgumentParser(prog="trainforge quantize",
-                                description="Offline quantisation: write a checkpoint with int8 / int4 linear weights "
-                                            "(scales beside them) that `generate` and `serve` load directly.")
+                                description="Offline quantisation: write a checkpoint with int8 / int4 linear and "
+                                            "MoE expert weights (scales beside them; routers stay fp32) that "
+                                            "`generate` and `serve` load directly.")
     p.add_argument("--checkpoint", required=True,
                    help="float trainforge checkpoint / run directory, or a Hugging Face directory")
     p.add_argument("--output", required=True, help="new directory for the quantised checkpoint")
@@ -296,7 +297,8 @@ def _quantize(argv: list[str]) -> int:
         raise TrainforgeError(f"{a.checkpoint} is already quantised ({loaded.quantization['mode']})")
     model = loaded.model
     try:
-        qsd, info = quantize_state_dict(model.state_dict(), linear_names(model), a.mode, a.group_size)
+        qsd, info = quantize_state_dict(model.state_dict(), linear_names(model), a.mode, a.group_size,
+                                        expert_names(model))
     except ValueError as e:
         raise TrainforgeError(f"--{e}") from None
     tok_file = loaded.path / "tokenizer.json"
@@ -304,7 +306,8 @@ def _quantize(argv: list[str]) -> int:
                          tok_file if tok_file.is_file() else None, {"path": str(loaded.path)})
     before = sum(t.nbytes for t in model.state_dict().values())
     after = (out / "model.safetensors").stat().st_size
-    print(f"quantised {len(info['layers'])} linear layers to {a.mode}"
+    print(f"quantised {len(info['layers'])} linear layers"
+          + (f" and {len(info['experts'])} layers of routed experts" if info["experts"] else "") + f" to {a.mode}"
           + (f" (skipped {len(info['skipped'])}: {info['skipped']})" if info["skipped"] else ""))
     print(f"weights: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB in {out}")
     return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from trainforge.model import ModelConfig, build_model
+from trainforge.model import FLAVORS, ModelConfig, build_model
 
 # Two grouped-query shapes: 2 query heads per kv head, and 4 with a non-default theta and eps.
 SHAPES = {
@@ -13,6 +15,9 @@ SHAPES = {
     "gqa4": ModelConfig(dim=128, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=320, ffn_hidden_dim=256,
                         norm_eps=1e-6, rope_theta=500000.0, max_seq_len=256),
 }
+
+# Mixture of experts (moe-debug: first block dense, 8 experts top-2 + 1 shared); no HF layout.
+MOE_SHAPES = {"moe": dataclasses.replace(FLAVORS["moe-debug"], max_seq_len=256)}
 
 
 @torch.no_grad()
@@ -29,4 +34,4 @@ def sharpen(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 
 def model_for(name: str, seed: int = 0):
-    return sharpen(build_model(SHAPES[name], seed=seed), seed).eval()
+    return sharpen(build_model({**SHAPES, **MOE_SHAPES}[name], seed=seed), seed).eval()

@@ -74,14 +74,18 @@ class EngineConfig:
 class _HostBuffer:
     """A host array the engine writes and the device tensor the runner reads: the same
     memory on CPU; on CUDA, two pinned copies used in turn, each pushed with a non-blocking
-    copy (an event guards a copy still in flight when its buffer comes round again)."""
+    copy (an event guards a copy still in flight when its buffer comes round again). numpy
+    has no bfloat16: a bf16 model's attention mask is written in a float32 host copy (its
+    0 / -inf are exact in both) and copied over on push, on CPU too."""
 
     def __init__(self, dev: torch.Tensor):
         self.dev = dev
+        self._staged = dev.dtype == torch.bfloat16
         if dev.device.type == "cpu":
-            self._hosts = [dev]
+            self._hosts = [torch.zeros(dev.shape, dtype=torch.float32) if self._staged else dev]
         else:
-            self._hosts = [torch.zeros(dev.shape, dtype=dev.dtype).pin_memory() for _ in range(2)]
+            host_dtype = torch.float32 if self._staged else dev.dtype
+            self._hosts = [torch.zeros(dev.shape, dtype=host_dtype).pin_memory() for _ in range(2)]
             self._events = [None, None]
         self._i = 0
         self.np = self._hosts[0].numpy()
@@ -89,6 +93,8 @@ class _HostBuffer:
     def push(self, n: int) -> None:
         """Send the first ``n`` elements; the engine rewrites them in full before every push."""
         if len(self._hosts) == 1:
+            if self._staged:
+                self.dev[:n].copy_(self._hosts[0][:n])
             return
         self.dev[:n].copy_(self._hosts[self._i][:n], non_blocking=True)
         ev = torch.cuda.Event()

@@ -3,11 +3,17 @@ The fused module kinds themselves live in ``trainforge.model.fused`` (each with 
 and its decode fast path); this file only decides where they replace the plain ones.
 
 - QKV: ``wq``, ``wk``, ``wv`` become one ``wqkv`` (``FusedAttention``).
-- gate+up: the SwiGLU ``w1`` (gate) and ``w3`` (up) become one ``w13`` (``FusedFeedForward``).
+- gate+up: the SwiGLU ``w1`` (gate) and ``w3`` (up) become one ``w13`` (``FusedFeedForward``);
+  in a MoE block, the shared experts' (a SwiGLU on every token).
 - residual-add + RMSNorm: every block's norms and the final norm become ``FusedRMSNorm``
   (``FusedTransformerBlock``).
 - row-block linears (``row_block_linears``, CPU): every float linear becomes a
   ``RowBlockLinear``, whose few-row products (a prompt's prefill) spread over the threads.
+
+A MoE block is not a dense block: its ``MoE`` feed-forward stays as it is (routing is the
+model's own forward; the routed experts' weights are one stacked tensor per projection, no
+concatenation to gain), only its attention, norms and shared experts are fused. The router's
+gate is left a plain fp32 ``nn.Linear`` (never row-blocked or quantised: ``quantize/experts.py``).
 
 Quantised linears concatenate in their stored form (``QuantLinear.cat``), so fusion may run
 before or after the quantisation swap, as long as the layers are not packed yet.
@@ -29,6 +35,7 @@ from trainforge.infer.quantize.common import QuantLinear
 from trainforge.model.fast_decode import RowBlockLinear
 from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedRMSNorm, FusedTransformerBlock
 from trainforge.model.llama import Attention, FeedForward, RMSNorm
+from trainforge.model.moe import MoE, Router
 
 
 def cat_linears(mods: list[nn.Module]) -> nn.Module | None:
@@ -52,6 +59,11 @@ def _unwrap(block: nn.Module) -> nn.Module:
     return block
 
 
+def _fuse_gate_up(ffn: FeedForward) -> FusedFeedForward | None:
+    w13 = cat_linears([ffn.w1, ffn.w3])
+    return None if w13 is None else FusedFeedForward(w13, ffn.w2, ffn.w1.out_features)
+
+
 @torch.no_grad()
 def fuse_model(model: nn.Module, qkv: bool = True, gate_up: bool = True, add_norm: bool = True) -> dict[str, int]:
     """Swap every block's attention / MLP / block for the fused versions (in place).
@@ -66,9 +78,14 @@ def fuse_model(model: nn.Module, qkv: bool = True, gate_up: bool = True, add_nor
                 block.attention = FusedAttention(wqkv, attn.wo, attn.n_heads, attn.n_kv_heads, attn.head_dim)
                 done["qkv"] += 1
         if gate_up and isinstance(ffn, FeedForward):
-            w13 = cat_linears([ffn.w1, ffn.w3])
-            if w13 is not None:
-                block.feed_forward = FusedFeedForward(w13, ffn.w2, ffn.w1.out_features)
+            fused = _fuse_gate_up(ffn)
+            if fused is not None:
+                block.feed_forward = fused
+                done["gate_up"] += 1
+        if gate_up and isinstance(ffn, MoE) and isinstance(ffn.shared_experts, FeedForward):
+            fused = _fuse_gate_up(ffn.shared_experts)
+            if fused is not None:
+                ffn.shared_experts = fused
                 done["gate_up"] += 1
         if add_norm and not isinstance(block, FusedTransformerBlock):
             block = FusedTransformerBlock(block)
@@ -80,10 +97,10 @@ def fuse_model(model: nn.Module, qkv: bool = True, gate_up: bool = True, add_nor
 
 
 def row_block_linears(model: nn.Module) -> int:
-    """Swap every bias-free float ``nn.Linear`` for a ``RowBlockLinear`` on the same weight
-    (in place); returns how many. Run after fusion (``cat_linears`` takes plain linears)."""
-    swaps = [(parent, name, m) for parent in model.modules() for name, m in parent.named_children()
-             if type(m) is nn.Linear and m.bias is None]
+    """Swap every bias-free float ``nn.Linear`` but a router's gate for a ``RowBlockLinear`` on
+    the same weight (in place); returns how many. Run after fusion (``cat_linears`` takes plain linears)."""
+    swaps = [(parent, name, m) for parent in model.modules() if not isinstance(parent, Router)
+             for name, m in parent.named_children() if type(m) is nn.Linear and m.bias is None]
     for parent, name, m in swaps:
         setattr(parent, name, RowBlockLinear.of(m))
     return len(swaps)

@@ -26,6 +26,7 @@ from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
 from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
 from trainforge.model.llama import Transformer, rope_tables
+from trainforge.model.moe import routers
 from trainforge.model.preflight import check_inference
 from trainforge.safe_unpickle import error_detail
 
@@ -80,6 +81,9 @@ def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.de
             raise CheckpointError(f"{what}: the quantization info in meta.json does not fit the model "
                                   f"({error_detail(e)})") from None
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    # MoE routers stay fp32 whatever ``dtype`` (as training's precision rule keeps ``*.gate``):
+    # top-k over near-tied scores would flip with bf16 weights.
+    params -= {f"{name}.{p}" for name, r in routers(model) for p, _ in r.named_parameters()}
     sd = {k: (v.to(dtype) if k in params and v.is_floating_point() and v.dtype != dtype else v) for k, v in sd.items()}
     if cfg.tie_embeddings and "output.weight" in params:  # stored once; the tied module wants both names
         shared = sd.get("tok_embeddings.weight", sd.get("output.weight"))
@@ -126,7 +130,9 @@ def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_sl
                quantization: dict[str, Any] | None, positions_key: str, where: str) -> None:
     if device.type == "meta":
         return
-    qbytes = None if not quantization else (0.5 if quantization.get("mode") == "int4" else 1.0)
+    qbytes = None
+    if quantization:  # codes + their fp32 scales (int4: a scale and a zero per group; int8: one per row)
+        qbytes = 0.5 + 8 / quantization.get("group_size", 128) if quantization.get("mode") == "int4" else 1.0
     elem = torch.empty((), dtype=dtype).element_size()
     check_inference(cfg, device, elem, kv_slots(cfg) if kv_slots is not None else 0, elem,
                     positions_key=positions_key, where=where, quantized_bytes=qbytes, error=CheckpointError)

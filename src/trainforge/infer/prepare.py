@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from trainforge.infer.fusion import fuse_model, row_block_linears
-from trainforge.infer.quantize import QuantLinear, pack_quantized
+from trainforge.infer.quantize import QuantExperts, QuantLinear, pack_quantized
 from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedTransformerBlock
 
 
@@ -35,13 +35,13 @@ def prepare_model(model: nn.Module, fuse: bool = True, quant_kernel: str | None 
 
 def describe_model(model: nn.Module) -> dict[str, Any]:
     """{"fusions": {qkv, gate_up, add_norm: count}, "quant_kernels": {kernel: count}}: the
-    inference swaps ``model`` carries (read only)."""
+    inference swaps ``model`` carries (read only); quantised experts count as "<kernel> (experts)"."""
     kinds = {"qkv": FusedAttention, "gate_up": FusedFeedForward, "add_norm": FusedTransformerBlock}
     mods = list(model.modules())
     fusions = {k: sum(isinstance(m, cls) for m in mods) for k, cls in kinds.items()}
     kernels: dict[str, int] = {}
     for m in mods:
-        if isinstance(m, QuantLinear):
-            name = m.kernel_name or "unpacked"
+        if isinstance(m, (QuantLinear, QuantExperts)):
+            name = (m.kernel_name or "unpacked") + (" (experts)" if isinstance(m, QuantExperts) else "")
             kernels[name] = kernels.get(name, 0) + 1
     return {"fusions": fusions if any(fusions.values()) else {}, "quant_kernels": kernels}

@@ -9,8 +9,9 @@ holds what they share: ``LinearInto`` (a linear into a preallocated output),
 ``DecodeWorkspace`` (the buffers) and ``FastDecoder``, which binds every module's calls
 once per decode shape (B rows, S context slots) and runs them: a step then dispatches only
 compute ops, ~40 per layer, and allocates nothing in float32 (``count_allocations`` in
-the engine tests). A model whose modules lack ``decode_calls`` decodes through its plain
-forward instead (``FastDecoder.supports``).
+the engine tests). A MoE block's feed-forward contributes its own forward as one call
+(data-dependent routing: it allocates; ``MoE.decode_calls``). A model whose modules lack
+``decode_calls`` decodes through its plain forward instead (``FastDecoder.supports``).
 
 Float linears run through ``LinearInto``: a few-row GEMM is memory-bound and MKL runs it
 on one thread (it streamed ~12 GB/s at 1 or 2 threads on this machine), so the weight's

@@ -28,6 +28,8 @@ Balancing (DeepSeek-V3 §2.1.2; Wang et al. 2024, "Auxiliary-Loss-Free Load Bala
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,9 +129,10 @@ class Router(nn.Module):
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     # torch._grouped_mm takes bf16 on CUDA and fp32/bf16 on CPU; it refuses fp16 (CPU) and
-    # fp32 on CUDA: fall back to per-expert matmuls there.
-    return hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and (
-        x.dtype == torch.bfloat16 or (x.device.type == "cpu" and x.dtype == torch.float32))
+    # fp32 on CUDA: fall back to per-expert matmuls there. Its meta kernel (what torch.compile
+    # traces with) takes only bf16, so a compiled fp32 forward uses the per-expert matmuls too.
+    return hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and (x.dtype == torch.bfloat16 or (
+        x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling()))
 
 
 class GroupedExperts(nn.Module):
@@ -218,6 +221,14 @@ class MoE(nn.Module):
             if torch.is_grad_enabled():
                 out = _AuxLossGrad.apply(out, aux, self.router.aux_grad_scale)
         return out.view(B, T, D)
+
+    def decode_calls(self, ws, h: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
+        """The decode step's call (``model/fast_decode.py``): this forward on the (B, dim) rows.
+        Routing is data-dependent (which experts, how many tokens each), so unlike the dense
+        modules it allocates; the rest of the block keeps its allocation-free calls."""
+        B, D = h.shape
+        rows = h.view(B, 1, D)
+        return [lambda: out.copy_(self(rows).view(B, D))]
 
 
 def routers(module: nn.Module) -> list[tuple[str, Router]]:

@@ -188,14 +188,16 @@ def training_estimate(cfg: "ModelConfig", batch_size: int, seq_len: int, *, stat
 def inference_estimate(cfg: "ModelConfig", param_bytes: float, kv_slots: int, kv_bytes: int,
                        quantized_bytes: float | None = None) -> MemoryEstimate:
     """Bytes to load ``cfg`` for inference: weights (``param_bytes`` per parameter, or
-    ``quantized_bytes`` per linear weight of a quantised checkpoint), rotary tables and a
-    KV pool of ``kv_slots`` token slots at ``kv_bytes`` per element."""
+    ``quantized_bytes`` per linear and routed-expert weight of a quantised checkpoint), rotary
+    tables and a KV pool of ``kv_slots`` token slots at ``kv_bytes`` per element. MoE routers
+    are counted in fp32 (inference keeps them so, unquantised)."""
     n = cfg.num_params()
     emb = cfg.vocab_size * cfg.dim
+    router = cfg.n_moe_layers * cfg.dim * cfg.n_routed_experts
     if quantized_bytes is None:
-        weights = n * param_bytes
-    else:  # embedding and norms stay float; every linear (output projection included) is quantised
-        weights = emb * param_bytes + (n - emb) * quantized_bytes
+        weights = (n - router) * param_bytes + router * 4
+    else:  # embedding and norms stay float; every linear (output projection included) and expert is quantised
+        weights = emb * param_bytes + router * 4 + (n - emb - router) * quantized_bytes
     return MemoryEstimate({
         "rotary tables": rotary_bytes(cfg.head_dim, cfg.max_seq_len),
         "weights": int(weights),

@@ -6,13 +6,15 @@
    ``save_quantized`` writes both as a checkpoint directory (``model.safetensors`` with
    ``info`` in its header metadata, ``meta.json``, ``tokenizer.json``): ``trainforge quantize``.
 2. Runtime: ``swap_quantized_linears`` replaces those ``nn.Linear`` modules with
-   ``Int8Linear`` / ``Int4Linear`` (on any device, ``meta`` included, so a quantised
+   ``Int8Linear`` / ``Int4Linear`` and a MoE layer's ``GroupedExperts`` with
+   ``Int8Experts`` / ``Int4Experts`` (on any device, ``meta`` included, so a quantised
    checkpoint loads by assignment like a float one), and ``pack_quantized`` builds each
    layer's kernel form (the kernel per device is chosen in ``common.py``).
 
 ``quantize_model`` runs both phases in memory (``--quantize`` on a float checkpoint).
 The token embedding stays in float (decode reads one row of it per token); a tied output
-projection is quantised as its own matrix.
+projection is quantised as its own matrix. A MoE router's gate stays float (fp32): see
+``experts.py`` for why.
 """
 
 from __future__ import annotations
@@ -27,26 +29,38 @@ from safetensors.torch import save_file
 from torch import nn
 
 from trainforge.infer.quantize.common import QuantLinear, choose_kernel, measure_kernels
+from trainforge.infer.quantize.experts import QuantExperts
 from trainforge.infer.quantize.int4 import Int4Linear, quantize_int4
+from trainforge.infer.quantize.int4_experts import Int4Experts
 from trainforge.infer.quantize.int8 import Int8Linear, quantize_int8
+from trainforge.infer.quantize.int8_experts import Int8Experts
+from trainforge.model.moe import GroupedExperts, routers
 from trainforge.storage.atomic import atomic_directory
 from trainforge.storage.checkpoint_format import MODEL_FILE, TOKENIZER_FILE, write_meta
 
 MODES = ("int8", "int4")
 METADATA_KEY = "trainforge_quantization"
 
-__all__ = ["MODES", "Int4Linear", "Int8Linear", "QuantLinear", "choose_kernel", "measure_kernels",
-           "pack_quantized", "quantize_model", "quantize_state_dict", "save_quantized", "swap_quantized_linears"]
+__all__ = ["MODES", "Int4Experts", "Int4Linear", "Int8Experts", "Int8Linear", "QuantExperts", "QuantLinear",
+           "choose_kernel", "expert_names", "linear_names", "measure_kernels", "pack_quantized", "quantize_model",
+           "quantize_state_dict", "save_quantized", "swap_quantized_linears"]
 
 
 def linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of the model's ``nn.Linear`` modules."""
-    return [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    """Qualified names of the model's ``nn.Linear`` modules, MoE routers' gates left out."""
+    gates = {f"{name}.gate" for name, _ in routers(model)}
+    return [name for name, m in model.named_modules() if type(m) is nn.Linear and name not in gates]
 
 
-def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str,
-                        group_size: int = 128) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Offline transform. ``names``: the linear layers to quantise (``<name>.weight`` in ``sd``).
+def expert_names(model: nn.Module) -> list[str]:
+    """Qualified names of the model's routed experts (``GroupedExperts``)."""
+    return [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
+
+
+def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str, group_size: int = 128,
+                        experts: list[str] = ()) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Offline transform. ``names``: the linear layers to quantise (``<name>.weight`` in ``sd``);
+    ``experts``: the routed experts (``<name>.w1``, ``.w2``, ``.w3``), listed in ``info["experts"]``.
     Returns (stored-form state dict, info). Layers int4 cannot group (in_features not a
     multiple of ``group_size``) stay float and are listed in ``info["skipped"]``."""
     if mode not in MODES:
@@ -55,9 +69,10 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
         raise ValueError(f"group_size={group_size}: must be an even number >= 2 "
                          "(32, 64, 128 or 256 for the CPU kernel)")
     out = dict(sd)
-    info: dict[str, Any] = {"mode": mode, "layers": [], "skipped": {}}
+    info: dict[str, Any] = {"mode": mode, "layers": [], "experts": [], "skipped": {}}
+    kw = {}
     if mode == "int4":
-        info["group_size"] = group_size
+        info["group_size"] = kw["group_size"] = group_size
     for name in names:
         w = sd[f"{name}.weight"]
         if mode == "int8":
@@ -70,12 +85,24 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
             packed, scales, zeros = quantize_int4(w, group_size)
             out[f"{name}.weight"], out[f"{name}.scales"], out[f"{name}.zeros"] = packed, scales, zeros
         info["layers"].append(name)
+    kind = QuantExperts._KINDS[mode]
+    for name in experts:
+        w1, w2, w3 = (sd[f"{name}.{p}"] for p in ("w1", "w2", "w3"))
+        why = kind.skip_reason(w1.shape[2], w1.shape[1], **kw)
+        if why:
+            info["skipped"][name] = why
+            continue
+        for p in ("w1", "w2", "w3"):
+            del out[f"{name}.{p}"]
+        out.update({f"{name}.{k}": v for k, v in kind.quantize_stored(w1, w2, w3, **kw).items()})
+        info["experts"].append(name)
     return out, info
 
 
 def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str = "auto") -> nn.Module:
-    """Runtime swap: every layer in ``info["layers"]`` becomes an (empty) quantised linear on
-    the same device as the float one it replaces. Fill it with ``load_state_dict(assign=True)``."""
+    """Runtime swap: every layer in ``info["layers"]`` becomes an (empty) quantised linear, and
+    every ``info["experts"]`` an (empty) quantised experts module, on the same device as the
+    float one it replaces. Fill them with ``load_state_dict(assign=True)``."""
     cls = {"int8": Int8Linear, "int4": Int4Linear}[info["mode"]]
     kw = {"group_size": info["group_size"]} if info["mode"] == "int4" else {}
     for name in info["layers"]:
@@ -86,6 +113,16 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
             raise ValueError(f"{name} is a {type(old).__name__}, not an nn.Linear: the quantised file does not "
                              "fit this model")
         setattr(parent, attr, cls(old.in_features, old.out_features, kernel=kernel, device=old.weight.device, **kw))
+    kind = QuantExperts._KINDS[info["mode"]]
+    for name in info.get("experts", []):  # absent in files written before MoE
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        if not isinstance(old, GroupedExperts):
+            raise ValueError(f"{name} is a {type(old).__name__}, not GroupedExperts: the quantised file does not "
+                             "fit this model")
+        n, hidden, dim = old.w1.shape
+        setattr(parent, attr, kind(n, dim, hidden, kernel=kernel, device=old.w1.device, **kw))
     return model
 
 
@@ -93,7 +130,7 @@ def pack_quantized(model: nn.Module, kernel: str | None = None) -> dict[str, int
     """Build every quantised layer's kernel form; returns {kernel: layer count}."""
     used: dict[str, int] = {}
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, (QuantLinear, QuantExperts)):
             name = m.pack(kernel)
             used[name] = used.get(name, 0) + 1
     return used
@@ -102,13 +139,15 @@ def pack_quantized(model: nn.Module, kernel: str | None = None) -> dict[str, int
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, group_size: int = 128, kernel: str = "auto",
                    pack: bool = True) -> dict[str, Any]:
-    """Both phases in memory: quantise the model's linear weights, swap, load, (pack).
+    """Both phases in memory: quantise the model's linear and expert weights, swap, load, (pack).
     Mutates ``model``; returns the info dict (with ``kernels`` when packed)."""
-    names = linear_names(model)
+    names, experts = linear_names(model), expert_names(model)
     sd = {f"{n}.weight": model.get_submodule(n).weight for n in names}
-    qsd, info = quantize_state_dict(sd, names, mode, group_size)
+    sd.update({f"{n}.{p}": getattr(model.get_submodule(n), p) for n in experts for p in ("w1", "w2", "w3")})
+    qsd, info = quantize_state_dict(sd, names, mode, group_size, experts)
     swap_quantized_linears(model, info, kernel)
-    stored = {k: v for k, v in qsd.items() if k.rpartition(".")[0] in info["layers"]}
+    done = set(info["layers"]) | set(info["experts"])
+    stored = {k: v for k, v in qsd.items() if k.rpartition(".")[0] in done}
     model.load_state_dict(stored, strict=False, assign=True)
     if pack:
         info["kernels"] = pack_quantized(model)
