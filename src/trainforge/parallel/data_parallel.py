@@ -83,10 +83,9 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
 def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compressor=None,
               ignored_params: list[nn.Parameter] | None = None) -> nn.Module:
     kw = {}
-    if ignored_params:
-        ids = {id(p) for p in ignored_params}
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, [fqn for fqn, p in model.named_parameters() if id(p) in ids])
+    ids = {id(p) for p in ignored_params or []}
+    # Expert-parallel parameters are reduced by ExpertGradReducer, not by DDP.
+    ignored = [fqn for fqn, p in model.named_parameters() if id(p) in ids]
     if getattr(compressor, "needs_single_bucket", False):
         # PowerSGD launches its second all-reduce from a future callback, which hangs
         # on gloo once there is more than one bucket: give it one bucket.
@@ -95,9 +94,9 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compre
     # DDP broadcasts rank 0's buffers at every forward; a MoE router's token counts (and
     # auxiliary-loss sums) are this rank's own: they add up over micro-batches until the
     # balance component all-reduces them.
-    counters = [f"{fqn}.{name}" for fqn, _ in routers(model) for name in ("load", "eval_load", "aux_loss_sum")]
-    if counters:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, counters)
+    ignored += [f"{fqn}.{name}" for fqn, _ in routers(model) for name in ("load", "eval_load", "aux_loss_sum")]
+    if ignored:  # one call: each call replaces the model's ignore list
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
                                   device_ids=[device.index] if device.type == "cuda" else None, **kw)
     if compressor is not None:
