@@ -120,10 +120,13 @@ def test_prometheus_scrapes_a_run_and_every_dashboard_query_returns_data(prometh
                 if "Needs: CUDA" in panel.get("description", "") and not torch.cuda.is_available():
                     exempt.append(panel["title"])
                     continue
+                if "Needs: a MoE model" in panel.get("description", ""):  # this run trains the dense debug model
+                    exempt.append(panel["title"])
+                    continue
                 checked += 1
                 if not has_data(api(base, "query_range", query=expr, **window)["result"]):
                     empty.append(f"{panel['title']}: {expr}")
-        print(f"checked {checked} dashboard queries; CUDA-only panels not checkable on this CPU run: "
+        print(f"checked {checked} dashboard queries; CUDA-only and MoE panels not checkable on this dense CPU run: "
               f"{sorted(set(exempt))}")
         assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
         assert checked >= 35

@@ -74,3 +74,17 @@ def test_operator_self_times_from_raw_events_equal_key_averages():
     assert set(mine) == set(ref)
     for key, us in ref.items():
         assert abs(mine[key] - us) <= 1e-3 * max(us, 1.0) + 1e-3, key
+
+
+def test_moe_routing_records_become_per_layer_and_per_expert_gauges():
+    reg = Registry()
+    reg.ingest({"step": 3, "moe_maxvio_batch": 0.5, "moe_maxvio_batch_layers": [0.25, 0.75],
+                "moe_load": [[30.0, 10.0], [20.0, 20.0]], "moe_bias_spread": [0.002, 0.0]})
+    reg.ingest({"step": 3, "val_loss": 4.0, "moe_maxvio_global": 0.125, "moe_maxvio_global_layers": [0.0, 0.25]})
+    assert reg.value("trainforge_moe_maxvio_batch_ratio") == 0.5
+    assert reg.value("trainforge_moe_layer_maxvio_batch_ratio", moe_layer="1") == 0.75
+    assert reg.value("trainforge_moe_expert_load_tokens", moe_layer="0", expert="1") == 10.0
+    assert reg.value("trainforge_moe_expert_load_tokens", moe_layer="1", expert="0") == 20.0
+    assert reg.value("trainforge_moe_router_bias_spread", moe_layer="0") == 0.002
+    assert reg.value("trainforge_moe_maxvio_global_ratio") == 0.125
+    assert reg.value("trainforge_moe_layer_maxvio_global_ratio", moe_layer="1") == 0.25

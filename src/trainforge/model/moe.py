@@ -63,8 +63,8 @@ class Router(nn.Module):
         self.register_buffer("eval_load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         # Multiplies the auxiliary losses' gradient: 1 / micro-batches (x the fp16 loss
-        # scale), set by the balance component, so they average like the main loss.
-        self.aux_grad_scale = 1.0
+        # scale, a device tensor), set by the balance component, so they average like the main loss.
+        self.aux_grad_scale: float | torch.Tensor = 1.0
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight.float())
@@ -165,13 +165,19 @@ class _AuxLossGrad(torch.autograd.Function):
     ``scale * aux`` had been added to the loss (Megatron's MoEAuxLossAutoScaler idea)."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
         ctx.scale = scale
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+        # A tensor scale (the fp16 loss scale lives on the device) is used as is: no host sync.
+        scale = ctx.scale
+        if isinstance(scale, torch.Tensor):
+            g = scale.detach().to(device=grad.device, dtype=torch.float32).reshape(())
+        else:
+            g = torch.full((), scale, dtype=torch.float32, device=grad.device)
+        return grad, g, None
 
 
 class MoE(nn.Module):

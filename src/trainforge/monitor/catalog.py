@@ -12,7 +12,8 @@ Value shapes a record may hold under a key:
 - a number: one sample (labels: ``rank`` plus the spec's fixed labels);
 - a dict ``{label value: number}``: one sample per item, the key filling
   ``spec.labels[0]`` (e.g. ``grad_norm_group = {"layers.0": 0.3}`` -> ``group="layers.0"``);
-- a list of numbers: one sample per index (``stage_compute_s`` -> ``stage="0"``);
+- a list of numbers: one sample per index (``stage_compute_s`` -> ``stage="0"``); a list of
+  lists fills two labels (``moe_load[layer][expert]`` -> ``moe_layer="0", expert="3"``);
 - ``precision``-style ``{group: dtype name}``: ``encode="dtype_bytes"`` turns the dtype
   into a ``dtype`` label and its width in bytes into the value (promtool wants base
   units: bytes, not bits; ``scale`` converts other bit counts the same way).
@@ -85,6 +86,7 @@ CUDA = "CUDA device"
 NVML = "CUDA device and nvidia-ml-py (the `gpu` extra)"
 SAMPLED = "steps sampled every monitor.interval_steps"
 SERVE = "trainforge serve"
+MOE = "MoE model (model.n_routed_experts > 0)"
 
 CATALOG: tuple[MetricSpec, ...] = (
     # -- system ------------------------------------------------------------------------
@@ -266,6 +268,26 @@ CATALOG: tuple[MetricSpec, ...] = (
        "learning-curve prediction of the final validation loss", when="early_stop.mode = predict"),
     _s("predicted_final_loss_std", "predicted_final_loss_std", "gauge", "nats", "model",
        "spread of that prediction (bootstrap)", when="early_stop.mode = predict"),
+    # -- model: mixture of experts (train/moe_balance.py; moe_layer i is block n_dense_layers + i) ----
+    _s("moe_maxvio_batch", "moe_maxvio_batch_ratio", "gauge", "ratio", "model",
+       "MaxVio_batch = (max - mean) / mean of the tokens routed per expert in one step's global batch, mean over "
+       "MoE layers and the window's steps", when=MOE),
+    _s("moe_maxvio_batch_layers", "moe_layer_maxvio_batch_ratio", "gauge", "ratio", "model",
+       "MaxVio_batch of one MoE layer, mean over the window's steps", labels=("moe_layer",), when=MOE),
+    _s("moe_maxvio_global", "moe_maxvio_global_ratio", "gauge", "ratio", "model",
+       "MaxVio over the whole fixed validation set (loads counted in its forwards, all ranks), mean over MoE "
+       "layers; at every evaluation", when=MOE),
+    _s("moe_maxvio_global_layers", "moe_layer_maxvio_global_ratio", "gauge", "ratio", "model",
+       "MaxVio over the validation set of one MoE layer", labels=("moe_layer",), when=MOE),
+    _s("moe_load", "moe_expert_load_tokens", "gauge", "tokens", "model",
+       "tokens routed to each expert per step (top-k choices, all data-parallel ranks), mean over the window",
+       labels=("moe_layer", "expert"), when=MOE),
+    _s("moe_bias_spread", "moe_router_bias_spread", "gauge", "1", "model",
+       "max - min of a MoE layer's expert_bias (loss-free balancing; 0 while model.bias_update_rate = 0)",
+       labels=("moe_layer",), when=MOE),
+    _s("moe_aux_loss", "moe_aux_loss", "gauge", "1", "model",
+       "auxiliary balance losses (alpha x sum f_i P_i, batch- and sequence-wise) summed over MoE layers, mean "
+       "over micro-batches, ranks and the window's steps", when="MoE model with an aux loss alpha > 0"),
 )
 
 # Keys the monitor adds whose values come from clocks and OS counters (or count from this

@@ -6,7 +6,8 @@ the ``dev`` extra), plus the provisioning files that load it.
 One row per level (system, framework, model). Every query uses only metrics from
 ``catalog.py`` and a ``rank`` variable; ``tests/monitor/test_prometheus_e2e.py`` runs
 every query against a real Prometheus scraping a real run. Panels whose description
-says "Needs: CUDA" have no data on a CPU run.
+says "Needs: CUDA" have no data on a CPU run, those saying "Needs: a MoE model" none for a
+dense model.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ UID = "trainforge-training"
 DATASOURCE_UID = "prometheus"  # the provisioned data source (deploy/grafana/provisioning/datasources)
 R = '{rank=~"$rank"}'
 CUDA_NOTE = "Needs: CUDA"
+MOE_NOTE = "Needs: a MoE model"
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,20 @@ PANELS: tuple[PanelSpec, ...] = (
               "Parameters, gradients, optimizer state and saved activations (rank 0, last step of a window)."),
     PanelSpec("model", "Precision per module group", "bytes",
               (q("trainforge_precision_value_bytes", "{{group}} {{dtype}}"),), "Bytes per value of the compute dtype."),
+    PanelSpec("model", "MoE load balance (MaxVio)", "short",
+              (q("trainforge_moe_maxvio_batch_ratio", "batch, mean over layers"),
+               q("trainforge_moe_maxvio_global_ratio", "validation set, mean over layers"),
+               q("trainforge_moe_layer_maxvio_batch_ratio", "batch, MoE layer {{moe_layer}}")),
+              "(max - mean) / mean of the tokens per expert: 0 is perfectly balanced. Batch: per step's global "
+              f"batch; validation: over the fixed validation set. {MOE_NOTE}"),
+    PanelSpec("model", "MoE expert load", "short",
+              (q("trainforge_moe_expert_load_tokens", "MoE layer {{moe_layer}} expert {{expert}}"),),
+              f"Tokens routed to each expert per step, all data-parallel ranks. {MOE_NOTE}"),
+    PanelSpec("model", "MoE router bias spread", "short",
+              (q("trainforge_moe_router_bias_spread", "MoE layer {{moe_layer}}"),
+               q("trainforge_moe_aux_loss", "auxiliary balance loss")),
+              "max - min of each layer's selection bias (loss-free balancing); the auxiliary loss needs an "
+              f"alpha > 0. {MOE_NOTE}"),
 )
 
 

@@ -118,6 +118,10 @@ class Registry:
             for i, v in enumerate(value):
                 if (n := _number(v)) is not None:
                     yield (*base, (free[0], str(i))), n * k
+                elif isinstance(v, (list, tuple)) and len(free) > 1:  # a table: two labels
+                    for j, w in enumerate(v):
+                        if (n := _number(w)) is not None:
+                            yield (*base, (free[0], str(i)), (free[1], str(j))), n * k
 
     def _family(self, spec: MetricSpec | None) -> Family:
         name = spec.name if spec is not None else UNKNOWN_NAME

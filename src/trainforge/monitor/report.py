@@ -3,8 +3,9 @@ inside the page), readable in a browser without a server.
 
 Plots, from RUN_DIR/metrics.jsonl: loss and validation loss, learning rate,
 throughput (tokens/s and MFU), memory, communication share (and pipeline bubble),
-gradient norm (global and per layer group), step phases. A plot whose metrics the run
-does not have says so instead of being left out silently.
+gradient norm (global and per layer group), step phases; for a MoE model, MaxVio and the
+load of every expert per MoE layer over training. A plot whose metrics the run does not
+have says so instead of being left out silently (MoE plots appear only for MoE runs).
 """
 
 from __future__ import annotations
@@ -107,7 +108,28 @@ def build_plots(records: list[dict[str, Any]]) -> list[tuple[str, str | None, st
                                                              ("backward", "backward_s"), ("optimizer", "optimizer_s"),
                                                              ("data wait", "data_wait_s"))]
     add("Step phases", phases, "seconds", "no step timings (monitor.enabled = false?)")
+    if any("moe_load" in r for r in train):  # MoE runs only (train/moe_balance.py)
+        add("MoE load balance (MaxVio)", [("batch, mean over layers", *_series(train, "moe_maxvio_batch")),
+                                          ("validation set, mean over layers", *_series(val, "moe_maxvio_global"))],
+            "(max - mean) / mean load", "no moe_maxvio_batch")
+        for layer, lines in enumerate(_expert_loads(train)):
+            add(f"Expert load, MoE layer {layer}", lines, "tokens per step", "no moe_load")
     return plots
+
+
+def _expert_loads(train: list[dict[str, Any]]) -> list[list[tuple[str, list[int], list[float]]]]:
+    """Per MoE layer, one (label, steps, tokens per step) line per expert from ``moe_load``."""
+    table: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
+    for r in train:
+        for layer, loads in enumerate(r.get("moe_load") or ()):
+            for expert, v in enumerate(loads):
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    xs, ys = table.setdefault((layer, expert), ([], []))
+                    xs.append(r["step"])
+                    ys.append(float(v))
+    n_layers = 1 + max((layer for layer, _ in table), default=-1)
+    return [[(f"expert {e}", *table[(layer, e)]) for (lay, e) in sorted(table) if lay == layer]
+            for layer in range(n_layers)]
 
 
 def _summary(records: list[dict[str, Any]]) -> list[tuple[str, str]]:

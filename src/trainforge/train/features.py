@@ -11,14 +11,19 @@ from trainforge.train.component import Component
 
 
 def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predicted: list[float] | None,
-                     log: Any) -> list[Component]:
+                     log: Any, model_config: Any = None) -> list[Component]:
     """``mp``: the run's ``TrainerPrecision``; ``compressor``: the gradient compressor or
     None; ``pp_predicted``: the pipeline split's planned stage seconds (None unpipelined);
-    ``log``: a warning function on rank 0, None elsewhere."""
+    ``log``: a warning function on rank 0, None elsewhere; ``model_config``: the resolved
+    ``ModelConfig`` (``cfg.model`` is only a flavor and overrides)."""
     from trainforge.train.mixed_precision import PrecisionComponent
 
     tcfg, par = cfg.training, cfg.parallel
     out: list[Component] = [PrecisionComponent(mp)]
+    if model_config is not None and model_config.is_moe:
+        from trainforge.train.moe_balance import MoEBalance
+
+        out.append(MoEBalance(model_config, tcfg.grad_accum_steps))
     if compressor is not None:
         from trainforge.train.compression_component import CompressionComponent
 
