@@ -1,6 +1,6 @@
 """Expert load balance: four balancing methods trained the same way, through the real CLI.
 
-    python bench/moe_balance.py                         # moe-tiny, 4 ways x 2 seeds, ~35 min on 2 cores
+    python bench/moe_balance.py                         # moe-tiny, 4 ways x 2 seeds, 2 at a time: ~40 min on 2 busy cores
     python bench/moe_balance.py --flavor moe-debug --steps 6 --seeds 1 --val_interval 3   # dry run, ~1 min
     python bench/moe_balance.py --summarize_only        # re-read the run directories, print the table
 
@@ -65,14 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--flavor", default="moe-tiny")
     p.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
     p.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch_size", type=int, default=4)
-    p.add_argument("--seq_len", type=int, default=256)
-    p.add_argument("--val_interval", type=int, default=50)
-    p.add_argument("--val_batches", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--val_interval", type=int, default=40)
+    p.add_argument("--val_batches", type=int, default=16)
     p.add_argument("--log_interval", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch threads per training run")
-    p.add_argument("--parallel", type=int, default=1, help="trainings run at once")
+    p.add_argument("--parallel", type=int, default=2, help="trainings run at once")
     p.add_argument("--out_dir", default="/tmp/moe_balance")
     p.add_argument("--summarize_only", action="store_true", help="only read existing run directories")
     p.add_argument("--json", help="also write the summary here")
