@@ -2,7 +2,7 @@
 block with the same weights and routing, against a dense SwiGLU with the same active
 parameters, and between expert-dispatch kernels.
 
-    python bench/moe.py                                 # moe-tiny and moe-small blocks, 1 and 2 threads, ~6 min
+    python bench/moe.py                                 # moe-tiny and moe-small blocks, 1 and 2 threads, ~8 min quiet
     python bench/moe.py --shapes moe-tiny:2048 --threads 1 --rounds 5    # quick look, < 1 min
 
 One sample = ``reps`` forward + backward passes of one block on a fixed (B, T, dim) fp32
@@ -212,7 +212,7 @@ def print_result(res: dict) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="+", default=["moe-tiny:2048", "moe-tiny:512", "moe-small:2048"],
+    p.add_argument("--shapes", nargs="+", default=["moe-tiny:2048", "moe-tiny:512", "moe-small:1024"],
                    help="FLAVOR:TOKENS (block shapes of that flavor, TOKENS = batch x seq_len)")
     p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2])
