@@ -46,6 +46,18 @@ def debug_config(data: Path, *extra: str):
     return load_config(None, [*DEBUG_TRAIN, "--data.path", str(data), *extra])
 
 
+def train_to(cfg, run_dir: Path) -> Path:
+    """Train ``cfg`` into ``run_dir`` in this process (a Trainer, fit, close); returns ``run_dir``."""
+    from trainforge.train.trainer import Trainer
+
+    t = Trainer(cfg, run_dir, progress=False)
+    try:
+        t.fit()
+    finally:
+        t.close()
+    return run_dir
+
+
 class StopAt:
     """Callback: stop the run (checkpointing) at ``step``, as an interruption would."""
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import debug_config
-from trainforge.train.trainer import Trainer
+from conftest import debug_config, train_to
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +17,4 @@ def trained_run(small_data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("trained") / "run"
     cfg = debug_config(small_data, "--training.steps", "150", "--training.lr", "3e-3", "--model.ffn_hidden_dim",
                        "192", "--training.val_interval", "0", "--training.log_interval", "50")
-    t = Trainer(cfg, run_dir, progress=False)
-    try:
-        t.fit()
-    finally:
-        t.close()
-    return run_dir
+    return train_to(cfg, run_dir)

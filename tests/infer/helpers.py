@@ -35,3 +35,12 @@ def sharpen(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def model_for(name: str, seed: int = 0):
     return sharpen(build_model({**SHAPES, **MOE_SHAPES}[name], seed=seed), seed).eval()
+
+
+@torch.no_grad()
+def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens of the plain training forward, recomputing the whole sequence for every token."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+    return seq[len(prompt):]

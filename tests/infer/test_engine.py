@@ -6,9 +6,8 @@ and a float32 decode step allocates nothing."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.infer.helpers import model_for
+from tests.infer.helpers import argmax_loop, model_for
 from trainforge.infer.engine import Engine, EngineConfig, QueueFull, RequestTooLong
 from trainforge.infer.prepare import prepare_model
 from trainforge.infer.runner import count_allocations
@@ -16,14 +15,6 @@ from trainforge.infer.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
 PROMPTS = [[5, 17, 300, 42], list(range(1, 38)), [7], [99, 98, 97, 96, 95, 94, 93, 92, 91, 90, 89]]
-
-
-@torch.no_grad()
-def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 @pytest.mark.parametrize("fuse", [False, True])

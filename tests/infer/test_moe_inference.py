@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import debug_config
-from tests.infer.helpers import MOE_SHAPES, model_for
+from conftest import debug_config, train_to
+from tests.infer.helpers import MOE_SHAPES, argmax_loop, model_for
 from trainforge.data.tokenizer import eos_id, load_tokenizer
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.loading import load_model
@@ -36,15 +36,6 @@ PROMPTS = [[5, 17, 300, 42], list(range(1, 38)), [7], [99, 98, 97, 96, 95, 94, 9
 
 def moe_model(seed: int = 0) -> nn.Module:
     return model_for("moe", seed)
-
-
-@torch.no_grad()
-def argmax_loop(model, prompt: list[int], n: int) -> list[int]:
-    """The training forward, recomputing the whole sequence for every token."""
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 @torch.no_grad()
@@ -173,17 +164,10 @@ def test_memory_estimate_counts_quantised_experts():
 
 @pytest.fixture(scope="module")
 def moe_run(small_data, tmp_path_factory):
-    from trainforge.train.trainer import Trainer
-
     run_dir = tmp_path_factory.mktemp("moe") / "run"
     cfg = debug_config(small_data, "--model.flavor", "moe-debug", "--training.steps", "6", "--training.val_interval",
                        "0")
-    t = Trainer(cfg, run_dir, progress=False)
-    try:
-        t.fit()
-    finally:
-        t.close()
-    return run_dir
+    return train_to(cfg, run_dir)
 
 
 def tf(*args):

@@ -15,11 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, losses, run, weights
+from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, assert_same_losses, losses, run, weights
 from tests.parallel.torchrun import WORKERS, run_torchrun
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS
-from trainforge.monitor.jsonl import read_jsonl
 from trainforge.parallel.dims import ParallelDims
 from trainforge.parallel.section import ParallelSection
 from trainforge.train import dist_checkpoint as dckpt
@@ -57,13 +56,7 @@ def assert_biases_moved(w: dict[str, torch.Tensor]) -> None:
 def assert_same_training(run_dir, ref_dir, steps=range(1, 7), final: int = 6) -> dict[str, torch.Tensor]:
     """Losses (train and validation) within LOSS_RTOL, final weights within WEIGHT_ATOL,
     router biases identical to single-process. Returns the final weights."""
-    got, want = losses(run_dir), losses(ref_dir)
-    assert sorted(got) == list(steps)
-    for s in steps:
-        assert abs(got[s] - want[s]) <= LOSS_RTOL * abs(want[s]), (s, got[s], want[s])
-    vals = lambda d: {r["step"]: r["val_loss"] for r in read_jsonl(d / "metrics.jsonl") if "val_loss" in r}  # noqa
-    got_v, want_v = vals(run_dir), vals(ref_dir)
-    assert got_v and all(abs(got_v[s] - want_v[s]) <= LOSS_RTOL * want_v[s] for s in got_v)
+    assert_same_losses(run_dir, ref_dir, steps)
     name = f"step_{final:07d}"
     a, b = weights(run_dir / "checkpoints" / name), weights(ref_dir / "checkpoints" / name)
     assert a.keys() == b.keys() and biases(b)
