@@ -349,3 +349,25 @@ def test_moe_training_loss_goes_down(small_data, tmp_path):
     losses = [r["loss"] for r in records(tmp_path / "run", "loss")]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
     assert summary["final_val_loss"] < summary["first_val_loss"] - 0.3
+
+
+def test_resume_may_change_the_balancing_but_not_the_experts(tmp_path):
+    """A checkpoint's shape check: the balancing coefficients are training settings (a run
+    may resume with another gamma), the expert count is the weights' shape (refused, named);
+    a checkpoint written before the MoE fields existed compares them as their defaults."""
+    import dataclasses
+
+    from trainforge.errors import CheckpointError
+    from trainforge.model.config import FLAVORS
+    from trainforge.train.checkpoint import check_model_compatible
+
+    cfg = FLAVORS["moe-debug"]
+    meta = {"model_config": dataclasses.asdict(cfg)}
+    check_model_compatible(meta, dataclasses.replace(cfg, bias_update_rate=1e-2, seq_aux_loss_alpha=1e-4), tmp_path)
+    with pytest.raises(CheckpointError, match="n_routed_experts: checkpoint 8 vs run 16"):
+        check_model_compatible(meta, dataclasses.replace(cfg, n_routed_experts=16), tmp_path)
+    dense = FLAVORS["debug"]
+    old = {"model_config": {k: v for k, v in dataclasses.asdict(dense).items() if k == "tie_embeddings"
+                            or k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim",
+                                     "norm_eps", "rope_theta", "max_seq_len")}}
+    check_model_compatible(old, dense, tmp_path)

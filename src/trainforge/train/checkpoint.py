@@ -268,10 +268,20 @@ def load_train_state(ckpt: Path, map_location: str | torch.device = "cpu") -> di
     return state
 
 
+# ModelConfig fields that steer training, not what the weights mean.
+BALANCING_FIELDS = ("bias_update_rate", "aux_loss_alpha", "seq_aux_loss_alpha")
+
+
 def check_model_compatible(meta: dict[str, Any], model_config: Any, ckpt: Path) -> None:
-    """Refuse to load weights of another shape, naming each differing field."""
+    """Refuse to load weights of another shape, naming each differing field. A field the
+    checkpoint does not record (written before the field existed) holds its default; the
+    MoE balancing coefficients are training settings, free to change on resume."""
     want = dataclasses.asdict(model_config)
-    have = meta["model_config"]
+    defaults = {f.name: f.default for f in dataclasses.fields(model_config)
+                if f.default is not dataclasses.MISSING}
+    have = {**defaults, **meta["model_config"]}
+    for k in BALANCING_FIELDS:
+        want.pop(k, None)
     diff = {k: (have.get(k), v) for k, v in want.items() if have.get(k) != v}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs run {b!r}" for k, (a, b) in diff.items())
