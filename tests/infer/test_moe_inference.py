@@ -212,3 +212,13 @@ def test_bfloat16_keeps_the_router_fp32(moe_run):
     out = Engine(prepare_model(model), EngineConfig(max_batch_size=2, max_context=64)).generate(
         PROMPTS[:2], SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
     assert [len(r.output_ids) for r in out] == [8, 8]
+
+
+def test_a_loaded_moe_model_counts_its_routing(moe_run):
+    """The routers' load counters are not in the checkpoint: loading makes them real zeros
+    (left on meta, every count would silently go nowhere)."""
+    model = load_model(moe_run).model
+    assert not any(b.is_meta for b in model.buffers())
+    model(torch.tensor([[5, 17, 300, 42]]))
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    assert routers and all(r.eval_load.sum().item() == 4 * r.k for r in routers)

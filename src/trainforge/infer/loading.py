@@ -97,6 +97,12 @@ def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.de
         model.output.weight = model.tok_embeddings.weight
     cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
     model.rope_cos, model.rope_sin = cos, sin
+    # Other non-persistent buffers (a MoE router's load counters) are not in the file: zeros,
+    # or they would stay on meta and every count would silently go nowhere.
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                setattr(module, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
     return model.eval().requires_grad_(False)
 
 
