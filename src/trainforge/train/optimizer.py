@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from trainforge.train.step_layout import by_mesh
 
 
 def _pick_implementation(requested: str, device: torch.device, distributed: bool = False) -> dict[str, bool]:
@@ -30,12 +31,8 @@ def build_optimizer(model: nn.Module, section, lr: float, device: torch.device,
     """``section`` is the ``[optimizer]`` config section; ``lr`` the peak learning rate.
     ``distributed``: parameters are DTensors, where auto picks foreach (the fused CPU
     kernel does not take DTensors)."""
-    by_mesh: dict[int | None, list[nn.Parameter]] = {}
-    for p in model.parameters():
-        if p.requires_grad:
-            by_mesh.setdefault(id(p.device_mesh) if isinstance(p, DTensor) else None, []).append(p)
     groups = []
-    for params in by_mesh.values():
+    for params in by_mesh([p for p in model.parameters() if p.requires_grad]):
         groups += [{"params": [p for p in params if p.dim() >= 2], "weight_decay": section.weight_decay},
                    {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     groups = groups[:2] + [g for g in groups[2:] if g["params"]]  # the first two always exist (as before)

@@ -52,7 +52,7 @@ class StepLayout:
 
     def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of ``grads`` over every rank's shards and pipeline stages (collective)."""
-        groups = _by_mesh(grads)
+        groups = by_mesh(grads)
         norms = []
         for group in groups:
             norm = torch.nn.utils.get_total_norm(group, foreach=True)
@@ -72,7 +72,7 @@ class StepLayout:
         params = [p for part in parts for p in part.parameters()]
         norm = self.global_norm([p.grad for p in params if p.grad is not None])
         if max_norm > 0:
-            for group in _by_mesh(params):
+            for group in by_mesh(params):
                 torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
         return norm
 
@@ -98,7 +98,7 @@ class StepLayout:
         return {}
 
 
-def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` grouped by DTensor mesh (plain tensors together), in first-seen order;
     ``[[]]`` for none, so a norm of nothing is still computed (and is 0)."""
     groups: dict[Any, list[torch.Tensor]] = {}
