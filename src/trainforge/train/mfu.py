@@ -1,7 +1,9 @@
 """Model-FLOPs utilisation: achieved training FLOP/s over the device's measured
 dense-matmul peak. The peak is measured once per (device, dtype, threads, torch
 version) and cached, because vendor peak numbers are meaningless on a shared
-CPU and the measurement costs about a second."""
+CPU and the measurement costs about a second. A peak measured while the machine
+was busy is too low (MFU over 100% was the symptom): ``PeakFlops`` re-measures
+when a run beats it and keeps the larger value."""
 
 from __future__ import annotations
 
@@ -58,8 +60,40 @@ def matmul_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32) 
     cache = read_json_cache(path)
     if key in cache:
         return float(cache[key])
-    n = 4096 if device.type == "cuda" else 1024
-    peak = measure_matmul_peak(device, dtype, n=n)
-    cache[key] = peak
+    return _store_peak(device, dtype, measure_matmul_peak(device, dtype, n=_size(device)))
+
+
+def _size(device: torch.device) -> int:
+    return 4096 if device.type == "cuda" else 1024
+
+
+def _store_peak(device: torch.device, dtype: torch.dtype, peak: float) -> float:
+    path = _cache_file()
+    cache = read_json_cache(path)
+    cache[_device_key(device, dtype)] = peak
     write_json_cache(path, cache)
     return peak
+
+
+class PeakFlops:
+    """The peak FLOP/s of ``world_size`` devices, and MFU against it.
+
+    When a run achieves more per device than the cached peak, the cache was measured under
+    load: measure again and keep the larger of the new measurement and the achieved rate,
+    so MFU never reads above 100% and the next run starts from the corrected figure."""
+
+    def __init__(self, device: torch.device, world_size: int = 1, dtype: torch.dtype = torch.float32):
+        self.device, self.dtype, self.world_size = device, dtype, world_size
+        self.per_device = matmul_peak_flops(device, dtype)
+
+    @property
+    def total(self) -> float:
+        return self.per_device * self.world_size
+
+    def mfu(self, flops_per_s: float) -> float:
+        """Achieved FLOP/s of the job / peak of its devices."""
+        achieved = flops_per_s / self.world_size
+        if achieved > self.per_device:
+            remeasured = measure_matmul_peak(self.device, self.dtype, n=_size(self.device))
+            self.per_device = _store_peak(self.device, self.dtype, max(remeasured, achieved))
+        return achieved / self.per_device

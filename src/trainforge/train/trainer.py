@@ -43,7 +43,7 @@ from trainforge.train.component import Callback, Components, Rollback, Stop, Sto
 from trainforge.train.features import build_components
 from trainforge.train.lr_schedule import build_scheduler
 from trainforge.train.metrics import ConsoleReporter, validation_message
-from trainforge.train.mfu import matmul_peak_flops
+from trainforge.train.mfu import PeakFlops
 from trainforge.train.monitor_component import MonitorComponent
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.stop_signals import StopSignals
@@ -129,7 +129,7 @@ class Trainer:
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum_steps * self.dims.dp
         self.flops_per_token = self.model_config.flops_per_token(tcfg.seq_len)
         # MFU is per device: achieved FLOP/s of the job over (peak of one device x devices).
-        self.peak_flops = matmul_peak_flops(self.device) * self.dims.world_size
+        self.peak_flops = PeakFlops(self.device, self.dims.world_size)
         self.comm_probe = CommShareProbe(self.device)
         # Memory per dtype on the next train_step (fit sets it for the last step of each
         # logging window; set it yourself when calling train_step directly).
@@ -364,7 +364,7 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - window_start
         tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
-        mfu = tps * self.flops_per_token / self.peak_flops
+        mfu = self.peak_flops.mfu(tps * self.flops_per_token)
         window = Window([p[0] for p in pending], losses, norms,
                         window_resources(self.device, self.dims.world_size, self.comm_probe))
         window.stats.update(self.train_batches.window_stats())  # this rank's data pipeline: I/O wait, cache tiers
