@@ -162,6 +162,17 @@ def test_continuous_batching_with_per_row_acceptance(gqa2):
     assert engine.stats()["peak_batch"] == 3 and engine.pool.blocks_used == 0
 
 
+def test_greedy_and_sampled_rows_share_a_batch(gqa2):
+    """A sampled row makes the step compute distributions; a greedy row beside it still gets
+    plain greedy output (its one-hot p and q reduce the rule to argmax agreement), and a
+    seeded sampled row reproduces itself."""
+    target, want = gqa2
+    sampled = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    runs = [spec_engine(target, perturbed(target, 0.1)).generate(PROMPTS[:2], [GREEDY, sampled]) for _ in range(2)]
+    assert runs[0][0].output_ids == want[0]
+    assert runs[0][1].output_ids == runs[1][1].output_ids != want[1]
+
+
 def test_stops_and_length_limits_hold_mid_acceptance(gqa2):
     """A draft = target accepts every draft, so a step emits k + 1 tokens: a stop token or the
     length limit inside them ends the output there."""

@@ -48,7 +48,7 @@ from trainforge.infer.request import Request
 from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import BatchSampler, SamplingParams
 from trainforge.infer.speculative import DraftBatch, Drafter, check_num_speculative_tokens
-from trainforge.infer.speculative_sampling import accept, filtered_probs
+from trainforge.infer.speculative_sampling import accept, accept_greedy, filtered_probs
 from trainforge.model.llama import Transformer
 
 
@@ -374,7 +374,10 @@ class Engine:
         positions = np.minimum(pos[:B, None] + np.arange(K + 1), self.model.cfg.max_seq_len - 1)
         logits = self.runner.verify(torch.cat([batch.tokens[:, None], draft], 1),
                                     torch.from_numpy(positions).to(self.device), S)  # (B, k+1, V)
-        n, out = accept(draft, q, filtered_probs(logits, params), params, gens)
+        if q is None:  # every row greedy
+            n, out = accept_greedy(draft, logits)
+        else:
+            n, out = accept(draft, q, filtered_probs(logits, params), params, gens)
         self.drafter.accepted(batch, draft, n)
         self.runner.tokens[:B] = out[torch.arange(B, device=self.device), n]  # the next step's inputs
         n_host, out_host = n.tolist(), out.tolist()  # the host sync

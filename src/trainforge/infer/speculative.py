@@ -75,9 +75,10 @@ class Drafter:
     def prefill(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def propose(self, batch: DraftBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, batch: DraftBatch, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k draft tokens per row (B, k) and the float32 distributions (B, k, V) they were
-        drawn from, after the row's temperature / top-k / top-p (one-hot for greedy rows)."""
+        drawn from, after the row's temperature / top-k / top-p (one-hot for greedy rows);
+        None instead of the distributions when every row is greedy (argmax drafts)."""
         raise NotImplementedError
 
     def accepted(self, batch: DraftBatch, draft: torch.Tensor, n_accepted: torch.Tensor) -> None:
@@ -135,16 +136,21 @@ class DraftModelDrafter(Drafter):
         return run.decode(B, S)
 
     @torch.no_grad()
-    def propose(self, batch: DraftBatch, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, batch: DraftBatch, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, S = batch.index.shape
         self.runner.gather[:B * S].copy_(torch.from_numpy(np.ascontiguousarray(batch.index).reshape(-1)))
+        greedy = all(p.greedy for p in batch.params)
         tokens, drafts, qs = batch.tokens, [], []
         for j in range(k):
-            q = filtered_probs(self._step(batch, j, tokens)[:, None], batch.params)[:, 0]  # (B, V)
-            tokens = draw(q, batch.params, batch.gens)
+            logits = self._step(batch, j, tokens)
+            if greedy:
+                tokens = logits.argmax(-1)
+            else:
+                q = filtered_probs(logits[:, None], batch.params)[:, 0]  # (B, V)
+                tokens = draw(q, batch.params, batch.gens)
+                qs.append(q)
             drafts.append(tokens)
-            qs.append(q)
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
 
     @torch.no_grad()
     def accepted(self, batch: DraftBatch, draft: torch.Tensor, n_accepted: torch.Tensor) -> None:

@@ -11,7 +11,8 @@ p and q are the *sampling* distributions: temperature, top-k and top-p applied t
 same way (``filtered_probs``; the order and tie rules of ``sampling.BatchSampler``). A
 greedy row (temperature 0) has one-hot p and q (argmax), for which the rule reduces to
 "accept while the draft equals the target's argmax, then emit the target's argmax": output
-identical to greedy decoding. Greedy rows draw nothing.
+identical to greedy decoding. Greedy rows draw nothing. A batch of greedy rows only skips the
+probabilities altogether (``accept_greedy``: argmaxes, the same tokens).
 
 Rows draw their uniforms and residual samples from their request's own generator
 (``BatchSampler``'s), so a seed reproduces a request whatever shares its batch.
@@ -57,6 +58,14 @@ def draw(probs: torch.Tensor, params: list[SamplingParams], gens: list[torch.Gen
         if not sp.greedy:
             out[b] = torch.multinomial(probs[b], 1, generator=gens[b])[0]
     return out
+
+
+def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept`` for a batch of greedy rows, from the target's logits (B, k+1, V): drafts are
+    kept while they equal the target's argmax, then the argmax follows (so the emitted tokens
+    are the argmaxes themselves)."""
+    best = target_logits.argmax(-1)  # (B, k+1)
+    return (draft == best[:, :-1]).long().cumprod(-1).sum(-1), best
 
 
 def accept(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, params: list[SamplingParams],
