@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -335,3 +337,32 @@ def test_cli_generate_with_a_draft_checkpoint(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == plain and len(plain.split(",")) == 12
     assert '"spec_acceptance_rate": [' in captured.err and '"spec_mean_accepted_length"' in captured.err
+
+
+def test_server_streams_speculative_output_and_exports_its_metrics(small_data):
+    """``serve --speculative``: a streamed greedy completion equals the plain engine's text,
+    and /metrics carries the speculation counters."""
+    from tests.infer.test_server import serving, tiny_model
+    from trainforge.data.tokenizer import eos_id, load_tokenizer
+    from trainforge.infer.server import ServerConfig
+    from trainforge.monitor.sinks import read_exposition
+
+    tok = load_tokenizer(small_data / "tokenizer.json")
+    V, prompt = tok.get_vocab_size(), "def main(argv):\n"
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    want = Engine(tiny_model(V), EngineConfig(max_batch_size=1, max_context=128), tokenizer=tok).generate(
+        [tok.encode(prompt).ids], params)[0].text
+    engine = Engine(tiny_model(V), EngineConfig(max_batch_size=2, max_context=128, block_size=8,
+                                                num_speculative_tokens=3), tokenizer=tok, eos_ids=(eos_id(tok),),
+                    drafter=DraftModelDrafter(perturbed(tiny_model(V), 0.1)))
+    with serving(engine, tok, ServerConfig(model_name="tiny")) as url:
+        text = ""
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True, "ignore_eos": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        metrics = read_exposition(httpx.get(url + "/metrics").text)
+    assert text == want
+    assert metrics["trainforge_speculative_drafted_tokens_total"] > 0
+    assert 'trainforge_speculative_acceptance_ratio{position="2"}' in metrics
