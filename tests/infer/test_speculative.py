@@ -175,6 +175,18 @@ def test_greedy_and_sampled_rows_share_a_batch(gqa2):
     assert runs[0][1].output_ids == runs[1][1].output_ids != want[1]
 
 
+def test_a_request_filling_the_whole_context(gqa2):
+    """prompt + max_new_tokens = max_seq_len: the last steps' drafts run past the model's
+    context (their positions are clamped; they are never emitted) and the output is unchanged."""
+    target = gqa2[0]
+    prompt = [(7 * i) % 500 + 1 for i in range(250)]
+    engine = Engine(target, EngineConfig(max_batch_size=1, block_size=16, num_speculative_tokens=4),
+                    drafter=DraftModelDrafter(model_for("gqa2")))
+    assert engine.max_context == target.cfg.max_seq_len == 256
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0))[0].output_ids
+    assert out == argmax_loop(target, prompt, 6)
+
+
 def test_stops_and_length_limits_hold_mid_acceptance(gqa2):
     """A draft = target accepts every draft, so a step emits k + 1 tokens: a stop token or the
     length limit inside them ends the output there."""
