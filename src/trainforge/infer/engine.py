@@ -47,7 +47,7 @@ from trainforge.infer.prepare import describe_model
 from trainforge.infer.request import Request
 from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import BatchSampler, SamplingParams
-from trainforge.infer.speculative import DraftBatch, Drafter, check_num_speculative_tokens
+from trainforge.infer.speculative import DraftBatch, Drafter, SpecStats, check_num_speculative_tokens
 from trainforge.infer.speculative_sampling import accept, accept_greedy, filtered_probs
 from trainforge.model.llama import Transformer
 
@@ -143,7 +143,7 @@ class Engine:
         self.sampler = BatchSampler(R, cfg.vocab_size, self.device)
         self.sync_interval = config.sync_interval_steps or (1 if self.device.type == "cpu" else 8)
         if drafter is not None:
-            drafter.build(cfg, self.pool, R, self.max_context, self.lookahead)
+            drafter.build(model, self.pool, R, self.max_context, self.lookahead)
             self.sync_interval = 1  # rows accept different numbers of tokens: read them every step
         C = self.runner.context_slots
         # Host-side batch state; rows 0..B-1 are the running requests, in self._rows order.
@@ -168,9 +168,7 @@ class Engine:
         self.counters: dict[str, float] = {k: 0 for k in (
             "submitted", "rejected", "finished_stop", "finished_length", "finished_abort", "prompt_tokens",
             "generated_tokens", "decode_steps", "decode_s", "prefill_s", "peak_batch")}
-        # Speculation: row-steps verified, drafts proposed / accepted, and accepted per draft position.
-        self.spec_counts = {"row_steps": 0, "drafted": 0, "accepted": 0}
-        self.spec_accepted_at = np.zeros(self.lookahead, dtype=np.int64)
+        self.spec_stats = SpecStats(self.lookahead)
         self.compile_s = self.runner.compile() if config.compile else None
 
     # -- requests (any thread) --------------------------------------------------------------
@@ -392,10 +390,7 @@ class Engine:
             self._bias_rows[r, length:] = -np.inf
             pos[r] = length
             req._sampled += a + 1
-            self.spec_counts["row_steps"] += 1
-            self.spec_counts["drafted"] += K
-            self.spec_counts["accepted"] += a
-            self.spec_accepted_at[:a] += 1
+            self.spec_stats.add(a)
             self._append(req, out_host[r][:a + 1])  # stops and the length limit cut it short
         for row in sorted((r.row for r in self._rows if r.finish_reason is not None), reverse=True):
             self._remove_row(row)
@@ -532,17 +527,5 @@ class Engine:
                 "decode_tokens_per_s": c["generated_tokens"] / c["decode_s"] if c["decode_s"] else 0.0,
                 "kv_pool": self.pool.utilisation(), "kv_pool_bytes": self.pool.nbytes,
                 "workspace_bytes": self.runner.workspace_bytes, "compile_s": self.compile_s,
-                "fusions": self.fusions, "quant_kernels": self.kernels, **self.spec_stats()}
-
-    def spec_stats(self) -> dict[str, Any]:
-        """Speculation counters (empty without a drafter). ``spec_acceptance_rate[j]``: share of
-        row-steps whose draft j+1 was accepted; ``spec_mean_accepted_length``: tokens emitted per
-        row per verification forward (accepted drafts + the one the target adds)."""
-        if self.drafter is None:
-            return {}
-        c = self.spec_counts
-        steps = max(c["row_steps"], 1)
-        return {"spec_drafted_tokens": c["drafted"], "spec_accepted_tokens": c["accepted"],
-                "spec_acceptance_rate": (self.spec_accepted_at / steps).tolist(),
-                "spec_mean_accepted_length": (c["accepted"] + c["row_steps"]) / steps if c["row_steps"] else 0.0,
-                "spec_num_tokens": self.lookahead, "draft_bytes": self.drafter.nbytes}
+                "fusions": self.fusions, "quant_kernels": self.kernels,
+                **(self.spec_stats.as_dict(self.drafter) if self.drafter is not None else {})}

@@ -32,7 +32,6 @@ from trainforge.infer.kv_pool import KVPool
 from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import SamplingParams
 from trainforge.infer.speculative_sampling import draw, filtered_probs
-from trainforge.model.config import ModelConfig
 from trainforge.model.llama import Transformer
 
 MODES = ("draft:CHECKPOINT", "mtp")
@@ -64,12 +63,38 @@ class DraftBatch:
     gens: list[torch.Generator | None]  # each row's generator (None for greedy rows)
 
 
+class SpecStats:
+    """The engine's speculation counters: row-steps verified, drafts proposed and accepted,
+    and accepted drafts per position."""
+
+    def __init__(self, k: int):
+        self.k, self.row_steps, self.accepted = k, 0, 0
+        self.accepted_at = np.zeros(k, dtype=np.int64)
+
+    def add(self, n_accepted: int) -> None:
+        """One row verified k drafts and kept the first ``n_accepted``."""
+        self.row_steps += 1
+        self.accepted += n_accepted
+        self.accepted_at[:n_accepted] += 1
+
+    def as_dict(self, drafter: Drafter) -> dict:
+        """``spec_acceptance_rate[j]``: share of row-steps whose draft j + 1 was accepted;
+        ``spec_mean_accepted_length``: tokens emitted per row per verification forward
+        (accepted drafts + the target's own token)."""
+        steps = max(self.row_steps, 1)
+        return {"spec_drafted_tokens": self.k * self.row_steps, "spec_accepted_tokens": self.accepted,
+                "spec_acceptance_rate": (self.accepted_at / steps).tolist(),
+                "spec_mean_accepted_length": (self.accepted + self.row_steps) / steps if self.row_steps else 0.0,
+                "spec_num_tokens": self.k, "draft_bytes": drafter.nbytes}
+
+
 class Drafter:
-    """What the engine needs of a drafter. ``build`` is called once by the engine; ``prefill``
+    """What the engine needs of a drafter. ``build`` is called once by the engine (the target
+    model, its pool, the engine's sizes and k: a drafter sizes its own buffers); ``prefill``
     when a request joins (its prompt, at the slots the pool gave it); ``propose`` and
     ``accepted`` once per step; ``move_row`` when batch compaction moves a row."""
 
-    def build(self, target_cfg: ModelConfig, pool: KVPool, max_rows: int, max_context: int, k: int) -> None:
+    def build(self, target: Transformer, pool: KVPool, max_rows: int, max_context: int, k: int) -> None:
         raise NotImplementedError
 
     def prefill(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
@@ -101,8 +126,8 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.runner: ModelRunner | None = None
 
-    def build(self, target_cfg: ModelConfig, pool: KVPool, max_rows: int, max_context: int, k: int) -> None:
-        cfg = self.model.cfg
+    def build(self, target: Transformer, pool: KVPool, max_rows: int, max_context: int, k: int) -> None:
+        cfg, target_cfg = self.model.cfg, target.cfg
         if cfg.vocab_size != target_cfg.vocab_size:
             raise ValueError(f"--speculative draft: the draft model's vocab_size {cfg.vocab_size} differs from the "
                              f"target's {target_cfg.vocab_size}; the draft must share the target's tokenizer")
