@@ -187,6 +187,46 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "'measure' (time them here once, cached); default: the order measured for the device")
     p.add_argument("--no_fuse", action="store_true", help="skip the fusion pass (QKV, gate+up, add+RMSNorm)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start on CPU)")
+    p.add_argument("--speculative", default=None, metavar="draft:CHECKPOINT|mtp",
+                   help="speculative decoding: draft:CHECKPOINT drafts with a smaller model sharing the tokenizer "
+                        "(loaded with the same --device/--dtype, unquantised); mtp (the model's own MTP modules) is "
+                        "reserved")
+    p.add_argument("--num_speculative_tokens", type=int, default=4,
+                   help="tokens drafted per step with --speculative (>= 1)")
+
+
+def _speculative_args(a) -> tuple[str, str | None] | None:
+    """Validate --speculative / --num_speculative_tokens before any weight is read."""
+    from trainforge.infer.speculative import check_num_speculative_tokens, parse_speculative
+
+    if a.speculative is None:
+        return None
+    try:
+        check_num_speculative_tokens(a.num_speculative_tokens)
+        mode, path = parse_speculative(a.speculative)
+    except ValueError as e:
+        raise TrainforgeError(str(e)) from None
+    if mode == "mtp":
+        raise TrainforgeError("--speculative mtp needs an MTP model (model.mtp_depth > 0), which this version cannot "
+                              "load yet; use --speculative draft:CHECKPOINT")
+    return mode, path
+
+
+def _load_drafter(a, spec, target):
+    """The drafter for --speculative draft:CHECKPOINT, its tokenizer checked against the target's."""
+    from trainforge.infer.loading import load_model
+    from trainforge.infer.prepare import prepare_model
+    from trainforge.infer.speculative import DraftModelDrafter
+
+    if spec is None:
+        return None
+    draft = load_model(spec[1], a.device, a.dtype)
+    if draft.tokenizer is not None and target.tokenizer is not None \
+            and draft.tokenizer.to_str() != target.tokenizer.to_str():
+        raise TrainforgeError(f"--speculative {a.speculative}: its tokenizer.json differs from {a.checkpoint}'s; "
+                              "the draft must share the target's tokenizer")
+    prepare_model(draft.model, fuse=not a.no_fuse)
+    return DraftModelDrafter(draft.model)
 
 
 def _load_for_engine(a, kv_slots=None):
@@ -210,7 +250,7 @@ def _load_for_engine(a, kv_slots=None):
 def _engine_config(a, **kw):
     from trainforge.infer.engine import EngineConfig
 
-    return EngineConfig(compile=a.compile, **kw)
+    return EngineConfig(compile=a.compile, num_speculative_tokens=a.num_speculative_tokens, **kw)
 
 
 def _generate(argv: list[str]) -> int:
@@ -243,10 +283,12 @@ def _generate(argv: list[str]) -> int:
     except ValueError as e:
         raise TrainforgeError(f"--{str(e)}" if not str(e).startswith("invalid literal") else
                               f"--prompt_ids {a.prompt_ids!r}: give comma-separated integers") from None
+    spec = _speculative_args(a)
     # The engine's pool (below) holds one context; a text prompt has at most one token per byte.
     prompt_len = len(ids) if ids is not None else len(a.prompt.encode())
-    loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
-                                                          // 16) + 1) * 16)
+    ahead = a.num_speculative_tokens if spec else 0
+    loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-(min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
+                                                           + ahead) // 16) + 1) * 16)
     tok = loaded.tokenizer
     if ids is None:
         if tok is None:
@@ -256,7 +298,7 @@ def _generate(argv: list[str]) -> int:
         engine = Engine(loaded.model, _engine_config(a, max_batch_size=1, max_queue=1,
                                                      max_context=min(loaded.model.cfg.max_seq_len,
                                                                      len(ids) + a.max_new_tokens)),
-                        tokenizer=tok, eos_ids=loaded.eos_ids)
+                        tokenizer=tok, eos_ids=loaded.eos_ids, drafter=_load_drafter(a, spec, loaded))
         req = engine.generate([ids], params)[0]
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
@@ -343,10 +385,12 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--max_context", type=int, default=0, help="tokens per sequence; 0 = the model's max_seq_len")
     p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     a = p.parse_args(argv)
+    spec = _speculative_args(a)
+    ahead = a.num_speculative_tokens if spec else 0
 
     def kv_slots(cfg) -> int:  # EngineConfig's defaults: max_batch_size full contexts (+ the padding block)
         bs = max(a.block_size, 1)
-        return (a.n_blocks or a.max_batch_size * -(-(a.max_context or cfg.max_seq_len) // bs) + 1) * bs
+        return (a.n_blocks or a.max_batch_size * -(-((a.max_context or cfg.max_seq_len) + ahead) // bs) + 1) * bs
 
     loaded = _load_for_engine(a, kv_slots)
     if loaded.tokenizer is None:
@@ -355,7 +399,7 @@ def _serve(argv: list[str]) -> int:
         engine = Engine(loaded.model, _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue,
                                                      block_size=a.block_size, n_blocks=a.n_blocks,
                                                      max_context=a.max_context),
-                        tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids)
+                        tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids, drafter=_load_drafter(a, spec, loaded))
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
     serve(engine, loaded.tokenizer, ServerConfig(host=a.host, port=a.port, api_key=a.api_key,

@@ -22,6 +22,12 @@ New requests therefore join the running batch at decode-step boundaries and fini
 leave at the next sync, which is continuous batching (Orca / vLLM style) with FIFO
 admission and no preemption (reservations make it unnecessary). ``start`` runs ``step`` in
 a background thread for the server; ``generate`` runs it in the caller's thread.
+
+With a ``drafter`` (``speculative.py``), step 3 is a speculative step instead: the drafter
+proposes ``num_speculative_tokens`` (k) tokens per row, the model verifies them in one
+forward, each row keeps its accepted prefix plus one token and is rolled back to that length
+in the pool; the tokens are read and handed out every step (step 4 at every step).
+Reservations cover k slots past a request's budget, where its unused drafts go.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from trainforge.infer.prepare import describe_model
 from trainforge.infer.request import Request
 from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import BatchSampler, SamplingParams
+from trainforge.infer.speculative import DraftBatch, Drafter, SpecStats, check_num_speculative_tokens
+from trainforge.infer.speculative_sampling import accept, accept_greedy, filtered_probs
 from trainforge.model.llama import Transformer
 
 
@@ -61,6 +69,7 @@ class EngineConfig:
     max_context: int = 0  # prompt + generated tokens per sequence; 0 = the model's max_seq_len
     compile: bool = False  # torch.compile the decode step (slow to start on CPU)
     sync_interval_steps: int = 0  # decode steps between host reads of tokens; 0 = 1 on CPU, 8 on CUDA
+    num_speculative_tokens: int = 4  # drafts per row per step when the engine has a drafter
 
     def validate(self) -> None:
         for name in ("max_batch_size", "block_size", "max_queue"):
@@ -69,6 +78,7 @@ class EngineConfig:
         for name in ("n_blocks", "max_context", "sync_interval_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+        check_num_speculative_tokens(self.num_speculative_tokens)
 
 
 class _HostBuffer:
@@ -108,9 +118,14 @@ class _HostBuffer:
 
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
-                 eos_ids: tuple[int, ...] | list[int] = ()):
+                 eos_ids: tuple[int, ...] | list[int] = (), drafter: Drafter | None = None):
         config = config or EngineConfig()
         config.validate()
+        if drafter is not None and config.compile:
+            raise ValueError("compile: the speculative step runs the plain forward; drop --compile or --speculative")
+        self.drafter = drafter
+        # Slots a row may hold past its budget: a speculative step writes k drafts ahead.
+        self.lookahead = config.num_speculative_tokens if drafter is not None else 0
         self.config, self.tokenizer, self.eos_ids = config, tokenizer, tuple(eos_ids)
         self.model = model
         described = describe_model(model)  # what prepare_model applied (read only)
@@ -122,11 +137,14 @@ class Engine:
         if self.max_context > cfg.max_seq_len:
             raise ValueError(f"max_context={self.max_context} exceeds the model's max_seq_len={cfg.max_seq_len}")
         bs, R = config.block_size, config.max_batch_size
-        n_blocks = config.n_blocks or R * -(-self.max_context // bs) + 1
+        n_blocks = config.n_blocks or R * -(-(self.max_context + self.lookahead) // bs) + 1
         self.pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, bs, emb.dtype, self.device)
-        self.runner = ModelRunner(model, self.pool, R, self.max_context)
+        self.runner = ModelRunner(model, self.pool, R, self.max_context, lookahead=self.lookahead)
         self.sampler = BatchSampler(R, cfg.vocab_size, self.device)
         self.sync_interval = config.sync_interval_steps or (1 if self.device.type == "cpu" else 8)
+        if drafter is not None:
+            drafter.build(model, self.pool, R, self.max_context, self.lookahead)
+            self.sync_interval = 1  # rows accept different numbers of tokens: read them every step
         C = self.runner.context_slots
         # Host-side batch state; rows 0..B-1 are the running requests, in self._rows order.
         self._pos = np.zeros(R, dtype=np.int64)  # position of each row's input token
@@ -150,6 +168,7 @@ class Engine:
         self.counters: dict[str, float] = {k: 0 for k in (
             "submitted", "rejected", "finished_stop", "finished_length", "finished_abort", "prompt_tokens",
             "generated_tokens", "decode_steps", "decode_s", "prefill_s", "peak_batch")}
+        self.spec_stats = SpecStats(self.lookahead)
         self.compile_s = self.runner.compile() if config.compile else None
 
     # -- requests (any thread) --------------------------------------------------------------
@@ -167,11 +186,15 @@ class Engine:
         if total > self.max_context:
             raise RequestTooLong(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = "
                                  f"{total} exceeds the context of {self.max_context} tokens")
+        total += self.lookahead
         if self.pool.blocks_for(total) > self.pool.usable_blocks:
             raise RequestTooLong(f"{total} tokens need {self.pool.blocks_for(total)} KV blocks; the pool has "
                                  f"{self.pool.usable_blocks} (raise n_blocks)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        if self.drafter is not None and params.repetition_penalty != 1.0:
+            raise ValueError(f"repetition_penalty={params.repetition_penalty}: not supported with speculative "
+                             "decoding (the penalty would change within a step's drafts); use 1.0")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_update: Callable[[Request, list[int], str, bool], None] | None = None) -> Request:
@@ -241,7 +264,7 @@ class Engine:
                 if not self._waiting:
                     return
                 req = self._waiting[0]
-                total = len(req.prompt_ids) + req.params.max_new_tokens
+                total = len(req.prompt_ids) + req.params.max_new_tokens + self.lookahead
                 if not self.pool.can_reserve(total):
                     return  # FIFO: the head waits for blocks, nothing overtakes it
                 self._waiting.popleft()
@@ -254,7 +277,10 @@ class Engine:
             self.counters["peak_batch"] = max(self.counters["peak_batch"], len(self._rows))
             t0 = time.perf_counter()
             tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
-            logits = self.runner.prefill(tokens, torch.tensor(slots, dtype=torch.long, device=self.device))
+            slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+            logits = self.runner.prefill(tokens, slots)
+            if self.drafter is not None:
+                self.drafter.prefill(tokens, slots)
             self.sampler.set_row(row, req.params, req.prompt_ids)
             self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
             first = int(self.runner.tokens[row])  # one host read per request, not per token
@@ -271,6 +297,8 @@ class Engine:
                 self._remove_row(row)
 
     def _decode_step(self) -> None:
+        if self.drafter is not None:
+            return self._speculative_step()
         B = len(self._rows)
         bs = self.pool.block_size
         pos = self._pos
@@ -317,6 +345,56 @@ class Engine:
             for row in sorted((r.row for r in self._rows if r.finish_reason is not None), reverse=True):
                 self._remove_row(row)
 
+    def _speculative_step(self) -> None:
+        """Draft k tokens per row, verify them in one forward, keep each row's accepted
+        prefix plus one token, roll the rest back; hand the tokens out (module docstring)."""
+        B, K, bs = len(self._rows), self.lookahead, self.pool.block_size
+        pos = self._pos
+        slots = np.empty((B, K + 1), dtype=np.int64)
+        for r, req in enumerate(self._rows):
+            p = int(pos[r])
+            slots[r] = self.pool.append_slots(req.id, K + 1)  # positions p..p+k
+            for j in range(p // bs, len(self.pool.table(req.id))):  # blocks the new tokens touch
+                self._index_rows[r, j * bs:(j + 1) * bs] = self.pool.table(req.id)[j] * bs + np.arange(bs)
+            self._bias_rows[r, p:p + K + 1] = 0.0
+        S = -(-int(pos[:B].max() + K + 1) // bs) * bs
+        params, gens = self.sampler.rows(B)
+        t0 = time.perf_counter()
+        batch = DraftBatch(self.runner.tokens[:B].clone(), pos[:B].copy(), slots, self._index_rows[:B, :S], params,
+                           gens)
+        draft, q = self.drafter.propose(batch, K)  # (B, k), (B, k, V)
+        self._slots.np[:B * (K + 1)] = slots.reshape(-1)
+        self._gather.np[:B * S] = self._index_rows[:B, :S].reshape(-1)
+        self._bias.np[:B * S] = self._bias_rows[:B, :S].reshape(-1)
+        for buf, n in ((self._slots, B * (K + 1)), (self._gather, B * S), (self._bias, B * S)):
+            buf.push(n)
+        # Past max_seq_len a position is beyond every request's budget; clamp the rotary lookup.
+        positions = np.minimum(pos[:B, None] + np.arange(K + 1), self.model.cfg.max_seq_len - 1)
+        logits = self.runner.verify(torch.cat([batch.tokens[:, None], draft], 1),
+                                    torch.from_numpy(positions).to(self.device), S)  # (B, k+1, V)
+        if q is None:  # every row greedy
+            n, out = accept_greedy(draft, logits)
+        else:
+            n, out = accept(draft, q, filtered_probs(logits, params), params, gens)
+        self.drafter.accepted(batch, draft, n)
+        self.runner.tokens[:B] = out[torch.arange(B, device=self.device), n]  # the next step's inputs
+        n_host, out_host = n.tolist(), out.tolist()  # the host sync
+        self.counters["decode_steps"] += 1
+        self.counters["decode_s"] += time.perf_counter() - t0
+        for r, req in enumerate(self._rows):
+            a = n_host[r]
+            length = int(pos[r]) + a + 1  # the last accepted token and a drafts are kept
+            self.pool.truncate(req.id, length)
+            keep = self.pool.blocks_for(length)
+            self._index_rows[r, keep * bs:] = self._pad_index[keep * bs:]
+            self._bias_rows[r, length:] = -np.inf
+            pos[r] = length
+            req._sampled += a + 1
+            self.spec_stats.add(a)
+            self._append(req, out_host[r][:a + 1])  # stops and the length limit cut it short
+        for row in sorted((r.row for r in self._rows if r.finish_reason is not None), reverse=True):
+            self._remove_row(row)
+
     def _flush(self) -> None:
         """Read the sampled tokens of the steps since the last flush and hand them out."""
         if not self._ring_rows:
@@ -342,6 +420,8 @@ class Engine:
             self._index_rows[row] = self._index_rows[last]
             self._bias_rows[row] = self._bias_rows[last]
             self.sampler.move_row(last, row)
+            if self.drafter is not None:
+                self.drafter.move_row(last, row)
         else:
             self.sampler.clear_row(row)
         self._rows.pop()
@@ -447,4 +527,5 @@ class Engine:
                 "decode_tokens_per_s": c["generated_tokens"] / c["decode_s"] if c["decode_s"] else 0.0,
                 "kv_pool": self.pool.utilisation(), "kv_pool_bytes": self.pool.nbytes,
                 "workspace_bytes": self.runner.workspace_bytes, "compile_s": self.compile_s,
-                "fusions": self.fusions, "quant_kernels": self.kernels}
+                "fusions": self.fusions, "quant_kernels": self.kernels,
+                **(self.spec_stats.as_dict(self.drafter) if self.drafter is not None else {})}

@@ -111,6 +111,21 @@ class KVPool:
         bs = self.block_size
         return [s.blocks[t // bs] * bs + t % bs for t in range(start, end)]
 
+    def truncate(self, seq_id: int, n_tokens: int) -> int:
+        """Roll ``seq_id`` back to its first ``n_tokens`` tokens (speculative decoding drops
+        rejected drafts): blocks past them go back to the free list but stay in the
+        sequence's reservation, so it can grow again. Returns the blocks freed."""
+        s = self._seqs[seq_id]
+        if not 0 <= n_tokens <= s.length:
+            raise ValueError(f"truncate sequence {seq_id} to {n_tokens} tokens: it holds {s.length}")
+        keep = self.blocks_for(n_tokens)
+        dropped = s.blocks[keep:]
+        del s.blocks[keep:]
+        self._free.extend(reversed(dropped))
+        self._outstanding += len(dropped)
+        s.length = n_tokens
+        return len(dropped)
+
     def table(self, seq_id: int) -> list[int]:
         """The sequence's page table: block ids in token order."""
         return self._seqs[seq_id].blocks

@@ -12,6 +12,9 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   allocation-free decode path (``model/fast_decode.py``: each module's ``decode_calls``,
   no allocation in float32), or, for a model whose modules have none, its plain forward on
   (B, 1) tokens with the same cache.
+- ``verify(tokens, positions, S)``: speculative decoding's verification, T tokens for each of
+  B rows in one plain forward (``PagedCache.set_verify``); the runner's ``slots`` then hold
+  B * T slots. Built with ``lookahead = k`` so a row's context has room for its k drafts.
 - ``compile()``: ``torch.compile`` of that same forward at one static shape.
 """
 
@@ -32,16 +35,17 @@ class ModelRunner:
     """Forward passes of ``model`` over ``pool`` for up to ``max_rows`` sequences of up to
     ``max_context`` tokens each. Does not modify the model."""
 
-    def __init__(self, model: Transformer, pool: KVPool, max_rows: int, max_context: int):
+    def __init__(self, model: Transformer, pool: KVPool, max_rows: int, max_context: int, lookahead: int = 0):
         cfg = model.cfg
         if max_context > cfg.max_seq_len:
             raise ValueError(f"max_context={max_context} exceeds the model's max_seq_len={cfg.max_seq_len}")
         self.model, self.pool, self.cfg = model, pool, cfg
         self.max_rows, self.max_context = max_rows, max_context
-        # Gathers cover whole blocks, so the context in slots is max_context rounded up.
-        self.context_slots = -(-max_context // pool.block_size) * pool.block_size
+        # Gathers cover whole blocks, so the context in slots is max_context rounded up; a
+        # speculative engine's rows hold up to ``lookahead`` draft tokens past it.
+        self.context_slots = -(-(max_context + lookahead) // pool.block_size) * pool.block_size
         self.device = model.tok_embeddings.weight.device
-        self.cache = PagedCache(pool.k, pool.v, max_rows, self.context_slots)
+        self.cache = PagedCache(pool.k, pool.v, max_rows, self.context_slots, max_tokens_per_row=lookahead + 1)
         # Decode inputs, filled by the engine (host views of these on CPU).
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=self.device)
@@ -76,6 +80,15 @@ class ModelRunner:
         """The model's plain forward on one token per row, attending through the paged cache."""
         self.cache.set_decode(B, S)
         return self.model(self.tokens[:B, None], self.positions[:B, None], self.cache)[:, 0]
+
+    @torch.no_grad()
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, S: int) -> torch.Tensor:
+        """tokens, positions: (B, T), the T consecutive tokens of each row (``slots`` holds
+        their B * T slots, ``gather`` / ``bias`` each row's first S slots, the new ones
+        included); returns logits (B, T, V). The model's plain forward."""
+        B, T = tokens.shape
+        self.cache.set_verify(B, T, S)
+        return self.model(tokens, positions, self.cache)
 
     # -- prefill ----------------------------------------------------------------------------
 

@@ -123,6 +123,10 @@ class BatchSampler:
         self._params[dst], self._gens[dst] = self._params[src], self._gens[src]
         self.clear_row(src)
 
+    def rows(self, n: int) -> tuple[list[SamplingParams], list[torch.Generator | None]]:
+        """The parameters and generators of rows 0..n-1 (speculative decoding draws with them)."""
+        return list(self._params[:n]), list(self._gens[:n])
+
     def clear_row(self, row: int) -> None:
         self._params[row], self._gens[row] = None, None
 

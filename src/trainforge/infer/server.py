@@ -418,6 +418,9 @@ class _Gate:
             self.registry.ingest({f"http_requests {key[0]} {key[1]}": n})
 
 
+SPEC_KEYS = ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")
+
+
 def engine_record(engine: Engine) -> dict[str, Any]:
     """The engine's state as a metrics record (keys in ``monitor/catalog.py``), read at scrape time."""
     s = engine.stats()
@@ -427,7 +430,8 @@ def engine_record(engine: Engine) -> dict[str, Any]:
             "kv_block_utilisation": pool["block_utilisation"], "kv_slot_utilisation": pool["slot_utilisation"],
             "infer_prompt_tokens": s["prompt_tokens"], "infer_generated_tokens": s["generated_tokens"],
             "infer_decode_steps": s["decode_steps"], "infer_rejected": s["rejected"],
-            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort")}}
+            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort")},
+            **{k: v for k, v in s.items() if k in SPEC_KEYS}}
 
 
 def serve(engine: Engine, tokenizer, config: ServerConfig) -> None:

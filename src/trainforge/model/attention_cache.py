@@ -15,7 +15,10 @@ where keys and values live and which of them a query sees.
   step's metadata into the cache's buffers: ``slots`` (where each row's new token goes),
   ``gather`` (each row's first S slots, its page table padded with the padding block) and
   ``bias`` (0 up to the row's length, -inf past it), then calls ``set_decode(B, S)``; a
-  prompt goes in with ``set_prefill(slots)``.
+  prompt goes in with ``set_prefill(slots)``. Speculative decoding's verification forward
+  (T new tokens per row: the last accepted token and T - 1 drafts) goes in with
+  ``set_verify(B, T, S)``: ``slots`` then holds B * T slots, row-major, and ``bias`` is 0 over
+  each row's context *including* its T new tokens, which are the row's last T valid slots.
 
 ``PagedCache.decode_calls`` is the allocation-free form of its ``attend`` for one token per
 row (see ``fast_decode.py``), with a parity test against ``attend``.
@@ -114,17 +117,19 @@ class PagedCache(AttentionCache):
     ``max_rows`` sequences of up to ``context_slots`` slots each (see the module docstring
     for the metadata the owner fills)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, max_rows: int, context_slots: int):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, max_rows: int, context_slots: int,
+                 max_tokens_per_row: int = 1):
         super().__init__(k.shape[0])
         self.k, self.v = k, v
         self.max_rows, self.context_slots = max_rows, context_slots
         dev = dict(device=k.device)
         R, C = max_rows, context_slots
-        self.slots = torch.zeros(R, dtype=torch.long, **dev)
+        self.slots = torch.zeros(R * max_tokens_per_row, dtype=torch.long, **dev)
         self.gather = torch.zeros(R * C, dtype=torch.long, **dev)
         self.bias = torch.zeros(R * C, dtype=k.dtype, **dev)
         self._prefill_slots: torch.Tensor | None = None
         self._shape = (0, 0)  # (B, S) of the decode step
+        self._verify_tokens = 0  # T of a verification forward; 0 = one decode token per row
 
     def set_prefill(self, slots: torch.Tensor) -> None:
         """The next forward is one sequence's prompt (positions 0..T-1) stored at ``slots`` (T,)."""
@@ -133,7 +138,18 @@ class PagedCache(AttentionCache):
     def set_decode(self, rows: int, context: int) -> None:
         """The next forward is one token for each of ``rows`` sequences; ``gather`` / ``bias``
         hold ``context`` slots per row and ``slots`` each row's new slot."""
-        self._prefill_slots, self._shape = None, (rows, context)
+        self._prefill_slots, self._shape, self._verify_tokens = None, (rows, context), 0
+
+    def set_verify(self, rows: int, tokens_per_row: int, context: int) -> None:
+        """The next forward is ``tokens_per_row`` (T) consecutive tokens for each of ``rows``
+        sequences (speculative verification): ``slots`` holds rows * T new slots, row-major;
+        ``gather`` / ``bias`` ``context`` slots per row, the T new ones included as the row's
+        last valid slots. Each new token attends to the row's earlier context and to the new
+        tokens up to itself."""
+        if rows * tokens_per_row > self.slots.numel():
+            raise ValueError(f"verify of {rows} x {tokens_per_row} tokens exceeds the cache's "
+                             f"{self.slots.numel()} slots (max_tokens_per_row)")
+        self._prefill_slots, self._shape, self._verify_tokens = None, (rows, context), tokens_per_row
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kp, vp = self.k[index], self.v[index]  # (H_kv, slots, D)
@@ -144,12 +160,33 @@ class PagedCache(AttentionCache):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         B, S = self._shape
         Hkv, D = k.shape[1], k.shape[3]
+        if self._verify_tokens:
+            return self._attend_verify(kp, vp, q, k, v, B, S, gqa)
         kp.index_copy_(1, self.slots[:B], k[:, :, 0].transpose(0, 1))  # (H_kv, B, D)
         vp.index_copy_(1, self.slots[:B], v[:, :, 0].transpose(0, 1))
         gather = self.gather[:B * S]
         kg = kp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)  # (B, H_kv, S, D)
         vg = vp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)
         mask = self.bias[:B * S].view(B, 1, 1, S)
+        return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa)
+
+    def _attend_verify(self, kp: torch.Tensor, vp: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       B: int, S: int, gqa: bool) -> torch.Tensor:
+        T = self._verify_tokens
+        Hkv, D = k.shape[1], k.shape[3]
+        slots = self.slots[:B * T]
+        kp.index_copy_(1, slots, k.transpose(0, 1).reshape(Hkv, B * T, D))  # row-major, as the slots
+        vp.index_copy_(1, slots, v.transpose(0, 1).reshape(Hkv, B * T, D))
+        gather = self.gather[:B * S]
+        kg = kp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)  # (B, H_kv, S, D)
+        vg = vp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)
+        bias = self.bias[:B * S].view(B, 1, S)
+        # The new tokens are each row's last T valid slots: new token j (of T) sees slots up to
+        # valid - T + j, so the causal limit comes from the row's mask, no extra metadata.
+        valid = (bias == 0).sum(-1, keepdim=True)  # (B, 1, 1)
+        limit = valid - T + torch.arange(T, device=bias.device).view(1, T, 1)  # (B, T, 1)
+        seen = torch.arange(S, device=bias.device).view(1, 1, S) <= limit  # (B, T, S)
+        mask = bias.masked_fill(~seen, float("-inf")).unsqueeze(1)  # (B, 1, T, S)
         return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa)
 
     def decode_calls(self, index: int, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

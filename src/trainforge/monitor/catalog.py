@@ -87,6 +87,7 @@ NVML = "CUDA device and nvidia-ml-py (the `gpu` extra)"
 SAMPLED = "steps sampled every monitor.interval_steps"
 SERVE = "trainforge serve"
 MOE = "MoE model (model.n_routed_experts > 0)"
+SPEC = "trainforge serve --speculative"
 
 CATALOG: tuple[MetricSpec, ...] = (
     # -- system ------------------------------------------------------------------------
@@ -218,6 +219,16 @@ CATALOG: tuple[MetricSpec, ...] = (
        when=SERVE),
     _s("request_s", "inference_request_seconds", "histogram", "seconds", "framework",
        "per request: submit until its last token", when=SERVE),
+    _s("spec_drafted_tokens", "speculative_drafted_tokens_total", "counter", "tokens", "framework",
+       "tokens proposed by the drafter (num_speculative_tokens per running request per step)", when=SPEC),
+    _s("spec_accepted_tokens", "speculative_accepted_tokens_total", "counter", "tokens", "framework",
+       "drafted tokens the target accepted (speculative_sampling.accept)", when=SPEC),
+    _s("spec_acceptance_rate", "speculative_acceptance_ratio", "gauge", "ratio", "framework",
+       "share of a request's speculative steps in which draft number position + 1 was accepted (position 0 = the "
+       "first draft), since the engine started", labels=("position",), when=SPEC),
+    _s("spec_mean_accepted_length", "speculative_mean_accepted_length", "gauge", "tokens", "framework",
+       "tokens emitted per request per verification forward (accepted drafts + the target's own token), since "
+       "the engine started", when=SPEC),
     _s(r"http_requests (?P<path>\S+) (?P<status>\d+)", "http_requests_total", "counter", "requests", "framework",
        "HTTP requests by path (unknown paths as 'other') and status, API-key refusals included", pattern=True,
        labels=("path", "status"), when=SERVE),
