@@ -163,3 +163,12 @@ def test_overrides_and_yarn_on_dense_refused_via_the_cli_config():
     bad = load_config(None, ["--model.flavor", "debug", "--model.rope_factor", "4"])
     with pytest.raises(ConfigError, match="model.rope_factor"):
         model_config_from_section(bad.model, 512)
+
+
+def test_tensor_parallel_refuses_latent_attention_before_any_work():
+    from trainforge.parallel.tensor_parallel import check_tensor_parallel
+
+    dense_mla = dataclasses.replace(FLAVORS["dsv3-debug"], n_routed_experts=0)  # not refused as MoE
+    with pytest.raises(ConfigError, match="parallel.tp.*latent attention"):
+        check_tensor_parallel(dense_mla, 2)
+    check_tensor_parallel(dense_mla, 1)
