@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
 from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
-from trainforge.model.llama import Transformer, rope_tables
+from trainforge.model.llama import Transformer
+from trainforge.model.rope import model_rope_tables
 from trainforge.model.moe import routers
 from trainforge.model.preflight import check_inference
 from trainforge.safe_unpickle import error_detail
@@ -95,7 +96,7 @@ def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.de
         raise CheckpointError(f"{what} does not fit the model config ({error_detail(e)})") from None
     if cfg.tie_embeddings and "output.weight" in params:
         model.output.weight = model.tok_embeddings.weight
-    cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
+    cos, sin = model_rope_tables(cfg, device=device)
     model.rope_cos, model.rope_sin = cos, sin
     # Other non-persistent buffers (a MoE router's load counters) are not in the file: zeros,
     # or they would stay on meta and every count would silently go nowhere.

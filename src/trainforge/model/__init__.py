@@ -1,6 +1,6 @@
-"""The single-device model (``llama.py``), its shapes (``config.py``), Hugging Face
-weight interop (``hf.py``) and memory preflight (``preflight.py``); ``[model]`` is
-``section.py``.
+"""The single-device model (``llama.py``; latent attention ``mla.py``, experts ``moe.py``),
+its shapes (``config.py``), Hugging Face weight interop (``hf.py``) and memory preflight
+(``preflight.py``); ``[model]`` is ``section.py``.
 
 Exports resolve lazily (PEP 562), so loading the config (``model.section``) does not
 import torch."""

@@ -50,7 +50,8 @@ class AttentionCache:
     def layer(self, index: int) -> LayerCache:
         return self._layers[index]
 
-    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def decode_calls(self, index: int, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -64,8 +65,9 @@ class LayerCache:
     def __init__(self, cache: AttentionCache, index: int):
         self.cache, self.index = cache, index
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.cache.attend(self.index, q, k, v)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """``scale``: the softmax scale (None: SDPA's 1/sqrt(q's last dim); MLA passes its own)."""
+        return self.cache.attend(self.index, q, k, v, scale)
 
     def decode_calls(self, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor) -> list[Callable[[], None]]:
@@ -73,22 +75,28 @@ class LayerCache:
 
 
 class StaticCache(AttentionCache):
-    """Contiguous keys/values (n_layers, B, H_kv, T_max, D), all rows at the same position."""
+    """Contiguous keys/values (n_layers, B, H_kv, T_max, D), all rows at the same position.
+    ``v_head_dim`` (default ``head_dim``) sizes the values apart: latent attention (naive
+    form) stores per-head keys of nope+rope dims and values of v_head_dim."""
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device | None = None,
+                 v_head_dim: int | None = None):
         super().__init__(n_layers)
-        shape = (n_layers, batch_size, n_kv_heads, max_seq_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (n_layers, batch_size, n_kv_heads, max_seq_len)
+        self.k = torch.zeros(*shape, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(*shape, v_head_dim or head_dim, dtype=dtype, device=device)
         self.length = 0  # tokens stored
         self.start_pos = 0  # position of the current forward's first token
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_seq_len: int | None = None) -> StaticCache:
         cfg, w = model.cfg, model.tok_embeddings.weight
-        return cls(cfg.n_layers, batch_size, cfg.n_kv_heads, max_seq_len or cfg.max_seq_len, cfg.head_dim,
-                   w.dtype, w.device)
+        T = max_seq_len or cfg.max_seq_len
+        if cfg.is_mla:  # every head has its own k / v once the latent is expanded
+            return cls(cfg.n_layers, batch_size, cfg.n_heads, T, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                       w.dtype, w.device, v_head_dim=cfg.v_head_dim)
+        return cls(cfg.n_layers, batch_size, cfg.n_kv_heads, T, cfg.head_dim, w.dtype, w.device)
 
     def advance(self, n_tokens: int) -> torch.Tensor:
         """Positions (T,) of the next ``n_tokens`` tokens; the forward that follows stores them there."""
@@ -98,7 +106,8 @@ class StaticCache(AttentionCache):
         self.start_pos, self.length = self.length, end
         return torch.arange(self.start_pos, end, device=self.k.device)
 
-    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
         start, T = self.start_pos, q.shape[2]
         end = start + T
         self.k[index, :, :, start:end] = k
@@ -106,10 +115,10 @@ class StaticCache(AttentionCache):
         k, v = self.k[index, :, :, :end], self.v[index, :, :, :end]
         gqa = q.shape[1] != k.shape[1]
         if end == T:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         # Query i sits at absolute position start + i.
         mask = torch.ones(T, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 class PagedCache(AttentionCache):
@@ -151,13 +160,14 @@ class PagedCache(AttentionCache):
                              f"{self.slots.numel()} slots (max_tokens_per_row)")
         self._prefill_slots, self._shape, self._verify_tokens = None, (rows, context), tokens_per_row
 
-    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
         kp, vp = self.k[index], self.v[index]  # (H_kv, slots, D)
         gqa = q.shape[1] != k.shape[1]
         if self._prefill_slots is not None:  # the prompt attends to itself only
             kp.index_copy_(1, self._prefill_slots, k[0])
             vp.index_copy_(1, self._prefill_slots, v[0])
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         B, S = self._shape
         Hkv, D = k.shape[1], k.shape[3]
         if self._verify_tokens:
@@ -168,7 +178,7 @@ class PagedCache(AttentionCache):
         kg = kp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)  # (B, H_kv, S, D)
         vg = vp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)
         mask = self.bias[:B * S].view(B, 1, 1, S)
-        return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
     def _attend_verify(self, kp: torch.Tensor, vp: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        B: int, S: int, gqa: bool) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainforge.model.preflight import MODEL_KEYS, MOE_KEYS, check_moe, check_shape
+from trainforge.model.preflight import MLA_KEYS, MODEL_KEYS, MOE_KEYS, check_mla, check_moe, check_shape
 
 # Direct construction (checkpoint metadata, tests): the field names themselves.
 _FIELD_KEYS = {**MODEL_KEYS, "vocab_size": "model.vocab_size", "max_seq_len": "model.max_seq_len"}
@@ -42,12 +42,26 @@ class ModelConfig:
     bias_update_rate: float = 0.0  # loss-free balancing gamma (train/moe_balance.py); 0 = off
     aux_loss_alpha: float = 0.0  # batch-wise auxiliary balance loss
     seq_aux_loss_alpha: float = 0.0  # sequence-wise balance loss (DeepSeek-V3 eq. 17-20)
+    # Multi-head latent attention (model/mla.py); kv_lora_rank = 0 is standard attention
+    q_lora_rank: int = 0  # 0 = full-rank query projection
+    kv_lora_rank: int = 0  # width of the compressed key/value latent
+    qk_nope_head_dim: int = 0  # per-head query/key width without rotary embedding
+    qk_rope_head_dim: int = 0  # the decoupled rotary query/key width (one rotary key shared by all heads)
+    v_head_dim: int = 0
+    # YaRN rotary scaling (model/yarn.py), latent attention only
+    rope_factor: float = 1.0  # 1 = no scaling
+    rope_original_max_seq_len: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
 
     def __post_init__(self) -> None:
         # Positive sizes first: 0 heads would otherwise be a ZeroDivisionError.
         check_shape({f: getattr(self, f) for f in _FIELD_KEYS}, _FIELD_KEYS)
         if self.n_routed_experts:
             check_moe({f: getattr(self, f) for f in MOE_KEYS}, self.n_layers)
+        check_mla({f: getattr(self, f) for f in MLA_KEYS})
 
     @property
     def is_moe(self) -> bool:
@@ -61,15 +75,36 @@ class ModelConfig:
         return max(0, self.n_layers - self.n_dense_layers) if self.is_moe else 0
 
     @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Width of the rotary tables: the decoupled rotary dims under MLA, else the head dim."""
+        return self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    def attention_params(self) -> int:
+        """Parameters of one block's attention (latent norms included)."""
+        d, H = self.dim, self.n_heads
+        if not self.is_mla:
+            return d * H * self.head_dim * 2 + d * self.n_kv_heads * self.head_dim * 2
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        r = self.q_lora_rank
+        q = d * r + r + r * H * qk if r else d * H * qk
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        kv += self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + H * self.v_head_dim * d
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """Parameter count computed from the shape (no model needed). ``active``: only
         what one token uses (a MoE layer's router, shared and ``n_activated_experts``
         routed experts; equal to the total for a dense model)."""
-        d, h = self.dim, self.head_dim
-        attn = d * self.n_heads * h * 2 + d * self.n_kv_heads * h * 2
+        d = self.dim
+        attn = self.attention_params()
         dense_layer = attn + 3 * d * self.ffn_hidden_dim + 2 * d
         expert = 3 * d * self.moe_inter_dim
         routed = self.n_activated_experts if active else self.n_routed_experts
@@ -82,11 +117,16 @@ class ModelConfig:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6·N for the matmuls (N: the
-        active parameters) plus the attention score/value products, 12·L·d·T (PaLM
-        appendix B convention). The input embedding is a lookup, not a matmul, so it is
-        excluded."""
+        active parameters) plus the attention score/value products, 6·L·H·(d_qk + d_v)·T
+        (PaLM appendix B's 12·L·d·T when d_qk = d_v = dim / H; MLA's q·k uses
+        qk_nope + qk_rope dims, its values v_head_dim). The input embedding is a lookup,
+        not a matmul, so it is excluded."""
         n = self.num_params(include_embedding=False, active=True)
-        return 6.0 * n + 12.0 * self.n_layers * self.dim * seq_len
+        if self.is_mla:
+            widths = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        else:
+            widths = 2 * self.dim
+        return 6.0 * n + 6.0 * self.n_layers * widths * seq_len
 
     def describe_params(self) -> str:
         """"12.3M parameters" or, for MoE, "45.6M parameters (12.3M active)"."""
@@ -128,10 +168,34 @@ FLAVORS: dict[str, ModelConfig] = {
                              ffn_hidden_dim=2048, n_routed_experts=32, n_shared_experts=2, n_activated_experts=6,
                              moe_inter_dim=256, n_dense_layers=1, score_func="sigmoid", route_scale=2.5, n_group=4,
                              topk_group=2, bias_update_rate=1e-3),
+    # DeepSeek-V3 (model/mla.py + model/moe.py): latent attention with a low-rank query,
+    # sigmoid routing over expert groups, first block dense. < 1M parameters, for tests.
+    "dsv3-debug": ModelConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=4, vocab_size=512, ffn_hidden_dim=176,
+                              n_routed_experts=8, n_shared_experts=1, n_activated_experts=2, moe_inter_dim=32,
+                              n_dense_layers=1, score_func="sigmoid", route_scale=2.5, n_group=4, topk_group=2,
+                              bias_update_rate=1e-3, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                              qk_rope_head_dim=8, v_head_dim=16),
+    # moe-tiny's size with latent attention; trains on the built-in corpus.
+    "dsv3-tiny": ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=8192, ffn_hidden_dim=704,
+                             n_routed_experts=16, n_shared_experts=1, n_activated_experts=4, moe_inter_dim=176,
+                             n_dense_layers=1, score_func="sigmoid", route_scale=2.5, n_group=4, topk_group=2,
+                             bias_update_rate=1e-3, q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32,
+                             qk_rope_head_dim=16, v_head_dim=32),
+    # The published DeepSeek-V3 config (671B total, 37B active; the MTP module is counted
+    # separately). The first three blocks are dense; YaRN as the released long-context model.
+    "deepseek-v3-671b": ModelConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                                    ffn_hidden_dim=18432, norm_eps=1e-6, rope_theta=10000.0, max_seq_len=163840,
+                                    n_routed_experts=256, n_shared_experts=1, n_activated_experts=8,
+                                    moe_inter_dim=2048, n_dense_layers=3, score_func="sigmoid", route_scale=2.5,
+                                    n_group=8, topk_group=4, bias_update_rate=1e-3, seq_aux_loss_alpha=1e-4,
+                                    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                    v_head_dim=128, rope_factor=40.0, rope_original_max_seq_len=4096,
+                                    rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
+                                    rope_mscale_all_dim=1.0),
 }
 
 # [model] keys that override a flavor (ModelSection's fields of the same names).
-OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "tie_embeddings", *MOE_KEYS)
+OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "tie_embeddings", *MOE_KEYS, *MLA_KEYS)
 
 
 def model_config_from_section(section, vocab_size: int | None, seq_len: int | None = None) -> ModelConfig:
@@ -149,4 +213,5 @@ def model_config_from_section(section, vocab_size: int | None, seq_len: int | No
     check_shape({f: changes.get(f, getattr(base, f)) for f in MODEL_KEYS}, MODEL_KEYS)
     if changes.get("n_routed_experts", base.n_routed_experts):
         check_moe({f: changes.get(f, getattr(base, f)) for f in MOE_KEYS}, changes.get("n_layers", base.n_layers))
+    check_mla({f: changes.get(f, getattr(base, f)) for f in MLA_KEYS})
     return dataclasses.replace(base, **changes)

@@ -74,6 +74,9 @@ def _convert(sd: dict[str, torch.Tensor], cfg: ModelConfig, src: int, what: str)
     if cfg.is_moe:
         raise CheckpointError(f"{what} state dict: the Hugging Face layout here is LlamaForCausalLM's, which has "
                               "no experts; mixture-of-experts models have no Hugging Face conversion yet")
+    if cfg.is_mla:
+        raise CheckpointError(f"{what} state dict: the Hugging Face layout here is LlamaForCausalLM's; latent-"
+                              "attention (MLA) models have no Hugging Face conversion yet")
     table = _key_table(cfg)
     dst = 1 - src
     emb_src, emb_dst = table[0][src], table[0][dst]

@@ -5,8 +5,9 @@ Token embedding -> N x [RMSNorm -> grouped-query attention with rotary embedding
 
 The model knows nothing about parallelism, precision or compression: those are
 applied from outside (``trainforge.parallel``, ``trainforge.precision``). Rotary
-embeddings use the "rotate half" layout of Hugging Face's ``LlamaForCausalLM``, so
-weights convert between the two by renaming only (see ``hf.py``).
+embeddings (``rope.py``) use the "rotate half" layout of Hugging Face's ``LlamaForCausalLM``,
+so weights convert between the two by renaming only (see ``hf.py``). A config with
+``kv_lora_rank`` > 0 swaps the attention for DeepSeek's latent attention (``mla.py``).
 
 This forward is the only definition of the model's math. Training calls
 ``forward(tokens)``; inference calls ``forward(tokens, positions, cache)`` with an
@@ -27,52 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainforge.model.config import ModelConfig
+from trainforge.model.norm import RMSNorm
+from trainforge.model.rope import apply_rope, model_rope_tables
 from trainforge.model.swiglu import FeedForward
 
 if TYPE_CHECKING:
     from trainforge.model.attention_cache import AttentionCache, LayerCache
     from trainforge.model.fast_decode import DecodeWorkspace
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the input dtype: the mean of squares overflows fp16.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-    def decode_calls(self, ws: DecodeWorkspace, x: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
-        """out <- forward(x) for x (B, dim) without allocation: in float32 the same ops
-        (``mean`` is sum / d), each ``out=`` or in place; other dtypes call ``forward``."""
-        if x.dtype != torch.float32:
-            return [lambda: out.copy_(self(x))]
-        sq, ms = ws.norm_scratch(x.shape[0])
-        d, eps = ws.scalar(float(x.shape[1])), ws.scalar(self.eps)
-        p = functools.partial
-        return [p(torch.mul, x, x, out=sq), p(torch.sum, sq, dim=-1, keepdim=True, out=ms), p(ms.div_, d),
-                p(ms.add_, eps), ms.rsqrt_, p(torch.mul, x, ms, out=out), p(out.mul_, self.weight)]
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables, each (max_seq_len, head_dim), computed in fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
-    t = torch.arange(max_seq_len, device=device, dtype=torch.int64).float()
-    freqs = torch.outer(t, inv_freq)  # (T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, D): rotate-half layout
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, H, T, D); cos/sin: (T, D)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
 
 
 def rope_tables_folded(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +121,18 @@ def attention_decode_calls(ws: DecodeWorkspace, ropes: list[torch.Tensor], q: to
 
 class TransformerBlock(nn.Module):
     """``layer``: the block's index; a MoE config gives blocks from ``n_dense_layers`` on
-    a mixture-of-experts feed-forward (``moe.py``) instead of the dense SwiGLU."""
+    a mixture-of-experts feed-forward (``moe.py``) instead of the dense SwiGLU, and an MLA
+    config (``kv_lora_rank`` > 0) latent attention (``mla.py``) instead of ``Attention``."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        if cfg.is_mla:
+            from trainforge.model.mla import MLA
+
+            self.attention: nn.Module = MLA(cfg)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             from trainforge.model.moe import MoE
@@ -202,7 +170,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = model_rope_tables(cfg)
         # Non-persistent: recomputed from the config, never stored in checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -227,8 +195,7 @@ class Transformer(nn.Module):
         for name, b in self.named_buffers():
             if name.endswith("expert_bias"):  # loss-free balancing starts unbiased
                 b.zero_()
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta,
-                               device=self.rope_cos.device)
+        cos, sin = model_rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 

@@ -64,6 +64,10 @@ MOE_KEYS = ("n_routed_experts", "n_shared_experts", "n_activated_experts", "moe_
             "score_func", "route_scale", "norm_topk_prob", "n_group", "topk_group", "bias_update_rate",
             "aux_loss_alpha", "seq_aux_loss_alpha")
 
+# Multi-head latent attention and YaRN fields of ModelConfig (each a [model] key of the same name).
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_factor",
+            "rope_original_max_seq_len", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")
+
 GiB = 2**30
 
 
@@ -139,6 +143,47 @@ def check_moe(values: dict[str, object], n_layers: int, prefix: str = "model.",
                                          f"groups a token may use")
 
 
+def check_mla(values: dict[str, object], prefix: str = "model.", error: type[TrainforgeError] = ConfigError) -> None:
+    """Raise ``error`` naming the ``[model]`` key unless the latent-attention and YaRN fields
+    (``MLA_KEYS`` -> value) describe an attention that can be built: with ``kv_lora_rank`` > 0
+    positive head dims (an even rotary one); with 0 (standard attention) none of them set."""
+    def bad(f: str, why: str) -> TrainforgeError:
+        return error(f"config key '{prefix}{f}' = {values[f]!r}: {why}")
+
+    def is_int(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for f in ("q_lora_rank", "kv_lora_rank"):
+        if not is_int(values[f]) or values[f] < 0:  # type: ignore[operator]
+            raise bad(f, "must be an integer >= 0 (0 = full rank / no latent attention)")
+    if values["kv_lora_rank"] == 0:
+        for f in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if values[f]:
+                raise bad(f, f"needs multi-head latent attention: set {prefix}kv_lora_rank > 0 (e.g. "
+                             f"{prefix}flavor = dsv3-debug) or leave {prefix}{f} at 0")
+        if values["rope_factor"] != 1:
+            raise bad("rope_factor", f"YaRN scaling is implemented for latent attention only: set {prefix}"
+                                     f"kv_lora_rank > 0 or {prefix}rope_factor = 1")
+        return
+    for f in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_original_max_seq_len"):
+        if not is_int(values[f]) or values[f] < 1:  # type: ignore[operator]
+            raise bad(f, "must be a positive integer for a latent-attention model")
+    if values["qk_rope_head_dim"] % 2:  # type: ignore[operator]
+        raise bad("qk_rope_head_dim", "must be even (rotary embeddings rotate pairs)")
+    for f in ("rope_factor", "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim"):
+        v = values[f]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
+            raise bad(f, "must be a finite number")
+    if values["rope_factor"] < 1:  # type: ignore[operator]
+        raise bad("rope_factor", "must be >= 1 (1 = no YaRN scaling; DeepSeek-V3 uses 40)")
+    for f in ("rope_mscale", "rope_mscale_all_dim"):
+        if values[f] < 0:  # type: ignore[operator]
+            raise bad(f, "must be >= 0")
+    if not 0 < values["rope_beta_slow"] < values["rope_beta_fast"]:  # type: ignore[operator]
+        raise bad("rope_beta_slow", f"must be > 0 and below {prefix}rope_beta_fast = {values['rope_beta_fast']} "
+                                    "(YaRN interpolates between the two rotation counts)")
+
+
 # -- the estimate ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -178,7 +223,7 @@ def training_estimate(cfg: "ModelConfig", batch_size: int, seq_len: int, *, stat
         act_elems = tokens * per_token_layer * layers
     logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens
     return MemoryEstimate({
-        "rotary tables": rotary_bytes(cfg.head_dim, cfg.max_seq_len),
+        "rotary tables": rotary_bytes(cfg.rope_head_dim, cfg.max_seq_len),
         "weights + grads + AdamW": max(4 * n, 16 * n // max(state_shards, 1)),
         "activations": 4 * act_elems // max(tp, 1),
         "logits": 12 * logit_tokens * cfg.vocab_size // max(tp, 1),
@@ -199,7 +244,7 @@ def inference_estimate(cfg: "ModelConfig", param_bytes: float, kv_slots: int, kv
     else:  # embedding and norms stay float; every linear (output projection included) and expert is quantised
         weights = emb * param_bytes + router * 4 + (n - emb - router) * quantized_bytes
     return MemoryEstimate({
-        "rotary tables": rotary_bytes(cfg.head_dim, cfg.max_seq_len),
+        "rotary tables": rotary_bytes(cfg.rope_head_dim, cfg.max_seq_len),
         "weights": int(weights),
         "KV pool": 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_slots * kv_bytes,
     })

@@ -12,7 +12,8 @@ from trainforge.config_base import _f, _require
 @dataclass
 class ModelSection:
     flavor: str = _f("tiny", "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
-                                        "mixture of experts: moe-debug, moe-tiny, moe-small")
+                                        "mixture of experts: moe-debug, moe-tiny, moe-small; DeepSeek-V3 (latent "
+                                        "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b")
     dim: int | None = _f(None, "override the flavor's hidden size")
     n_layers: int | None = _f(None, "override the flavor's number of transformer blocks")
     n_heads: int | None = _f(None, "override the flavor's number of query heads")
@@ -37,6 +38,21 @@ class ModelSection:
     aux_loss_alpha: float | None = _f(None, "batch-wise auxiliary balance loss coefficient (0 = off)")
     seq_aux_loss_alpha: float | None = _f(None, "sequence-wise balance loss coefficient (DeepSeek-V3; "
                                                 "e.g. 1e-4 beside the bias; 0 = off)")
+    # Multi-head latent attention and YaRN (the dsv3-* flavors set these; None keeps the flavor's value).
+    q_lora_rank: int | None = _f(None, "latent attention: rank of the low-rank query projection (0 = full rank)")
+    kv_lora_rank: int | None = _f(None, "latent attention: width of the compressed key/value latent "
+                                        "(0 = standard attention)")
+    qk_nope_head_dim: int | None = _f(None, "latent attention: per-head query/key dims without rotary embedding")
+    qk_rope_head_dim: int | None = _f(None, "latent attention: rotary query/key dims (one rotary key shared by all "
+                                            "heads)")
+    v_head_dim: int | None = _f(None, "latent attention: per-head value dims")
+    rope_factor: float | None = _f(None, "YaRN context extension factor (1 = no scaling; DeepSeek-V3: 40)")
+    rope_original_max_seq_len: int | None = _f(None, "YaRN: the context length the model was pretrained at")
+    rope_beta_fast: float | None = _f(None, "YaRN: rotations above which a frequency is kept (extrapolated)")
+    rope_beta_slow: float | None = _f(None, "YaRN: rotations below which a frequency is divided by rope_factor")
+    rope_mscale: float | None = _f(None, "YaRN: attention temperature coefficient of the rotary tables")
+    rope_mscale_all_dim: float | None = _f(None, "YaRN: attention temperature coefficient of the softmax scale "
+                                                 "(0 = none)")
 
     def validate(self) -> None:
         from trainforge.model.config import FLAVORS

@@ -88,6 +88,10 @@ class ParallelDims:
             raise ConfigError(f"config key 'parallel.tp' = {self.tp}: tensor parallelism of mixture-of-experts "
                               "blocks is not supported (the TP plans shard dense feed-forwards); use parallel.tp = 1 "
                               "and split the experts with parallel.ep")
+        if getattr(model_config, "is_mla", False) and self.tp > 1:
+            raise ConfigError(f"config key 'parallel.tp' = {self.tp}: tensor parallelism of latent attention (MLA, "
+                              "model.kv_lora_rank > 0) is not supported yet (no TP plan for its projections); use "
+                              "parallel.tp = 1 and shard with parallel.dp_shard (FSDP)")
         if self.pp > model_config.n_layers:
             raise ConfigError(f"config key 'parallel.pp' = {self.pp} exceeds model.n_layers = "
                               f"{model_config.n_layers}: every stage needs at least one block")
