@@ -1,8 +1,8 @@
 """Gradient compression: wire bytes, step time on a bandwidth-limited link, convergence.
 
-    python bench/grad_compression.py            # ~25 min on 2 cores: 100mbit + 1gbit + convergence
-    python bench/grad_compression.py --quick    # ~12 min: 100mbit only, 2 rounds, convergence
-    python bench/grad_compression.py --skip-timing             # convergence only: 9 runs, ~6 min quiet
+    python bench/grad_compression.py            # ~22 min on 2 cores: 100mbit + 1gbit + convergence
+    python bench/grad_compression.py --quick    # ~9 min: 100mbit only, 2 rounds, convergence
+    python bench/grad_compression.py --skip-timing             # convergence only: 9 runs, ~3 min quiet
     python bench/grad_compression.py --json out.json
 
 Everything runs the real CLI (``trainforge train`` under ``torchrun``, gloo, 2 ranks,
@@ -26,7 +26,7 @@ gradients per step), batch 4 x 32 tokens per rank, one thread per rank.
 3. Convergence on the host (no shaping), over seeds: fp32 (``none``), int4+EF and adaptive
    (``--conv-codecs`` adds others) each train ``--conv-steps`` steps with seeds 1..``--seeds``
    (a seed fixes initial weights and data order), on the setup of
-   ``tests/compression/test_convergence.py`` (``tiny`` cut to 4 blocks, 3.2M parameters;
+   ``tests/compression/test_convergence.py`` (``tiny`` cut to width 128 and 4 blocks, 0.87M parameters;
    validation on the first 16 batches, the same tokens for every run). Per codec: mean
    final validation loss, its seed std and min-max; regret vs fp32 as the mean of the
    per-seed paired differences (codec seed s - fp32 seed s), with their std and min-max.
@@ -70,7 +70,8 @@ CODECS: dict[str, list[str]] = {
 TIMED = ["none", "int8+EF", "int4+EF", "adaptive", "topk+int4+EF", "powersgd"]
 CONVERGED = ["none", "int4+EF", "adaptive"]  # the claim: compressed ends like fp32
 # Convergence runs: the setup of tests/compression/test_convergence.py (keep in sync).
-CONV_ARGS = ["--model.n_layers", "4", "--checkpoint.interval", "0", "--compression.warmup_steps", "10"]
+CONV_ARGS = ["--model.dim", "128", "--model.n_heads", "4", "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "352",
+             "--model.n_layers", "4", "--checkpoint.interval", "0", "--compression.warmup_steps", "10"]
 CONV_VAL_BATCHES = 16
 
 
@@ -278,7 +279,7 @@ def main() -> None:
                   f"{row['ms_per_step']:.0f} | {row['speedup_median']:.2f}x ({row['speedup_min']:.2f}-"
                   f"{row['speedup_max']:.2f}) |")
     if "convergence" in report:
-        print(f"\nconvergence, {args.conv_steps} steps, tiny with 4 blocks, seeds 1-{args.seeds}\n")
+        print(f"\nconvergence, {args.conv_steps} steps, tiny at width 128 with 4 blocks, seeds 1-{args.seeds}\n")
         print("| codec | final val loss per seed | mean | seed std | min-max | regret vs none: mean of paired "
               "differences (std; min-max) |")
         print("|---|---|---:|---:|---|---|")

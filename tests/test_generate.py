@@ -3,6 +3,7 @@ import sys
 
 import torch
 
+from trainforge.cli import main
 from trainforge.data.tokenizer import load_tokenizer
 from trainforge.infer.generate import SamplingParams, generate
 from trainforge.model import FLAVORS, build_model
@@ -38,7 +39,7 @@ def test_generate_inside_the_trainers_autocast_runs_in_the_models_dtype():
         assert generate(model, [5, 6, 7], params).output_ids == want
 
 
-def test_cli_train_then_generate(tmp_path, small_data):
+def test_cli_train_then_generate(tmp_path, small_data, capsys):
     run_dir = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "trainforge", "train", "--run_dir", str(run_dir),
                         "--data.path", str(small_data), "--model.flavor", "debug", "--training.steps", "30",
@@ -49,15 +50,29 @@ def test_cli_train_then_generate(tmp_path, small_data):
     assert "sample:\ndef " in r.stdout and "checkpoint:" in r.stdout
     assert (run_dir / "config.toml").is_file() and (run_dir / "checkpoints" / "step_0000030").is_dir()
 
-    def gen(*extra, prompt=("--prompt", "import os\n")):
-        out = subprocess.run([sys.executable, "-m", "trainforge", "generate", "--checkpoint", str(run_dir),
-                              *prompt, "--max_new_tokens", "12", *extra],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        return out.stdout
-
-    greedy = gen("--temperature", "0")
+    args = ["generate", "--checkpoint", str(run_dir), "--max_new_tokens", "12"]
+    out = subprocess.run([sys.executable, "-m", "trainforge", *args, "--prompt", "import os\n", "--temperature", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    greedy = out.stdout
     assert greedy.startswith("import os\n") and len(greedy) > len("import os\n")
+
+    def cli(*argv) -> tuple[int, str, str]:
+        """The same CLI in this process (``trainforge.cli.main``): no interpreter and torch
+        start-up per call; the subprocess call above covers ``python -m trainforge``."""
+        capsys.readouterr()
+        try:
+            rc = main(list(argv))
+        except SystemExit as e:  # argparse errors
+            rc = e.code
+        got = capsys.readouterr()
+        return rc, got.out, got.err
+
+    def gen(*extra, prompt=("--prompt", "import os\n")):
+        rc, out, err = cli(*args, *prompt, *extra)
+        assert rc == 0, err
+        return out
+
     assert gen("--temperature", "0") == greedy
     assert gen("--temperature", "1.0", "--seed", "3") == gen("--temperature", "1.0", "--seed", "3")
     # Token ids in and out: the same greedy continuation as the text run.
@@ -66,9 +81,7 @@ def test_cli_train_then_generate(tmp_path, small_data):
     ids = gen("--temperature", "0", "--print_ids", "--ignore_eos", prompt=("--prompt_ids", prompt_ids))
     new_ids = [int(t) for t in ids.strip().split(",")]
     assert len(new_ids) == 12 and greedy.startswith(tok.decode(tok.encode("import os\n").ids + new_ids[:3]))
-    bad = subprocess.run([sys.executable, "-m", "trainforge", "generate", "--checkpoint", str(tmp_path / "none"),
-                          "--prompt", "x"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "does not exist" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "trainforge", "generate", "--checkpoint", str(run_dir),
-                          "--prompt", "x", "--top_p", "0"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "top_p" in bad.stderr
+    rc, _, err = cli("generate", "--checkpoint", str(tmp_path / "none"), "--prompt", "x")
+    assert rc == 2 and "does not exist" in err
+    rc, _, err = cli("generate", "--checkpoint", str(run_dir), "--prompt", "x", "--top_p", "0")
+    assert rc == 2 and "top_p" in err

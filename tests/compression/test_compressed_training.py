@@ -72,13 +72,24 @@ RESUME_LAYOUTS = {
 }
 
 
+def interrupted_after_step_3(straight, resumed):
+    """``resumed``: the 6-step run ``straight`` as it was after its step-3 checkpoint (one
+    launch fewer than training 3 steps again). Later metrics are dropped too, so steps 4-6
+    can only come from the resumed run."""
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000006")
+    metrics = resumed / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join(ln for ln in lines if json.loads(ln).get("step", 0) <= 3))
+
+
 @pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
 def test_resume_with_error_feedback_is_bit_identical(layout, tmp_path, small_data):
     nproc, extra = RESUME_LAYOUTS[layout]
     extra = [*extra, "--compression.warmup_steps", "1"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(train_cmd(nproc, straight, small_data, *extra))
-    run(train_cmd(nproc, resumed, small_data, *extra, "--training.steps", "3"))
+    interrupted_after_step_3(straight, resumed)
     assert (resumed / "checkpoints" / "step_0000003" / "compression" / "rank_00000.pt").is_file()
     run(train_cmd(nproc, resumed, small_data, *extra) + ["--resume", str(resumed)])
     assert losses(resumed) == losses(straight)  # exact: residuals, widths and RNG restored
@@ -89,7 +100,7 @@ def test_resume_without_compression_state_differs(tmp_path, small_data):
     extra = ["--parallel.dp_replicate", "2", "--compression.codec", "int4", "--compression.warmup_steps", "1"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(train_cmd(2, straight, small_data, *extra))
-    run(train_cmd(2, resumed, small_data, *extra, "--training.steps", "3"))
+    interrupted_after_step_3(straight, resumed)
     # Make it a checkpoint saved without compression state (as by a run that had none):
     # drop the files and their entries in meta.json, which lists every file's sha256.
     ckpt_dir = resumed / "checkpoints" / "step_0000003"

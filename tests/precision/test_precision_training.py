@@ -1,5 +1,5 @@
 """Longer and multi-process precision checks (slow, still run in CI): bf16-mixed
-converges like fp32 on ``tiny``; bf16-mixed under FSDP2 (2 processes, gloo, via the
+converges like fp32 on ``debug``; bf16-mixed under FSDP2 (2 processes, gloo, via the
 CLI) trains like the single-process bf16-mixed run; under HSDP with compressed
 gradients the replicas stay bit-identical, fp32 norm units included."""
 
@@ -20,15 +20,20 @@ pytestmark = pytest.mark.slow
 BF16 = ["--precision.policy", "bf16-mixed", "--precision.force", "true"]
 
 
-def test_bf16_mixed_ends_within_one_percent_of_fp32(tmp_path, small_data):
-    """``tiny``, 200 steps, seq 32 x batch 4, same seed and data: the final validation
-    loss of bf16-mixed is within 1% of fp32's (measured here: 0.13%; with seed 7, 0.67%;
-    fp32 itself moves ~1.3% between those two seeds, and at lr 2e-3 the runs drift 2%
-    apart, so the default lr 1e-3 is kept). One thread: ~0.05-0.1 s/step on an idle
-    machine, and no OpenMP collapse when the cores are shared (2 threads ran 15x slower
-    here under load)."""
+def test_bf16_mixed_ends_within_a_quarter_percent_of_fp32(tmp_path, small_data):
+    """``debug`` flavor, 200 steps, seq 32 x batch 4, same seed and data: the final
+    validation loss of bf16-mixed is within 0.25% of fp32's (the documented claim is 1%;
+    the tighter bound also rejects a policy that loses the fp32 master weights).
+
+    Measured (AVX2-only EPYC, seeds 1234 / 1 / 2 / 3 / 7): bf16-mixed ends 0.00-0.01% from
+    fp32; bf16 weights with bf16 optimizer state (updates rounded away) end +0.52-0.63%
+    worse, so the 0.25% bound sits 25x above the honest difference and 2x below that
+    failure. Both drop 1.29-1.37 nats from ln(512). ``debug`` rather than ``tiny``: bf16
+    matmuls are ~300x slower than fp32 on CPUs without AVX-512 bf16 (``tiny`` took 340 s
+    here, ``debug`` ~12 s); the policy under test (autocast, fp32 masters, fp32 norms and
+    loss) is the same code at any width. One thread: no OpenMP collapse on shared cores."""
     def final_val(name, *extra):
-        cfg = load_config(None, ["--data.path", str(small_data), "--model.flavor", "tiny", "--training.steps", "200",
+        cfg = load_config(None, ["--data.path", str(small_data), "--model.flavor", "debug", "--training.steps", "200",
                                  "--training.batch_size", "4", "--training.seq_len", "32",
                                  "--training.val_interval", "0",
                                  "--training.val_batches", "16", "--training.log_interval", "50",
@@ -45,7 +50,7 @@ def test_bf16_mixed_ends_within_one_percent_of_fp32(tmp_path, small_data):
     first32, fp32 = final_val("fp32")
     first16, bf16 = final_val("bf16", *BF16)
     assert fp32 < first32 - 1.0 and bf16 < first16 - 1.0  # both actually trained
-    assert abs(bf16 - fp32) <= 0.01 * fp32, (bf16, fp32)
+    assert abs(bf16 - fp32) <= 0.0025 * fp32, (bf16, fp32)
 
 
 def test_bf16_mixed_under_fsdp2_matches_the_single_process_run(tmp_path, small_data):
