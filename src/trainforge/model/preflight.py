@@ -103,6 +103,13 @@ def check_shape(values: dict[str, object], keys: dict[str, str] = MODEL_KEYS, pr
                     f"{MAX_POSITIONS}")
 
 
+def check_mtp_depth(depth: object, key: str = "model.mtp_depth", error: type[TrainforgeError] = ConfigError) -> None:
+    """Raise ``error`` naming ``key`` unless ``depth`` (MTP modules) is an integer >= 0."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise error(f"config key '{key}' = {depth!r}: must be an integer >= 0 (the number of multi-token "
+                    "prediction modules; DeepSeek-V3 uses 1, 0 turns MTP off)")
+
+
 def check_moe(values: dict[str, object], n_layers: int, prefix: str = "model.",
               error: type[TrainforgeError] = ConfigError) -> None:
     """Raise ``error`` naming the ``[model]`` key unless the MoE fields (``MOE_KEYS`` ->

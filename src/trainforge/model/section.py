@@ -37,6 +37,9 @@ class ModelSection:
     aux_loss_alpha: float | None = _f(None, "batch-wise auxiliary balance loss coefficient (0 = off)")
     seq_aux_loss_alpha: float | None = _f(None, "sequence-wise balance loss coefficient (DeepSeek-V3; "
                                                 "e.g. 1e-4 beside the bias; 0 = off)")
+    # Multi-token prediction (model/mtp.py).
+    mtp_depth: int | None = _f(None, "multi-token prediction modules after the main model (DeepSeek-V3: 1), each "
+                                     "predicting one token further; 0 = none. Loss weight: training.mtp_loss_weight")
 
     def validate(self) -> None:
         from trainforge.model.config import FLAVORS
@@ -45,3 +48,4 @@ class ModelSection:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"model.{name}", v, "a positive integer")
+        _require(self.mtp_depth is None or self.mtp_depth >= 0, "model.mtp_depth", self.mtp_depth, "an integer >= 0")
