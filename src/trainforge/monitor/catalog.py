@@ -271,14 +271,14 @@ CATALOG: tuple[MetricSpec, ...] = (
        "spread of that prediction (bootstrap)", when="early_stop.mode = predict"),
     # -- model: multi-token prediction (train/mtp_loss.py) ------------------------------------------
     _s("mtp_loss", "mtp_loss", "gauge", "nats", "model",
-       "multi-token prediction cross-entropy, mean over depths, the window's steps and data-parallel ranks (the "
+       "multi-token prediction cross-entropy of the step, mean over depths and data-parallel ranks (the "
        "record's loss is main + mtp_loss_weight x this)", when=MTP),
     _s(r"mtp_loss_(?P<depth>[0-9]+)", "mtp_depth_loss", "gauge", "nats", "model",
-       "cross-entropy of MTP depth k (predicting the token k + 1 places beyond the next), mean over the window's "
-       "steps and data-parallel ranks", pattern=True, labels=("depth",), when=MTP),
+       "cross-entropy of MTP depth k (predicting the token k + 1 places beyond the next) of the step, mean over "
+       "data-parallel ranks", pattern=True, labels=("depth",), when=MTP),
     _s("mtp_loss_weight", "mtp_loss_weight", "gauge", "1", "model",
-       "lambda weighting the mean MTP loss at the window's last step (training.mtp_loss_weight, "
-       "then training.mtp_loss_weight_final)", when=MTP),
+       "lambda weighting the step's mean MTP loss (training.mtp_loss_weight, then "
+       "training.mtp_loss_weight_final)", when=MTP),
     _s("val_mtp_loss", "validation_mtp_loss", "gauge", "nats", "model",
        "MTP cross-entropy over the fixed validation set, mean over depths (val_loss stays the main model's)",
        when=MTP),

@@ -13,9 +13,9 @@ cross-entropies, through the chunked head when ``training.loss_chunk_tokens`` is
 no depth's whole logits exist either). Validation returns the MAIN loss alone, so
 ``val_loss`` compares with runs without MTP; the depths' losses over the validation set
 are ``val_mtp_loss`` (+ ``val_mtp_loss_{k}``). Training records get ``mtp_loss`` (mean
-over depths) and ``mtp_loss_{k}``, means over the logging window's steps and the
-data-parallel ranks, and ``mtp_loss_weight`` (lambda at the window's last step). The
-record's ``loss`` stays what was optimised (main + lambda x mtp_loss).
+over depths) and ``mtp_loss_{k}`` of each step, means over the data-parallel ranks like
+``loss``, and ``mtp_loss_weight`` (lambda of the step).
+The record's ``loss`` stays what was optimised (main + lambda x mtp_loss).
 
 Layouts: the MTP modules are ordinary parameters of the model, so DDP and FSDP2 need
 nothing more (FSDP2 gathers them with the root unit). Pipeline and tensor parallelism are
@@ -84,7 +84,9 @@ class MTPLoss(Component):
         self.chunk_tokens = tcfg.loss_chunk_tokens
         self.micro_batches = tcfg.grad_accum_steps
         self.current_weight = self.weight
-        self._train_sum: torch.Tensor | None = None  # (D,) sum over the window's steps of each step's mean
+        # Per step of the logging window: lambda and the (D,) losses (mean over micro-batches, on the device).
+        self._weights: list[float] = []
+        self._step_losses: list[torch.Tensor | None] = []
         self._eval_sum: torch.Tensor | None = None  # (D,) sum over validation batches
         self._eval_batches = 0
 
@@ -114,23 +116,34 @@ class MTPLoss(Component):
             self._eval_sum = d if self._eval_sum is None else self._eval_sum + d
             self._eval_batches += 1
             return main
+        if not self._step_losses:  # train_step without the loop's on_step_start (a direct call)
+            self.on_step_start(None)
         d = per_depth.detach() / self.micro_batches  # the step's mean over micro-batches
-        self._train_sum = d if self._train_sum is None else self._train_sum + d
+        last = self._step_losses[-1]
+        self._step_losses[-1] = d if last is None else last + d
         return main + self.current_weight * per_depth.mean()
 
     # -- events -------------------------------------------------------------------------
 
     def on_step_start(self, loop: Any) -> None:
-        self.current_weight = mtp_weight_at(loop.step + 1, self.weight, self.final, self.switch_step)
+        step = loop.step + 1 if loop is not None else len(self._weights) + 1
+        self.current_weight = mtp_weight_at(step, self.weight, self.final, self.switch_step)
+        self._weights.append(self.current_weight)
+        self._step_losses.append(None)
 
-    def on_log(self, loop: Any, window: Window) -> dict[str, Any]:
-        if self._train_sum is None:
-            return {}
-        per_depth = loop.layout.mean_over_dp(self._train_sum / len(window.steps)).tolist()
-        self._train_sum = None
-        out: dict[str, Any] = {"mtp_loss": sum(per_depth) / len(per_depth), "mtp_loss_weight": self.current_weight}
-        out.update({f"mtp_loss_{k}": v for k, v in enumerate(per_depth, 1)})
-        return out
+    def on_log(self, loop: Any, window: Window) -> None:
+        """Per step of the window: ``mtp_loss``, ``mtp_loss_{k}`` (mean over data-parallel
+        ranks) and ``mtp_loss_weight``; one all-reduce for the window."""
+        n = len(window.steps)
+        steps, weights = self._step_losses[-n:], self._weights[-n:]
+        self._step_losses, self._weights = [], []
+        if len(steps) < n or any(s is None for s in steps):
+            return  # steps taken without this loss (cannot happen in the loop): nothing to report
+        per_depth = loop.layout.mean_over_dp(torch.stack(steps)).tolist()  # (S, D)
+        window.per_step["mtp_loss"] = [sum(row) / len(row) for row in per_depth]
+        window.per_step["mtp_loss_weight"] = weights
+        for k in range(self.depth):
+            window.per_step[f"mtp_loss_{k + 1}"] = [row[k] for row in per_depth]
 
     def on_evaluation(self, loop: Any, step: int, val_loss: float) -> dict[str, Any]:
         if self._eval_sum is None:

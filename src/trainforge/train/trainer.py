@@ -374,9 +374,10 @@ class Trainer:
         window.stats.update(self.train_batches.window_stats())  # this rank's data pipeline: I/O wait, cache tiers
         window.stats.update(self.layout.window_stats())
         self.components.on_log(self, window)
-        for (step, step_lr, _, _), loss_v, norm_v in zip(pending, losses, norms):
+        for i, ((step, step_lr, _, _), loss_v, norm_v) in enumerate(zip(pending, losses, norms)):
             record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
-                      "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **window.stats}
+                      "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **window.stats,
+                      **{k: v[i] for k, v in window.per_step.items()}}
             self.metrics.write(record)
         reporter.step(self.step, record)
         self.components.after_log(self, window)
