@@ -203,7 +203,8 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Multi-token prediction modules (mtp.py), keyed "0".."D-1" for depths 1..D; empty
         # (no parameters, nothing in state dicts) when cfg.mtp_depth = 0.
-        self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, cfg.n_layers + k) for k in range(cfg.mtp_depth)})
+        self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, TransformerBlock(cfg, cfg.n_layers + k), RMSNorm)
+                                  for k in range(cfg.mtp_depth)})
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)

@@ -22,7 +22,7 @@ calls one token at a time with an attention cache.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -34,17 +34,17 @@ if TYPE_CHECKING:
 
 
 class MTPModule(nn.Module):
-    """One MTP depth. ``layer``: its block's layer index (``n_layers + depth - 1``)."""
+    """One MTP depth around ``block`` (a ``TransformerBlock`` with layer index
+    ``n_layers + depth - 1``); ``norm``: the RMSNorm class (``llama.py`` builds both and
+    passes them in, so this file does not import it back)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
-        from trainforge.model.llama import RMSNorm, TransformerBlock
-
+    def __init__(self, cfg: ModelConfig, block: nn.Module, norm: Callable[[int, float], nn.Module]):
         super().__init__()
-        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.enorm = norm(cfg.dim, cfg.norm_eps)
+        self.hnorm = norm(cfg.dim, cfg.norm_eps)
         self.proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = TransformerBlock(cfg, layer)
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)  # before the shared output projection
+        self.block = block
+        self.norm = norm(cfg.dim, cfg.norm_eps)  # before the shared output projection
 
     def forward(self, h: torch.Tensor, emb: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None) -> torch.Tensor:
