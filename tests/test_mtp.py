@@ -88,6 +88,27 @@ def test_mtp_loss_equals_the_hand_computation(flavor, chunk):
     assert torch.equal(logits, model(x)) and [t.shape[1] for t in depth_logits] == [16, 15]
 
 
+def test_mtp_step_drafts_what_the_training_forward_predicts():
+    """The drafting API (``return_hidden``, ``mtp_step``) on aligned inputs gives the
+    training forward's per-depth logits, without and with an attention cache."""
+    from trainforge.model.attention_cache import StaticCache
+
+    model = build_model(mtp_config("debug"), seed=0).eval()
+    x = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        logits, (want1, want2) = model(x, mtp=True)
+        main, h0 = model(x, return_hidden=True)
+        assert torch.equal(main, logits) and h0.shape == (2, 12, model.cfg.dim)
+        got1, h1 = model.mtp_step(1, h0[:, :11], x[:, 1:])
+        got2, _ = model.mtp_step(2, h1[:, :10], x[:, 2:])
+        torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
+        cache = StaticCache(model.cfg.n_layers + 2, 2, model.cfg.n_kv_heads, 32, model.cfg.head_dim)
+        _, h0c = model(x, cache.advance(12), cache, return_hidden=True)
+        got1c, _ = model.mtp_step(1, h0c[:, :11], x[:, 1:], torch.arange(11), cache)
+        torch.testing.assert_close(got1c, want1, rtol=1e-5, atol=1e-5)
+
+
 def test_gradients_reach_the_mtp_modules_and_the_shared_embedding_and_head():
     model = build_model(mtp_config("debug"), seed=0)
     full = torch.randint(0, model.cfg.vocab_size, (2, 12))
