@@ -3,7 +3,7 @@ computation from the model's own modules, gradients reach the MTP modules and th
 embedding, lambda follows its schedule, a CLI run records the per-depth losses with
 val_loss the main model's, resume is exact, a checkpoint keeps the MTP weights and
 generates like its main model, bad settings are refused naming the key, and data
-parallelism (DDP, FSDP2) matches one process."""
+parallelism (DDP, FSDP2 with expert parallelism) matches one process."""
 
 from __future__ import annotations
 
@@ -237,10 +237,12 @@ def mtp_reference(tmp_path_factory, small_data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"],
-                                    ["--parallel.dp_shard", "-1"]], ids=["ddp2", "fsdp2"])
+                                    ["--parallel.dp_shard", "-1", "--parallel.ep", "2"]],
+                         ids=["ddp2", "fsdp2-ep2"])  # plain FSDP2 also passes (CI time: not repeated)
 def test_data_parallel_mtp_matches_single_process(tmp_path, small_data, mtp_reference, layout):
     """A MoE model with 2 MTP depths on 2 processes (gloo) against 1 at the same global
-    batch: losses within 1e-4 over 6 steps, the MTP losses too, every weight within 1e-5."""
+    batch: losses within 1e-4 over 6 steps, the MTP losses too, every weight within 1e-5
+    (with expert parallelism the MTP block's experts are split like the others)."""
     from tests.parallel.test_data_parallel import GLOBAL_BATCH, assert_same_training, run, train_cmd
 
     got = tmp_path / "dp2"
