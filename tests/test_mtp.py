@@ -192,6 +192,25 @@ def test_resume_with_mtp_is_exact(mtp_run, small_data, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_activation_checkpointing_with_mtp_matches_plain_training(mtp_run, small_data, tmp_path):
+    t = Trainer(debug_config(small_data, *RUN, "--parallel.activation_checkpointing", "full"), tmp_path / "ac",
+                progress=False)
+    try:
+        assert type(t.raw_model.mtp["1"].block).__name__ == "CheckpointWrapper"
+        t.fit()
+    finally:
+        t.close()
+    pick = lambda d: {r["step"]: (r["loss"], r["mtp_loss_2"]) for r in read_jsonl(d / "metrics.jsonl")  # noqa
+                      if "loss" in r}
+    a, b = pick(mtp_run), pick(tmp_path / "ac")
+    assert a.keys() == b.keys() and all(math.isclose(x, y, rel_tol=1e-6) for s in a for x, y in zip(a[s], b[s]))
+    wa = ckpt.load_full_weights(mtp_run / "checkpoints" / "step_0000010", tie_embeddings=False)
+    wb = ckpt.load_full_weights(tmp_path / "ac" / "checkpoints" / "step_0000010", tie_embeddings=False)
+    assert wa.keys() == wb.keys()  # same FQNs with and without the wrapper
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=0)
+
+
 def test_mtp_checkpoint_generates_exactly_as_its_main_model(mtp_run):
     loaded = load_model(mtp_run).model
     assert loaded.cfg.mtp_depth == 2 and "mtp.1.proj.weight" in loaded.state_dict()
