@@ -119,9 +119,7 @@ def _train(argv: list[str]) -> int:
     if summary.get("early_stopped"):
         print(f"stopped early at step {summary['step']}: {summary['stop_reason']}")
     sample = code == exit_codes.COMPLETED and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1
-    if sample and trainer.inference_model.cfg.is_mla:
-        print("sample: skipped (the inference engine does not serve latent-attention models yet)")
-    elif sample:
+    if sample:
         from trainforge.infer.generate import SamplingParams, generate_text
 
         opts = SamplingParams(max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
@@ -238,9 +236,6 @@ def _load_for_engine(a, kv_slots=None):
 
     # kv_slots(cfg): the engine's KV pool in token slots, for the preflight before any weight is read.
     loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots)
-    from trainforge.infer.engine import check_servable
-
-    check_servable(loaded.model.cfg)  # before the inference swaps, which assume standard attention
     if a.quantize != "none":
         if loaded.quantization:
             raise TrainforgeError(f"--quantize {a.quantize}: {a.checkpoint} is already quantised "

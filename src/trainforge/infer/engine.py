@@ -42,7 +42,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from trainforge.errors import TrainforgeError
 from trainforge.infer.kv_pool import KVPool
 from trainforge.infer.prepare import describe_model
 from trainforge.infer.request import Request
@@ -117,20 +116,9 @@ class _HostBuffer:
         self.np = self._hosts[self._i].numpy()
 
 
-def check_servable(cfg) -> None:
-    """Raise ``TrainforgeError`` for a model the engine cannot serve yet: latent attention
-    (MLA) needs the absorbed decode over a latent paged pool, which is not written; a
-    ``StaticCache`` (``model/attention_cache.py``) runs such a model's forward meanwhile."""
-    if cfg.is_mla:
-        raise TrainforgeError("multi-head latent attention (MLA, model.kv_lora_rank > 0) models are not served by "
-                              "the inference engine yet (its paged KV pool holds standard attention's keys and "
-                              "values); `trainforge generate` / `serve` cannot run this checkpoint")
-
-
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
                  eos_ids: tuple[int, ...] | list[int] = (), drafter: Drafter | None = None):
-        check_servable(model.cfg)
         config = config or EngineConfig()
         config.validate()
         if drafter is not None and config.compile:
@@ -150,7 +138,7 @@ class Engine:
             raise ValueError(f"max_context={self.max_context} exceeds the model's max_seq_len={cfg.max_seq_len}")
         bs, R = config.block_size, config.max_batch_size
         n_blocks = config.n_blocks or R * -(-(self.max_context + self.lookahead) // bs) + 1
-        self.pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, bs, emb.dtype, self.device)
+        self.pool = KVPool.for_model(cfg, n_blocks, bs, emb.dtype, self.device)
         self.runner = ModelRunner(model, self.pool, R, self.max_context, lookahead=self.lookahead)
         self.sampler = BatchSampler(R, cfg.vocab_size, self.device)
         self.sync_interval = config.sync_interval_steps or (1 if self.device.type == "cpu" else 8)

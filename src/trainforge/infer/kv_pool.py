@@ -12,6 +12,10 @@ sequences with one ``index_select`` gives (H_kv, B * S, D), which views as the b
 (H_kv * B) key matrices that ``bmm`` wants, without a permute copy (see
 ``model/attention_cache.py``, whose ``PagedCache`` the runner builds over ``k`` / ``v``).
 
+A latent-attention (MLA) model's pool has one "head" of width kv_lora_rank + qk_rope_head_dim
+per token and layer (its latent and rotary key) and no value tensor (``v`` is None):
+``KVPool.for_model`` takes the shape from ``model.attention_cache.cache_layout``.
+
 Block 0 is never handed out: it is the padding block. Gather indices past a sequence's
 length point into it, and their scores are masked, so padding reads harmless zeros.
 
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trainforge.model.attention_cache import cache_layout
+
 
 class PoolExhausted(RuntimeError):
     """Not enough free blocks for a sequence's reservation."""
@@ -42,13 +48,14 @@ class _Seq:
 
 
 class KVPool:
-    """Fixed pool of KV blocks. ``k`` / ``v``: (n_layers, H_kv, n_blocks * block_size, D).
+    """Fixed pool of KV blocks. ``k`` / ``v``: (n_layers, H_kv, n_blocks * block_size, D);
+    ``v_width`` sizes the values apart (None: ``head_dim``; 0: no values, ``v`` is None).
 
     Host-side bookkeeping only (Python lists); the runner reads slots through index
     tensors the engine builds from ``table(seq_id)``."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_blocks: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", v_width: int | None = None):
         if n_blocks < 2:
             raise ValueError(f"n_blocks={n_blocks}: the pool needs at least 2 blocks (block 0 is padding)")
         if block_size < 1:
@@ -57,17 +64,31 @@ class KVPool:
         shape = (n_layers, n_kv_heads, n_blocks * block_size, head_dim)
         # Zeros, not empty: the padding block is read (and masked); 0 * NaN would poison a row.
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        v_width = head_dim if v_width is None else v_width
+        self.v = torch.zeros(*shape[:3], v_width, dtype=dtype, device=device) if v_width else None
         self._free = list(range(n_blocks - 1, 0, -1))  # a stack; block 0 is reserved for padding
         self._seqs: dict[int, _Seq] = {}
         self._outstanding = 0  # reserved but not yet taken, over all sequences
         self.peak_blocks_used = 0
 
+    @classmethod
+    def for_model(cls, cfg, n_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu") -> KVPool:
+        """A pool shaped for ``cfg`` (``cache_layout``: GQA keys and values, or MLA's latent)."""
+        layout = cache_layout(cfg)
+        return cls(cfg.n_layers, layout.heads, layout.k_width, n_blocks, block_size, dtype, device,
+                   v_width=layout.v_width)
+
     # -- capacity ---------------------------------------------------------------------------
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + (self.v.nbytes if self.v is not None else 0)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Pool bytes one token slot takes, over all layers."""
+        return self.nbytes // (self.n_blocks * self.block_size)
 
     @property
     def usable_blocks(self) -> int:

@@ -10,8 +10,9 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   buffers the engine fills: ``tokens``, ``positions`` and the cache's ``slots``, ``gather``,
   ``bias`` (each row's first S slots and its mask). The step is the model's
   allocation-free decode path (``model/fast_decode.py``: each module's ``decode_calls``,
-  no allocation in float32), or, for a model whose modules have none, its plain forward on
-  (B, 1) tokens with the same cache.
+  no allocation in float32), or, for a model whose modules have none (latent attention's
+  absorbed form, ``model/mla.py``, has none), its plain forward on (B, 1) tokens with the
+  same cache.
 - ``verify(tokens, positions, S)``: speculative decoding's verification, T tokens for each of
   B rows in one plain forward (``PagedCache.set_verify``); the runner's ``slots`` then hold
   B * T slots. Built with ``lookahead = k`` so a row's context has room for its k drafts.
@@ -123,7 +124,8 @@ class ModelRunner:
         self.compile_s = time.perf_counter() - t0
         bs = self.pool.block_size
         self.pool.k[:, :, :bs].zero_()
-        self.pool.v[:, :, :bs].zero_()
+        if self.pool.v is not None:
+            self.pool.v[:, :, :bs].zero_()
         return self.compile_s
 
 

@@ -135,7 +135,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"--speculative draft: the draft model's max_seq_len {cfg.max_seq_len} is shorter than "
                              f"the engine's max_context {max_context}; lower --max_context")
         w = self.model.tok_embeddings.weight
-        own = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, pool.n_blocks, pool.block_size, w.dtype, w.device)
+        own = KVPool.for_model(cfg, pool.n_blocks, pool.block_size, w.dtype, w.device)
         self.runner = ModelRunner(self.model, own, max_rows, max_context, lookahead=k)
         self._max_pos = cfg.max_seq_len - 1
 

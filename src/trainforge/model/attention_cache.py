@@ -22,12 +22,20 @@ where keys and values live and which of them a query sees.
 
 ``PagedCache.decode_calls`` is the allocation-free form of its ``attend`` for one token per
 row (see ``fast_decode.py``), with a parity test against ``attend``.
+
+Latent attention (MLA, ``mla.py``) over a paged pool: ``cache_layout(cfg)`` says what a
+config stores per token and layer. For MLA that is one "head" of width kv_lora_rank +
+qk_rope_head_dim (the normalised latent c_kv, then the rotated shared rotary key k_pe) and no
+values; a ``PagedCache`` built without ``v`` is such a latent cache (``latent`` is True) and
+the module calls ``attend_latent`` instead of ``attend``: the per-head up-projections are
+folded into the query and the output by the module (the absorbed form), so the cache attends
+in latent space. ``StaticCache`` and training keep the naive form (per-head k / v).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +44,51 @@ if TYPE_CHECKING:
     from trainforge.model.fast_decode import DecodeWorkspace
 
 
+class CacheLayout(NamedTuple):
+    """Per token and layer, what a paged pool stores: ``heads`` x ``k_width`` key values and
+    ``heads`` x ``v_width`` value values (``v_width`` 0: no value tensor, MLA's latent)."""
+
+    heads: int
+    k_width: int
+    v_width: int
+
+    @property
+    def values_per_token_layer(self) -> int:
+        return self.heads * (self.k_width + self.v_width)
+
+
+def cache_layout(cfg) -> CacheLayout:
+    """The paged pool's per-token shape for ``cfg``: standard attention (GQA) keeps
+    ``n_kv_heads`` keys and values of ``head_dim``; latent attention (``cfg.is_mla``) one
+    latent of ``kv_lora_rank + qk_rope_head_dim`` (c_kv, then k_pe) and no values."""
+    if cfg.is_mla:
+        return CacheLayout(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0)
+    return CacheLayout(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
+
+
+def kv_bytes_per_token(cfg, element_size: int) -> int:
+    """Paged-pool bytes one token takes over all layers."""
+    return cfg.n_layers * cache_layout(cfg).values_per_token_layer * element_size
+
+
+def latent_attention(q: torch.Tensor, k: torch.Tensor, r: int, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale * q k^T + mask) @ k[..., :r] for one key head shared by every query head:
+    q (B, H, T, D), k (B, S, D), mask additive, broadcastable to (B, H, T, S) -> (B, H, T, r).
+    Heads fold into the query rows, so it is two ``bmm`` over the stored keys as they are (SDPA
+    with ``enable_gqa`` repeats k and v per head on CPU: 2.5x slower decode at 1k context)."""
+    B, H, T, D = q.shape
+    S = k.shape[1]
+    scores = torch.bmm((q * scale).reshape(B, H * T, D), k.transpose(1, 2)).view(B, H, T, S) + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs.view(B, H * T, S), k[..., :r]).view(B, H, T, r)
+
+
 class AttentionCache:
     """What ``Transformer.forward`` needs of a cache: a per-layer view whose ``attend``
     takes rotated q (B, H, T, D), k and v (B, H_kv, T, D) and returns (B, H, T, D)."""
 
     n_layers: int
+    latent = False  # True: stores MLA's latent; the module calls ``attend_latent``
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
@@ -53,6 +101,10 @@ class AttentionCache:
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def attend_latent(self, index: int, q_latent: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, scale: float) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} stores per-head keys and values, not latents")
 
     def decode_calls(self, index: int, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor) -> list[Callable[[], None]]:
@@ -68,6 +120,19 @@ class LayerCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """``scale``: the softmax scale (None: SDPA's 1/sqrt(q's last dim); MLA passes its own)."""
         return self.cache.attend(self.index, q, k, v, scale)
+
+    @property
+    def latent(self) -> bool:
+        """Whether this cache stores MLA's latent (call ``attend_latent``, not ``attend``)."""
+        return self.cache.latent
+
+    def attend_latent(self, q_latent: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+        """Absorbed latent attention: stores c_kv (B, T, r) and the rotated k_pe (B, T, rope)
+        of the step's tokens and returns softmax(scale * (q_latent . c_kv + q_pe . k_pe)) @ c_kv,
+        (B, H, T, r), over each row's context; q_latent (B, H, T, r) is the query already
+        multiplied by each head's key up-projection, q_pe (B, H, T, rope) rotated."""
+        return self.cache.attend_latent(self.index, q_latent, q_pe, c_kv, k_pe, scale)
 
     def decode_calls(self, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor) -> list[Callable[[], None]]:
@@ -124,12 +189,14 @@ class StaticCache(AttentionCache):
 class PagedCache(AttentionCache):
     """Keys/values in a paged pool, k / v (n_layers, H_kv, n_slots, D), for up to
     ``max_rows`` sequences of up to ``context_slots`` slots each (see the module docstring
-    for the metadata the owner fills)."""
+    for the metadata the owner fills). ``v`` None: a latent cache, k (n_layers, 1, n_slots,
+    kv_lora_rank + rope) holding [c_kv, k_pe] per token (``attend_latent``)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, max_rows: int, context_slots: int,
+    def __init__(self, k: torch.Tensor, v: torch.Tensor | None, max_rows: int, context_slots: int,
                  max_tokens_per_row: int = 1):
         super().__init__(k.shape[0])
         self.k, self.v = k, v
+        self.latent = v is None
         self.max_rows, self.context_slots = max_rows, context_slots
         dev = dict(device=k.device)
         R, C = max_rows, context_slots
@@ -162,6 +229,8 @@ class PagedCache(AttentionCache):
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
+        if self.latent:
+            raise RuntimeError("attend on a latent cache: latent attention calls attend_latent")
         kp, vp = self.k[index], self.v[index]  # (H_kv, slots, D)
         gqa = q.shape[1] != k.shape[1]
         if self._prefill_slots is not None:  # the prompt attends to itself only
@@ -171,7 +240,7 @@ class PagedCache(AttentionCache):
         B, S = self._shape
         Hkv, D = k.shape[1], k.shape[3]
         if self._verify_tokens:
-            return self._attend_verify(kp, vp, q, k, v, B, S, gqa)
+            return self._attend_verify(kp, vp, q, k, v, B, S, gqa, scale)
         kp.index_copy_(1, self.slots[:B], k[:, :, 0].transpose(0, 1))  # (H_kv, B, D)
         vp.index_copy_(1, self.slots[:B], v[:, :, 0].transpose(0, 1))
         gather = self.gather[:B * S]
@@ -181,7 +250,7 @@ class PagedCache(AttentionCache):
         return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
     def _attend_verify(self, kp: torch.Tensor, vp: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       B: int, S: int, gqa: bool) -> torch.Tensor:
+                       B: int, S: int, gqa: bool, scale: float | None) -> torch.Tensor:
         T = self._verify_tokens
         Hkv, D = k.shape[1], k.shape[3]
         slots = self.slots[:B * T]
@@ -190,14 +259,43 @@ class PagedCache(AttentionCache):
         gather = self.gather[:B * S]
         kg = kp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)  # (B, H_kv, S, D)
         vg = vp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)
+        return F.scaled_dot_product_attention(q, kg, vg, attn_mask=self._verify_mask(B, S), enable_gqa=gqa,
+                                              scale=scale)
+
+    def _verify_mask(self, B: int, S: int) -> torch.Tensor:
+        """(B, 1, T, S) additive mask of a verification forward's T new tokens per row."""
+        T = self._verify_tokens
         bias = self.bias[:B * S].view(B, 1, S)
         # The new tokens are each row's last T valid slots: new token j (of T) sees slots up to
         # valid - T + j, so the causal limit comes from the row's mask, no extra metadata.
         valid = (bias == 0).sum(-1, keepdim=True)  # (B, 1, 1)
         limit = valid - T + torch.arange(T, device=bias.device).view(1, T, 1)  # (B, T, 1)
         seen = torch.arange(S, device=bias.device).view(1, 1, S) <= limit  # (B, T, S)
-        mask = bias.masked_fill(~seen, float("-inf")).unsqueeze(1)  # (B, 1, T, S)
-        return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa)
+        return bias.masked_fill(~seen, float("-inf")).unsqueeze(1)
+
+    def attend_latent(self, index: int, q_latent: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
+                      k_pe: torch.Tensor, scale: float) -> torch.Tensor:
+        """See ``LayerCache.attend_latent``: the key is the stored [c_kv, k_pe], the value its
+        c_kv part (a view), one key head for all query heads (``latent_attention``)."""
+        if not self.latent:
+            raise RuntimeError("attend_latent on a cache of per-head keys and values (build it without v)")
+        pool = self.k[index, 0]  # (slots, r + rope)
+        T = c_kv.shape[1]
+        new = torch.cat((c_kv, k_pe), dim=-1)  # (B, T, r + rope)
+        q = torch.cat((q_latent, q_pe), dim=-1)  # (B, H, T, r + rope)
+        if self._prefill_slots is not None:  # the prompt attends to itself only
+            pool.index_copy_(0, self._prefill_slots, new[0])
+            causal = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+            return latent_attention(q, new, c_kv.shape[-1], causal, scale)
+        rows, S = self._shape
+        if self._verify_tokens:
+            pool.index_copy_(0, self.slots[:rows * T], new.reshape(rows * T, -1))  # row-major, as the slots
+            mask = self._verify_mask(rows, S)
+        else:
+            pool.index_copy_(0, self.slots[:rows], new[:, 0])
+            mask = self.bias[:rows * S].view(rows, 1, 1, S)
+        k = pool.index_select(0, self.gather[:rows * S]).view(rows, S, -1)  # (B, S, r + rope)
+        return latent_attention(q, k, c_kv.shape[-1], mask, scale)
 
     def decode_calls(self, index: int, ws: DecodeWorkspace, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor) -> list[Callable[[], None]]:

@@ -16,8 +16,17 @@ dims (x_0, x_1), (x_2, x_3), ... (HF ``rope_interleave=True``); the conversion i
 (even dims first, then odd), after which both layouts compute the same attention.
 
 This forward (naive form: per-head keys/values are materialised) is the definition of the
-math; training runs causal SDPA, inference passes a ``LayerCache`` (``attention_cache.py``)
-that stores the per-head k (nope+rope wide) and v (v_head_dim wide).
+math; training runs causal SDPA, and a ``StaticCache`` (``attention_cache.py``) stores the
+per-head k (nope+rope wide) and v (v_head_dim wide).
+
+Absorbed form (DeepSeek's reference ``attn_impl="absorb"``), taken when the cache is latent
+(the engine's paged pool, ``cache.latent``): the pool keeps only c_kv = kv_norm(latent) and
+the rotated k_pe per token. Since k_nope = c_kv W_uk and v = c_kv W_uv per head (W_uk, W_uv:
+the key and value rows of ``wkv_b``), q_nope . k_nope = (q_nope W_uk) . c_kv and probs @ v =
+(probs @ c_kv) W_uv: the query is multiplied by W_uk (nope -> kv_lora_rank), the cache attends
+in latent space (``attend_latent``), and each head's latent output is multiplied by W_uv
+before ``wo``. Both matrices are views of ``wkv_b.weight`` (read as a matrix, so
+quantisation leaves ``wkv_b`` float: ``infer/quantize``).
 """
 
 from __future__ import annotations
@@ -69,6 +78,8 @@ class MLA(nn.Module):
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope], dim=-1)  # (B, T, r), (B, T, rope)
         q_rope = apply_rope(q_rope, cos, sin)
         k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)  # (B, 1, T, rope): one key for all heads
+        if cache is not None and cache.latent:
+            return self._absorbed(q_nope, q_rope, self.kv_norm(latent), k_rope[:, 0], cache)
         kv = self.wkv_b(self.kv_norm(latent)).view(B, T, -1, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # (B, H, T, nope), (B, H, T, v)
         H = q.shape[1]
@@ -83,3 +94,23 @@ class MLA(nn.Module):
         else:
             out = cache.attend(q, k, v, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))  # (B, H, T, v) -> (B, T, dim)
+
+    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_uk (H, nope, r) and W_uv (H, v, r): views of ``wkv_b.weight``, no copy."""
+        w = self.wkv_b.weight
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise TypeError(f"MLA's absorbed decode reads wkv_b.weight as a matrix; {type(self.wkv_b).__name__} "
+                            "has none (leave wkv_b a float linear)")
+        w = w.view(-1, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+                  cache: LayerCache) -> torch.Tensor:
+        """The absorbed form over a latent cache: q_nope (B, H, T, nope), q_rope (B, H, T, rope)
+        rotated, c_kv (B, T, r) normalised, k_rope (B, T, rope) rotated -> (B, T, dim)."""
+        B, _, T, _ = q_nope.shape
+        w_uk, w_uv = self._up_projections()
+        q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)
+        out = cache.attend_latent(q_latent, q_rope, c_kv, k_rope, self.softmax_scale)  # (B, H, T, r)
+        out = torch.einsum("bhtr,hvr->bhtv", out, w_uv)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))

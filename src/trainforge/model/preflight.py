@@ -27,7 +27,8 @@ it lands within about 25% of the real peak:
   ``(1 + mtp_depth)`` x the batch's tokens: each MTP depth has its own logits; MTP blocks
   count as layers);
 * inference: weights at the load dtype (int8 / int4 linears when quantised), rotary tables,
-  and the KV pool ``2 * n_layers * n_kv_heads * head_dim * slots`` elements.
+  and the KV pool ``2 * n_layers * n_kv_heads * head_dim * slots`` elements (latent attention:
+  ``n_layers * (kv_lora_rank + qk_rope_head_dim) * slots``, ``attention_cache.cache_layout``).
 
 Available memory: ``torch.cuda.mem_get_info`` on CUDA; on CPU ``MemAvailable`` of
 /proc/meminfo (``os.sysconf`` elsewhere), lowered to a cgroup v2 memory limit when one is
@@ -247,6 +248,8 @@ def inference_estimate(cfg: "ModelConfig", param_bytes: float, kv_slots: int, kv
     ``quantized_bytes`` per linear and routed-expert weight of a quantised checkpoint), rotary
     tables and a KV pool of ``kv_slots`` token slots at ``kv_bytes`` per element. MoE routers
     are counted in fp32 (inference keeps them so, unquantised)."""
+    from trainforge.model.attention_cache import kv_bytes_per_token
+
     n = cfg.num_params()
     emb = cfg.vocab_size * cfg.dim
     router = cfg.n_moe_layers * cfg.dim * cfg.n_routed_experts
@@ -257,7 +260,7 @@ def inference_estimate(cfg: "ModelConfig", param_bytes: float, kv_slots: int, kv
     return MemoryEstimate({
         "rotary tables": rotary_bytes(cfg.rope_head_dim, cfg.max_seq_len),
         "weights": int(weights),
-        "KV pool": 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * kv_slots * kv_bytes,
+        "KV pool": kv_bytes_per_token(cfg, kv_bytes) * kv_slots,
     })
 
 

@@ -34,6 +34,7 @@ from trainforge.infer.quantize.int4 import Int4Linear, quantize_int4
 from trainforge.infer.quantize.int4_experts import Int4Experts
 from trainforge.infer.quantize.int8 import Int8Linear, quantize_int8
 from trainforge.infer.quantize.int8_experts import Int8Experts
+from trainforge.model.mla import MLA
 from trainforge.model.moe import GroupedExperts, routers
 from trainforge.storage.atomic import atomic_directory
 from trainforge.storage.checkpoint_format import MODEL_FILE, TOKENIZER_FILE, write_meta
@@ -47,8 +48,13 @@ __all__ = ["MODES", "Int4Experts", "Int4Linear", "Int8Experts", "Int8Linear", "Q
 
 
 def linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of the model's ``nn.Linear`` modules, MoE routers' gates left out."""
+    """Qualified names of the model's ``nn.Linear`` modules, MoE routers' gates and latent
+    attention's ``wkv_b`` left out: the absorbed decode (``model/mla.py``) reads ``wkv_b`` as
+    two per-head matrices folded into the query and the output, never applies it as a linear
+    to a token, so a quantised kernel has nothing to run and a float copy would be needed
+    anyway (it is ~0.15% of DeepSeek-V3's weights)."""
     gates = {f"{name}.gate" for name, _ in routers(model)}
+    gates |= {f"{name}.wkv_b" for name, m in model.named_modules() if isinstance(m, MLA)}
     return [name for name, m in model.named_modules() if type(m) is nn.Linear and name not in gates]
 
 
