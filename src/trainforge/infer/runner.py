@@ -82,26 +82,32 @@ class ModelRunner:
         return self.model(self.tokens[:B, None], self.positions[:B, None], self.cache)[:, 0]
 
     @torch.no_grad()
-    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, S: int) -> torch.Tensor:
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, S: int, hidden: bool = False):
         """tokens, positions: (B, T), the T consecutive tokens of each row (``slots`` holds
         their B * T slots, ``gather`` / ``bias`` each row's first S slots, the new ones
-        included); returns logits (B, T, V). The model's plain forward."""
+        included); returns logits (B, T, V), or (logits, h) with ``hidden``: h (B, T, dim) the
+        last block's output (an MTP drafter's input). The model's plain forward."""
         B, T = tokens.shape
         self.cache.set_verify(B, T, S)
-        return self.model(tokens, positions, self.cache)
+        return self.model(tokens, positions, self.cache, return_hidden=hidden)
 
     # -- prefill ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False, hidden: bool = False):
         """tokens, slots: (T,) for one new sequence (positions 0..T-1). Writes its keys and
-        values into the pool; returns logits (1, V) of the last position, or (T, V)."""
+        values into the pool; returns logits (1, V) of the last position, or (T, V). With
+        ``hidden``: (those logits, h (T, dim)), every position's last block output (the model
+        keeps hidden states only at the rows it projects, so this projects all T)."""
         T = tokens.shape[0]
         if not 0 < T <= self.max_context:
             raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")
         self.cache.set_prefill(slots)
         positions = torch.arange(T, device=tokens.device)
         rows = None if all_logits else slice(T - 1, T)
+        if hidden:
+            logits, h = self.model(tokens[None], positions, self.cache, return_hidden=True)
+            return logits[0, rows or slice(None)], h[0]
         return self.model(tokens[None], positions, self.cache, output_rows=rows)[0]
 
     # -- torch.compile ----------------------------------------------------------------------
