@@ -2,7 +2,7 @@
 incremental MTP cache proposes equals ``Transformer.mtp_step`` over the whole sequence (no
 cache); greedy output is identical to plain decoding (dense and MoE, batched with requests
 joining and leaving); sampled tokens keep the target's distribution; a model without MTP
-modules gets an error naming the key."""
+modules gets an error naming the key; the runner's fast verification equals the plain forward."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from tests.infer.test_speculative import chi_square, exact_marginals
 from trainforge.cli import main
 from trainforge.errors import TrainforgeError
 from trainforge.infer.engine import Engine, EngineConfig
+from trainforge.infer.kv_pool import KVPool
 from trainforge.infer.mtp_drafter import MTPDrafter
+from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.storage import checkpoint_format as ckpt
@@ -100,6 +102,33 @@ def reference_drafts(model, seq: list[int], drafts: list[int]) -> torch.Tensor:
         out.append(logits[0, -1])
         H, X = torch.cat([H, g[:, -1:]], 1), torch.cat([X, torch.tensor([[d]])], 1)
     return torch.stack(out)
+
+
+@pytest.mark.parametrize("flavor", ["dense", "moe"])
+def test_fast_verify_equals_the_plain_forward(trained, flavor):
+    """The runner's verification on the fast decode step (B * T one-token rows) gives the plain
+    forward's logits and hidden states, rows of different lengths together; tolerance 1e-5."""
+    model = trained if flavor == "dense" else sharpen(build_model(
+        dataclasses.replace(FLAVORS["moe-debug"], max_seq_len=128, mtp_depth=1), seed=0)).eval()
+    bs, T, prompts = 4, 3, [list(range(3, 14)), [7, 8]]
+    pool = KVPool(model.cfg.n_layers, model.cfg.n_kv_heads, model.cfg.head_dim, 32, bs)
+    runner = ModelRunner(model, pool, 2, 64, lookahead=T - 1)
+    assert runner._verifier is not None
+    for i, p in enumerate(prompts):
+        pool.add(i, 40)
+        runner.prefill(torch.tensor(p), torch.tensor(pool.append_slots(i, len(p))))
+    S = 20
+    runner.slots[:2 * T] = torch.tensor([pool.append_slots(r, T) for r in range(2)]).view(-1)
+    for r, p in enumerate(prompts):
+        index = np.concatenate([np.arange(b * bs, (b + 1) * bs) for b in pool.table(r)] + [np.arange(S)])[:S]
+        runner.gather[r * S:(r + 1) * S] = torch.from_numpy(index)
+        runner.bias[r * S:(r + 1) * S] = torch.where(torch.arange(S) < len(p) + T, 0.0, float("-inf"))
+    new = torch.tensor([[11, 22, 3], [5, 6, 7]])
+    positions = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(T)
+    fast = [t.clone() for t in runner.verify(new, positions, S, hidden=True)]
+    plain = runner.verify_forward(new, positions, S, hidden=True)
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_incremental_mtp_drafts_equal_the_full_sequence_forward(trained):

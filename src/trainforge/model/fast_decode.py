@@ -254,3 +254,8 @@ class FastDecoder:
         for call in self.plan(rows, context):
             call()
         return self.ws.logits[:rows]
+
+    def hidden(self, rows: int) -> torch.Tensor:
+        """The last step's final residual stream (B, dim): the last block's output before the
+        final norm (``forward(..., return_hidden=True)``'s h), a view of the workspace."""
+        return self.ws._x[:rows]
