@@ -69,14 +69,19 @@ def mtp_engine(model, k=3, drafter=None, **kw):
 class RecordingDrafter(MTPDrafter):
     """Keeps, for every proposal, each row's accepted sequence, its drafts and the MTP logits."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, fast: bool):
+        super().__init__(fast)
         self.engine, self.records, self._logits = None, [], None
 
     def _step(self, h, tokens, positions):
         out = super()._step(h, tokens, positions)
         if self._logits is not None:
             self._logits.append(out[0][:, -1].clone())
+        return out
+
+    def _fast_step(self, B, S, tokens, u):
+        out = super()._fast_step(B, S, tokens, u)
+        self._logits.append(out.clone())
         return out
 
     def propose(self, batch, k):
@@ -131,13 +136,16 @@ def test_fast_verify_equals_the_plain_forward(trained, flavor):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_incremental_mtp_drafts_equal_the_full_sequence_forward(trained):
+@pytest.mark.parametrize("fast", [True, False])
+def test_incremental_mtp_drafts_equal_the_full_sequence_forward(trained, fast):
     """The key correctness check: over a sampled run (temperature 1, so steps accept 0..k
     drafts and the rollbacks and rewrites of the MTP cache all happen) with rows joining and
-    leaving, every proposal's logits equal depth 1 over the whole sequence; tolerance 1e-5."""
-    drafter = RecordingDrafter()
+    leaving, every proposal's logits equal depth 1 over the whole sequence; tolerance 1e-5.
+    Drafts on the allocation-free step (``FastMTPStep``) and on the plain ``mtp_step``."""
+    drafter = RecordingDrafter(fast)
     engine = mtp_engine(trained, k=3, drafter=drafter)
     drafter.engine = engine
+    assert (drafter.fast is not None) == fast
     params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
               for i, n in enumerate((40, 12, 30, 20))]
     engine.generate(PROMPTS, params)

@@ -34,6 +34,7 @@ from trainforge.infer.kv_pool import KVPool
 from trainforge.infer.speculative import DraftBatch, Drafter
 from trainforge.infer.speculative_sampling import draw, filtered_probs
 from trainforge.model.attention_cache import LayerCache, PagedCache
+from trainforge.model.fast_decode import FastMTPStep
 from trainforge.model.llama import Transformer
 
 
@@ -61,9 +62,10 @@ class MTPDrafter(Drafter):
 
     wants_hidden = True
 
-    def __init__(self):
+    def __init__(self, fast: bool = True):
         self.model: Transformer | None = None
         self.cache: PagedCache | None = None
+        self.fast: FastMTPStep | bool | None = fast  # the allocation-free step, built where supported
 
     def build(self, target: Transformer, pool: KVPool, max_rows: int, max_context: int, k: int) -> None:
         check_mtp_model(target.cfg)
@@ -76,13 +78,15 @@ class MTPDrafter(Drafter):
         self._layers = _MTPLayers(self.cache, cfg.n_layers)
         self.h = torch.zeros(max_rows, cfg.dim, dtype=w.dtype, device=w.device)  # h_{p-1} per row
         self._max_pos = cfg.max_seq_len - 1
+        self.fast = FastMTPStep(target, 1, self.cache) if self.fast and FastMTPStep.supports(target) else None
 
     @property
     def nbytes(self) -> int:
         if self.cache is None:
             return 0
         c = self.cache
-        return sum(t.nbytes for t in (self.k_pool, self.v_pool, self.h, c.slots, c.gather, c.bias))
+        own = sum(t.nbytes for t in (self.k_pool, self.v_pool, self.h, c.slots, c.gather, c.bias))
+        return own + (self.fast.nbytes if self.fast is not None else 0)
 
     def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP depth 1 on (B, T) inputs at ``positions`` (B, T), the cache already set."""
@@ -95,6 +99,12 @@ class MTPDrafter(Drafter):
         self.cache.gather[:B * S].copy_(torch.from_numpy(np.ascontiguousarray(index).reshape(-1)))
         bias = np.where(np.arange(S)[None, :] <= last[:, None], 0.0, -np.inf).reshape(-1)
         self.cache.bias[:B * S].copy_(torch.from_numpy(bias))
+
+    def _fast_step(self, B: int, S: int, tokens: torch.Tensor, u: np.ndarray) -> torch.Tensor:
+        """One draft on the allocation-free step; its ``x`` carries the module's output on."""
+        self.fast.tokens[:B].copy_(tokens)
+        self.fast.positions[:B].copy_(torch.from_numpy(np.minimum(u, self._max_pos)))
+        return self.fast.step(B, S)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, row: int, hidden: torch.Tensor | None = None) -> None:
@@ -111,14 +121,19 @@ class MTPDrafter(Drafter):
         greedy = all(p.greedy for p in batch.params)
         rows = np.arange(B)
         h, tokens, drafts, qs = self.h[:B, None], batch.tokens, [], []
+        if self.fast is not None:
+            self.fast.x[:B].copy_(self.h[:B])  # depth 1's input at position p-1: the target's h_{p-1}
         for j in range(k):
             u = batch.positions - 1 + j  # this draft's MTP position; its slot is the target's for u
             slot = batch.index[rows, u] if j == 0 else batch.slots[:, j - 1]
             self.cache.slots[:B].copy_(torch.from_numpy(np.ascontiguousarray(slot)))
             self._layout(batch.index, u)
             self.cache.set_decode(B, S)
-            logits, h = self._step(h, tokens[:, None], u[:, None])
-            logits = logits[:, 0]
+            if self.fast is not None:
+                logits = self._fast_step(B, S, tokens, u)
+            else:
+                logits, h = self._step(h, tokens[:, None], u[:, None])
+                logits = logits[:, 0]
             if greedy:
                 tokens = logits.argmax(-1)
             else:
