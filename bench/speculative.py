@@ -1,8 +1,10 @@
-"""Draft-model speculative decoding against plain decoding of the same target: batch 1,
-temperature 0, through the engine, interleaved.
+"""Speculative decoding (a draft model, or the target's own MTP module) against plain
+decoding of the same target: batch 1, temperature 0, through the engine, interleaved.
 
     OMP_NUM_THREADS=1 python -m bench.speculative                  # random tiny target, random/self drafts
     OMP_NUM_THREADS=1 python -m bench.speculative --target runs/small --draft runs/tiny --k 2 4 --new_tokens 128
+    OMP_NUM_THREADS=1 python -m bench.speculative --speculative mtp --k 1 2 3   # tiny + MTP, trained here briefly
+    OMP_NUM_THREADS=1 python -m bench.speculative --speculative mtp --target runs/tiny_mtp  # model.mtp_depth >= 1
 
 Without checkpoints the target is the ``tiny`` flavor and the drafts are a random ``debug``
 shape with tiny's vocabulary (acceptance near 0: random models disagree, so this measures
@@ -11,6 +13,14 @@ most a draft of the target's cost can give). Figures that mean something need a 
 pair sharing a tokenizer, e.g. ``trainforge train`` of ``--model.flavor tiny`` and ``small``
 on the same prepared data, passed as ``--target`` / ``--draft`` (checkpoint or run
 directories; the prompts are then text from ``--prompts``).
+
+``--speculative mtp`` drafts with the target's MTP module (``infer/mtp_drafter.py``). Without
+``--target`` the target is ``tiny`` with ``mtp_depth`` 1 trained here for ``--train_steps``
+on a synthetic Markov chain over 64 tokens (each followed by one of two, 0.9 / 0.1; the
+prompts are drawn from it): a random MTP module would accept nothing, and a trained
+checkpoint takes hours on this CPU. The figures then show the machinery's cost at a high
+acceptance, not a language model's acceptance; pass a checkpoint trained with
+``--model.mtp_depth 1`` for that.
 
 Per draft and k: each round decodes every prompt plainly and speculatively, in an order
 that alternates between rounds; decode tok/s = (n - 1) / (last token - first token) of the
@@ -31,7 +41,10 @@ import time
 
 import torch
 
+import torch.nn.functional as F
+
 from trainforge.infer.engine import Engine, EngineConfig
+from trainforge.infer.mtp_drafter import MTPDrafter, check_mtp_model
 from trainforge.infer.prepare import prepare_model
 from trainforge.infer.sampling import SamplingParams
 from trainforge.infer.speculative import DraftModelDrafter
@@ -54,16 +67,49 @@ def loaded_pair(target: str, draft: str) -> tuple[torch.nn.Module, dict[str, tor
     return prepare_model(t.model), {d.name: prepare_model(d.model)}, t.tokenizer
 
 
+class MarkovChain:
+    """Tokens 0..n-1 of a vocabulary, each followed by one of two tokens (0.9 / 0.1)."""
+
+    def __init__(self, n: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.n, self.succ, self.gen = n, torch.stack([torch.randperm(n, generator=gen)[:2] for _ in range(n)]), gen
+
+    def sample(self, rows: int, T: int) -> torch.Tensor:
+        x = torch.empty(rows, T, dtype=torch.long)
+        x[:, 0] = torch.randint(self.n, (rows,), generator=self.gen)
+        for t in range(1, T):
+            x[:, t] = self.succ[x[:, t - 1], (torch.rand(rows, generator=self.gen) > 0.9).long()]
+        return x
+
+
+def trained_mtp_target(max_seq_len: int, steps: int, chain: MarkovChain) -> torch.nn.Module:
+    """``tiny`` with one MTP depth, trained on ``chain`` (main + MTP cross-entropy, AdamW)."""
+    model = build_model(dataclasses.replace(FLAVORS["tiny"], max_seq_len=max_seq_len, mtp_depth=1), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    t0 = time.perf_counter()
+    for step in range(steps):
+        x = chain.sample(8, 65)
+        logits, (mtp1,) = model(x[:, :-1], mtp=True)
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        mtp_loss = F.cross_entropy(mtp1.flatten(0, 1), x[:, 2:].flatten())
+        opt.zero_grad()
+        (loss + mtp_loss).backward()
+        opt.step()
+    print(f"trained tiny + MTP for {steps} steps in {time.perf_counter() - t0:.0f} s: loss {loss.item():.3f}, "
+          f"mtp_loss {mtp_loss.item():.3f}")
+    return prepare_model(model.eval())
+
+
 def decode_tok_s(req) -> float:
     return (len(req.output_ids) - 1) / (req.finished_s - req.first_token_s)
 
 
-def bench(target, draft, k: int, prompts: list[list[int]], n: int, rounds: int) -> dict:
+def bench(target, make_drafter, k: int, prompts: list[list[int]], n: int, rounds: int) -> dict:
     ctx = max(map(len, prompts)) + n
     params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
     plain = Engine(target, EngineConfig(max_batch_size=1, max_context=ctx))
     spec = Engine(target, EngineConfig(max_batch_size=1, max_context=ctx, num_speculative_tokens=k),
-                  drafter=DraftModelDrafter(draft))
+                  drafter=make_drafter())
     ratios, plain_tps, spec_tps, identical = [], [], [], True
     for r in range(rounds):
         for prompt in prompts:
@@ -87,6 +133,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="target checkpoint or run directory (default: random tiny)")
     p.add_argument("--draft", default=None, help="draft checkpoint or run directory (with --target)")
+    p.add_argument("--speculative", choices=("draft", "mtp"), default="draft",
+                   help="draft: a draft model drafts; mtp: the target's own MTP module")
+    p.add_argument("--train_steps", type=int, default=100, help="mtp without --target: training steps")
     p.add_argument("--k", type=int, nargs="+", default=[2, 4], help="num_speculative_tokens values")
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=3)
@@ -94,15 +143,31 @@ def main() -> None:
     p.add_argument("--prompts", nargs="+", default=TEXT_PROMPTS, help="text prompts (with checkpoints)")
     p.add_argument("--json", default=None, help="also write every number here")
     a = p.parse_args()
-    if (a.target is None) != (a.draft is None):
+    if a.speculative == "draft" and (a.target is None) != (a.draft is None):
         p.error("give both --target and --draft, or neither (random models)")
     torch.set_num_threads(a.threads)
-    if a.target:
-        target, drafts, tok = loaded_pair(a.target, a.draft)
+    chain = None
+    if a.speculative == "mtp":
+        if a.target:
+            from trainforge.infer.loading import load_model
+
+            loaded = load_model(a.target)
+            check_mtp_model(loaded.model.cfg)
+            target, tok = prepare_model(loaded.model), loaded.tokenizer
+        else:
+            chain = MarkovChain(64)
+            target, tok = trained_mtp_target(512, a.train_steps, chain), None
+        drafters = {"mtp": MTPDrafter}
     else:
-        target, drafts, tok = random_pair(max_seq_len=512)
+        if a.target:
+            target, drafts, tok = loaded_pair(a.target, a.draft)
+        else:
+            target, drafts, tok = random_pair(max_seq_len=512)
+        drafters = {name: (lambda d=d: DraftModelDrafter(d)) for name, d in drafts.items()}
     if tok is not None:
         prompts = [tok.encode(t).ids for t in a.prompts]
+    elif chain is not None:
+        prompts = [chain.sample(1, n)[0].tolist() for n in (8, 24)]
     else:
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, target.cfg.vocab_size, (n,), generator=gen).tolist() for n in (8, 24)]
@@ -112,10 +177,10 @@ def main() -> None:
            f"{'mean len':>8}  acceptance per position  identical"
     print(head)
     results = []
-    for name, draft in drafts.items():
+    for name, make_drafter in drafters.items():
         for k in a.k:
             t0 = time.perf_counter()
-            r = {"draft": name, **bench(target, draft, k, prompts, a.new_tokens, a.rounds),
+            r = {"draft": name, **bench(target, make_drafter, k, prompts, a.new_tokens, a.rounds),
                  "wall_s": time.perf_counter() - t0}
             results.append(r)
             iqr = f"{r['ratio_median']:.2f} ({r['ratio_iqr'][0]:.2f}-{r['ratio_iqr'][1]:.2f})"

@@ -190,8 +190,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start on CPU)")
     p.add_argument("--speculative", default=None, metavar="draft:CHECKPOINT|mtp",
                    help="speculative decoding: draft:CHECKPOINT drafts with a smaller model sharing the tokenizer "
-                        "(loaded with the same --device/--dtype, unquantised); mtp (the model's own MTP modules) is "
-                        "reserved")
+                        "(loaded with the same --device/--dtype, unquantised); mtp drafts with the model's own MTP module "
+                        "(a model trained with model.mtp_depth >= 1; depth 1 drafts every token)")
     p.add_argument("--num_speculative_tokens", type=int, default=4,
                    help="tokens drafted per step with --speculative (>= 1)")
 
@@ -207,20 +207,23 @@ def _speculative_args(a) -> tuple[str, str | None] | None:
         mode, path = parse_speculative(a.speculative)
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
-    if mode == "mtp":
-        raise TrainforgeError("--speculative mtp needs an MTP model (model.mtp_depth > 0), which this version cannot "
-                              "load yet; use --speculative draft:CHECKPOINT")
     return mode, path
 
 
 def _load_drafter(a, spec, target):
-    """The drafter for --speculative draft:CHECKPOINT, its tokenizer checked against the target's."""
+    """The drafter for --speculative: mtp (the target's own MTP module, mtp_drafter.py) or
+    draft:CHECKPOINT, its tokenizer checked against the target's."""
     from trainforge.infer.loading import load_model
     from trainforge.infer.prepare import prepare_model
     from trainforge.infer.speculative import DraftModelDrafter
 
     if spec is None:
         return None
+    if spec[0] == "mtp":
+        from trainforge.infer.mtp_drafter import MTPDrafter, check_mtp_model
+
+        check_mtp_model(target.model.cfg)
+        return MTPDrafter()
     draft = load_model(spec[1], a.device, a.dtype)
     if draft.tokenizer is not None and target.tokenizer is not None \
             and draft.tokenizer.to_str() != target.tokenizer.to_str():

@@ -323,7 +323,6 @@ def test_engine_refuses_what_it_cannot_speculate(gqa2):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--speculative", "mtp"], "--speculative mtp needs an MTP model"),
     (["--speculative", "draft:"], "give one of draft:CHECKPOINT, mtp"),
     (["--speculative", "medusa"], "give one of draft:CHECKPOINT, mtp"),
     (["--speculative", "draft:x", "--num_speculative_tokens", "0"], "--num_speculative_tokens 0: must be"),

@@ -278,9 +278,13 @@ class Engine:
             t0 = time.perf_counter()
             tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
             slots = torch.tensor(slots, dtype=torch.long, device=self.device)
-            logits = self.runner.prefill(tokens, slots)
+            hidden = None
+            if self.drafter is not None and self.drafter.wants_hidden:
+                logits, hidden = self.runner.prefill(tokens, slots, hidden=True)
+            else:
+                logits = self.runner.prefill(tokens, slots)
             if self.drafter is not None:
-                self.drafter.prefill(tokens, slots)
+                self.drafter.prefill(tokens, slots, row, hidden)
             self.sampler.set_row(row, req.params, req.prompt_ids)
             self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
             first = int(self.runner.tokens[row])  # one host read per request, not per token
@@ -371,7 +375,10 @@ class Engine:
         # Past max_seq_len a position is beyond every request's budget; clamp the rotary lookup.
         positions = np.minimum(pos[:B, None] + np.arange(K + 1), self.model.cfg.max_seq_len - 1)
         logits = self.runner.verify(torch.cat([batch.tokens[:, None], draft], 1),
-                                    torch.from_numpy(positions).to(self.device), S)  # (B, k+1, V)
+                                    torch.from_numpy(positions).to(self.device), S,
+                                    hidden=self.drafter.wants_hidden)  # (B, k+1, V)
+        if self.drafter.wants_hidden:
+            logits, batch.hidden = logits
         if q is None:  # every row greedy
             n, out = accept_greedy(draft, logits)
         else:

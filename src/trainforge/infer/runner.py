@@ -14,8 +14,14 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   absorbed form, ``model/mla.py``, has none), its plain forward on (B, 1) tokens with the
   same cache.
 - ``verify(tokens, positions, S)``: speculative decoding's verification, T tokens for each of
-  B rows in one plain forward (``PagedCache.set_verify``); the runner's ``slots`` then hold
-  B * T slots. Built with ``lookahead = k`` so a row's context has room for its k drafts.
+  B rows in one forward; the runner's ``slots`` then hold B * T slots. Built with
+  ``lookahead = k`` so a row's context has room for its k drafts. Where the model has the
+  fast decode step, the B * T tokens run as B * T one-token rows of it (row b's token j
+  attends to row b's context up to itself, its own gather and mask; the keys/values of a
+  layer are all written before any row reads them), in a second workspace of
+  ``max_rows * (k + 1)`` rows: the plain forward costs ~2x a fast step on small models
+  (Python dispatch), which made speculation slower than plain decoding. Else the plain
+  forward (``PagedCache.set_verify``).
 - ``compile()``: ``torch.compile`` of that same forward at one static shape.
 """
 
@@ -53,6 +59,13 @@ class ModelRunner:
         self.slots, self.gather, self.bias = self.cache.slots, self.cache.gather, self.cache.bias
         self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions) \
             if FastDecoder.supports(model) else None
+        self._verifier: FastDecoder | None = None  # the fast verification step (module docstring)
+        if lookahead and self.decoder is not None:
+            n = max_rows * (lookahead + 1)
+            self._vcache = PagedCache(pool.k, pool.v, n, self.context_slots)
+            self._vtokens = torch.zeros(n, dtype=torch.long, device=self.device)
+            self._vpositions = torch.zeros(n, dtype=torch.long, device=self.device)
+            self._verifier = FastDecoder(model, self._vcache, self._vtokens, self._vpositions)
         self._compiled = None
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
@@ -60,6 +73,10 @@ class ModelRunner:
     @property
     def workspace_bytes(self) -> int:
         own = sum(t.nbytes for t in (self.tokens, self.positions, self.slots, self.gather, self.bias))
+        if self._verifier is not None:
+            c = self._vcache
+            own += self._verifier.nbytes + sum(t.nbytes for t in (self._vtokens, self._vpositions, c.slots, c.gather,
+                                                                   c.bias))
         return own + (self.decoder.nbytes if self.decoder is not None else 0)
 
     # -- decode -----------------------------------------------------------------------------
@@ -83,26 +100,55 @@ class ModelRunner:
         return self.model(self.tokens[:B, None], self.positions[:B, None], self.cache)[:, 0]
 
     @torch.no_grad()
-    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, S: int) -> torch.Tensor:
+    def verify(self, tokens: torch.Tensor, positions: torch.Tensor, S: int, hidden: bool = False):
         """tokens, positions: (B, T), the T consecutive tokens of each row (``slots`` holds
         their B * T slots, ``gather`` / ``bias`` each row's first S slots, the new ones
-        included); returns logits (B, T, V). The model's plain forward."""
+        included); returns logits (B, T, V), or (logits, h) with ``hidden``: h (B, T, dim) the
+        last block's output (an MTP drafter's input). The fast step where the runner has one
+        (workspace views, valid until the next verify), else the plain forward."""
+        if self._verifier is None:
+            return self.verify_forward(tokens, positions, S, hidden)
+        B, T = tokens.shape
+        n, c = B * T, self._vcache
+        if n > c.max_rows:
+            raise ValueError(f"verify of {B} x {T} tokens exceeds the runner's {c.max_rows} rows (lookahead)")
+        self._vtokens[:n].copy_(tokens.reshape(-1))
+        self._vpositions[:n].copy_(positions.reshape(-1))
+        c.slots[:n].copy_(self.slots[:n])  # row-major, as the rows below
+        c.gather[:n * S].view(B, T, S).copy_(self.gather[:B * S].view(B, 1, S).expand(B, T, S))
+        bias = self.bias[:B * S].view(B, 1, S)
+        # Row b's T new tokens are its last T valid slots: token j sees slots up to valid - T + j.
+        limit = (bias == 0).sum(-1, keepdim=True) - T + torch.arange(T, device=bias.device).view(1, T, 1)
+        seen = torch.arange(S, device=bias.device).view(1, 1, S) <= limit  # (B, T, S)
+        c.bias[:n * S].view(B, T, S).copy_(bias.masked_fill(~seen, float("-inf")))
+        logits = self._verifier.step(n, S).view(B, T, -1)
+        return (logits, self._verifier.hidden(n).view(B, T, -1)) if hidden else logits
+
+    @torch.no_grad()
+    def verify_forward(self, tokens: torch.Tensor, positions: torch.Tensor, S: int, hidden: bool = False):
+        """``verify`` by the model's plain forward (``PagedCache.set_verify``): the reference
+        of the fast path, and the path of models without one."""
         B, T = tokens.shape
         self.cache.set_verify(B, T, S)
-        return self.model(tokens, positions, self.cache)
+        return self.model(tokens, positions, self.cache, return_hidden=hidden)
 
     # -- prefill ----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False, hidden: bool = False):
         """tokens, slots: (T,) for one new sequence (positions 0..T-1). Writes its keys and
-        values into the pool; returns logits (1, V) of the last position, or (T, V)."""
+        values into the pool; returns logits (1, V) of the last position, or (T, V). With
+        ``hidden``: (those logits, h (T, dim)), every position's last block output (the model
+        keeps hidden states only at the rows it projects, so this projects all T)."""
         T = tokens.shape[0]
         if not 0 < T <= self.max_context:
             raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")
         self.cache.set_prefill(slots)
         positions = torch.arange(T, device=tokens.device)
         rows = None if all_logits else slice(T - 1, T)
+        if hidden:
+            logits, h = self.model(tokens[None], positions, self.cache, return_hidden=True)
+            return logits[0, rows or slice(None)], h[0]
         return self.model(tokens[None], positions, self.cache, output_rows=rows)[0]
 
     # -- torch.compile ----------------------------------------------------------------------

@@ -17,8 +17,8 @@ and values in a pool of its own tensors laid out over the same slots, so the eng
 bookkeeping (admission, growth, rollback, freeing) covers both models and the drafter holds
 no per-row state. (vLLM's draft-model runner shares block tables the same way.)
 
-An ``MTPDrafter`` (DeepSeek-V3's multi-token-prediction modules drafting for their own
-model) fits the same interface; see the note at the end of this file.
+``MTPDrafter`` (``mtp_drafter.py``: DeepSeek-V3's multi-token-prediction module drafting for
+its own model) keeps per-row state and reads the target's hidden states (``wants_hidden``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class DraftBatch:
     index: np.ndarray  # (B, S) slot of each row's token t for t < S (S a multiple of the block size)
     params: list[SamplingParams]  # each row's sampling options (temperature, top-k, top-p)
     gens: list[torch.Generator | None]  # each row's generator (None for greedy rows)
+    hidden: torch.Tensor | None = None  # (B, k+1, dim) the verify forward's last hidden states, for ``accepted``
 
 
 class SpecStats:
@@ -92,12 +93,17 @@ class Drafter:
     """What the engine needs of a drafter. ``build`` is called once by the engine (the target
     model, its pool, the engine's sizes and k: a drafter sizes its own buffers); ``prefill``
     when a request joins (its prompt, at the slots the pool gave it); ``propose`` and
-    ``accepted`` once per step; ``move_row`` when batch compaction moves a row."""
+    ``accepted`` once per step; ``move_row`` when batch compaction moves a row. A drafter with
+    ``wants_hidden`` gets the target's last hidden states (before the final norm): the prompt's
+    in ``prefill``, the verification forward's in ``DraftBatch.hidden``."""
+
+    wants_hidden = False
 
     def build(self, target: Transformer, pool: KVPool, max_rows: int, max_context: int, k: int) -> None:
         raise NotImplementedError
 
-    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, row: int, hidden: torch.Tensor | None = None) -> None:
+        """A request joins batch row ``row``: its prompt (T,) at ``slots`` (T,); ``hidden`` (T, dim)."""
         raise NotImplementedError
 
     def propose(self, batch: DraftBatch, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,7 +149,7 @@ class DraftModelDrafter(Drafter):
     def nbytes(self) -> int:
         return self.runner.pool.nbytes + self.runner.workspace_bytes if self.runner is not None else 0
 
-    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    def prefill(self, tokens: torch.Tensor, slots: torch.Tensor, row: int, hidden: torch.Tensor | None = None) -> None:
         self.runner.prefill(tokens, slots)
 
     def _step(self, batch: DraftBatch, j: int, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,17 +193,4 @@ class DraftModelDrafter(Drafter):
             self._step(batch, k, draft[:, -1])
 
 
-# MTPDrafter (not built yet; needs model/mtp.py). DeepSeek-V3's MTP module at depth d takes
-# the main model's last hidden state h_t (before the final norm) and the embedding of token
-# t+1 and predicts token t+2, sharing the embedding and output head. As a Drafter it needs:
-# - the target's hidden states: ``ModelRunner.verify`` / ``prefill`` would return the last
-#   block's output beside the logits (``Transformer.forward`` with an option to return them),
-#   kept per row for the last accepted position (per-row state: ``move_row`` moves it);
-# - a paged cache per MTP depth (each depth is one transformer block with its own keys and
-#   values), built like ``DraftModelDrafter``'s pool: same slots, the target's page tables;
-# - ``prefill``: run the MTP block over the prompt's hidden states (shifted by one token);
-# - ``propose``: depth 1 drafts from (h_p, embedding of the last accepted token); deeper drafts
-#   chain depth d on depth d-1's output (k <= mtp_depth, or reuse the last depth);
-# - ``accepted``: take the verify forward's hidden state at the last accepted position for
-#   the next step (the verify forward computes them for every drafted position) and write the
-#   MTP block's keys/values for the accepted tokens.
+# ``MTPDrafter`` (mtp_drafter.py): the target's own MTP module drafts (``--speculative mtp``).

@@ -254,3 +254,64 @@ class FastDecoder:
         for call in self.plan(rows, context):
             call()
         return self.ws.logits[:rows]
+
+    def hidden(self, rows: int) -> torch.Tensor:
+        """The last step's final residual stream (B, dim): the last block's output before the
+        final norm (``forward(..., return_hidden=True)``'s h), a view of the workspace."""
+        return self.ws._x[:rows]
+
+
+class FastMTPStep:
+    """``Transformer.mtp_step(depth, ...)`` for one token per row as an allocation-free
+    step (``MTPModule.decode_calls``), over ``cache`` (a ``PagedCache`` whose layer
+    ``layer`` holds the depth's keys/values). The owner fills ``tokens``, ``positions`` and
+    the cache's metadata, and ``x[:B]`` with the previous depth's hidden states before the
+    first step; each step leaves this depth's hidden states in ``x``, so repeated steps
+    chain the module on its own output (a speculative drafter's recurrence)."""
+
+    def __init__(self, model: Transformer, depth: int, cache: PagedCache, layer: int = 0):
+        self.model, self.module, self.cache, self.layer = model, model.mtp[str(depth - 1)], cache, layer
+        self.ws = ws = DecodeWorkspace(model, cache.max_rows, cache.context_slots)
+        R, d = cache.max_rows, model.cfg.dim
+        f = dict(dtype=ws.dtype, device=ws.device)
+        self.tokens = torch.zeros(R, dtype=torch.long, device=ws.device)
+        self.positions = torch.zeros(R, dtype=torch.long, device=ws.device)
+        self.x, self._emb, self._pair = ws._x, torch.empty(R, d, **f), torch.empty(R, 2 * d, **f)
+        self.rope_cos, self.rope_sin = rope_tables_folded(model.rope_cos, model.rope_sin, ws.dtype)
+        self._plans: dict[tuple[int, int], list[Callable[[], None]]] = {}
+
+    @staticmethod
+    def supports(model: nn.Module, depth: int = 1) -> bool:
+        m = model.mtp[str(depth - 1)]
+        b = m.block
+        return all(hasattr(n, "decode_calls") for n in (m.enorm, m.hnorm, m.norm, b, b.attention_norm, b.attention,
+                                                         b.ffn_norm, b.feed_forward))
+
+    @property
+    def nbytes(self) -> int:
+        return self.ws.nbytes + sum(t.nbytes for t in (self.tokens, self.positions, self._emb, self._pair,
+                                                        self.rope_cos, self.rope_sin))
+
+    def _bind(self, B: int, S: int) -> list[Callable[[], None]]:
+        ws, model, p = self.ws, self.model, functools.partial
+        ws.begin(B, S)
+        h, _ = ws.hidden(B)
+        pos = self.positions[:B]
+        calls = [p(torch.index_select, model.tok_embeddings.weight, 0, self.tokens[:B], out=self._emb[:B]),
+                 p(torch.index_select, self.rope_cos, 0, pos, out=ws._cos[:B]),
+                 p(torch.index_select, self.rope_sin, 0, pos, out=ws._sin[:B])]
+        calls += self.module.decode_calls(ws, self.x[:B], self._emb[:B], self._pair[:B], self.cache.layer(self.layer))
+        calls += self.module.norm.decode_calls(ws, self.x[:B], h)
+        calls.append(ws.linear(model.output).bind(h, ws.logits[:B]))
+        return calls
+
+    def step(self, rows: int, context: int) -> torch.Tensor:
+        """One step; returns logits (B, V), a view of the workspace."""
+        calls = self._plans.get((rows, context))
+        if calls is None:
+            if len(self._plans) >= FastDecoder.MAX_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            calls = self._plans[(rows, context)] = self._bind(rows, context)
+        for call in calls:
+            call()
+        return self.ws.logits[:rows]

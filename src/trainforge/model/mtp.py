@@ -31,6 +31,7 @@ from trainforge.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from trainforge.model.attention_cache import LayerCache
+    from trainforge.model.fast_decode import DecodeWorkspace
 
 
 class MTPModule(nn.Module):
@@ -54,3 +55,12 @@ class MTPModule(nn.Module):
         (B, T, dim), before ``self.norm``."""
         x = self.proj(torch.cat((self.enorm(emb), self.hnorm(h)), dim=-1))  # (B, T, dim)
         return self.block(x, cos, sin, cache)
+
+    def decode_calls(self, ws: DecodeWorkspace, x: torch.Tensor, emb: torch.Tensor, pair: torch.Tensor,
+                     cache: LayerCache) -> list[Callable[[], None]]:
+        """``forward`` for one token per row without allocation (fast_decode.py): x (B, dim)
+        holds the previous depth's hidden state and receives this depth's, in place; emb
+        (B, dim) the tokens' embeddings; pair (B, 2 dim) scratch for the concatenation."""
+        d = x.shape[1]
+        return [*self.enorm.decode_calls(ws, emb, pair[:, :d]), *self.hnorm.decode_calls(ws, x, pair[:, d:]),
+                ws.linear(self.proj).bind(pair, x), *self.block.decode_calls(ws, x, cache)]
