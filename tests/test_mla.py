@@ -129,15 +129,17 @@ def test_flavor_counts():
     tiny = FLAVORS["dsv3-tiny"]
     assert 9e6 < tiny.num_params(active=True) < 12e6
     v3 = FLAVORS["deepseek-v3-671b"]
-    assert v3.num_params() == pytest.approx(671e9, rel=0.01)
+    assert v3.num_params(mtp=False) == pytest.approx(671e9, rel=0.01)
+    # The released checkpoint's 685B counts the MTP layer with its own copies of the embedding and head.
+    assert v3.num_params() + 2 * v3.vocab_size * v3.dim == pytest.approx(685e9, rel=0.01)
     # "37B activated" is 37.55B counted as the 671B is (embedding and output head included):
     # the published figure is rounded down, hence 2%.
-    assert v3.num_params(active=True) == pytest.approx(37e9, rel=0.02)
+    assert v3.num_params(active=True, mtp=False) == pytest.approx(37e9, rel=0.02)
     inactive = v3.n_moe_layers * (v3.n_routed_experts - v3.n_activated_experts) * 3 * v3.dim * v3.moe_inter_dim
-    assert v3.num_params() - v3.num_params(active=True) == inactive
-    # Attention FLOPs use the q·k (nope + rope) and value widths.
-    n = v3.num_params(include_embedding=False, active=True)
-    assert v3.flops_per_token(4096) == 6 * n + 6 * 61 * 128 * (192 + 128) * 4096
+    assert v3.num_params(mtp=False) - v3.num_params(active=True, mtp=False) == inactive
+    # Attention FLOPs use the q·k (nope + rope) and value widths; the MTP depth adds a block and a head pass.
+    n = v3.num_params(include_embedding=False, active=True) + v3.vocab_size * v3.dim
+    assert v3.flops_per_token(4096) == 6 * n + 6 * (61 + 1) * 128 * (192 + 128) * 4096
     dense = FLAVORS["tiny"]
     assert dense.flops_per_token(256) == 6 * dense.num_params(include_embedding=False) + 12 * 8 * 256 * 256
 

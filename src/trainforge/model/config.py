@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainforge.model.preflight import MLA_KEYS, MODEL_KEYS, MOE_KEYS, check_mla, check_moe, check_shape
+from trainforge.model.preflight import (MLA_KEYS, MODEL_KEYS, MOE_KEYS, check_mla, check_moe, check_mtp_depth,
+                                      check_shape)
 
 # Direct construction (checkpoint metadata, tests): the field names themselves.
 _FIELD_KEYS = {**MODEL_KEYS, "vocab_size": "model.vocab_size", "max_seq_len": "model.max_seq_len"}
@@ -55,6 +56,8 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    # Multi-token prediction (model/mtp.py)
+    mtp_depth: int = 0  # MTP modules after the main model (DeepSeek-V3: 1); 0 = none
 
     def __post_init__(self) -> None:
         # Positive sizes first: 0 heads would otherwise be a ZeroDivisionError.
@@ -62,6 +65,7 @@ class ModelConfig:
         if self.n_routed_experts:
             check_moe({f: getattr(self, f) for f in MOE_KEYS}, self.n_layers)
         check_mla({f: getattr(self, f) for f in MLA_KEYS})
+        check_mtp_depth(self.mtp_depth)
 
     @property
     def is_moe(self) -> bool:
@@ -99,40 +103,59 @@ class ModelConfig:
         kv += self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
         return q + kv + H * self.v_head_dim * d
 
-    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+    def num_params(self, include_embedding: bool = True, active: bool = False, mtp: bool = True) -> int:
         """Parameter count computed from the shape (no model needed). ``active``: only
         what one token uses (a MoE layer's router, shared and ``n_activated_experts``
-        routed experts; equal to the total for a dense model)."""
+        routed experts; equal to the total for a dense model). ``mtp``: include the MTP
+        modules (their embedding and output projection are the main model's: counted once)."""
         d = self.dim
-        attn = self.attention_params()
-        dense_layer = attn + 3 * d * self.ffn_hidden_dim + 2 * d
-        expert = 3 * d * self.moe_inter_dim
-        routed = self.n_activated_experts if active else self.n_routed_experts
-        moe_layer = attn + 2 * d + d * self.n_routed_experts + expert * (self.n_shared_experts + routed)
-        moe_layers = self.n_moe_layers
         emb = self.vocab_size * d
         out = 0 if self.tie_embeddings else self.vocab_size * d
-        total = (self.n_layers - moe_layers) * dense_layer + moe_layers * moe_layer + d + out
+        total = sum(self._block_params(i, active) for i in range(self.n_layers)) + d + out
+        if mtp:
+            total += self.mtp_params(active)
         return total + (emb if include_embedding else 0)
+
+    def _block_params(self, layer: int, active: bool) -> int:
+        """One ``TransformerBlock`` with index ``layer`` (MoE from ``n_dense_layers`` on)."""
+        d, attn = self.dim, self.attention_params()
+        if not self.is_moe_layer(layer):
+            return attn + 3 * d * self.ffn_hidden_dim + 2 * d
+        routed = self.n_activated_experts if active else self.n_routed_experts
+        return attn + 2 * d + d * self.n_routed_experts + 3 * d * self.moe_inter_dim * (self.n_shared_experts + routed)
+
+    def mtp_params(self, active: bool = False) -> int:
+        """The MTP modules' own parameters: per depth enorm, hnorm, proj (2·dim -> dim), a
+        block (index n_layers + k) and the final norm."""
+        d = self.dim
+        return sum(3 * d + 2 * d * d + self._block_params(self.n_layers + k, active) for k in range(self.mtp_depth))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6·N for the matmuls (N: the
         active parameters) plus the attention score/value products, 6·L·H·(d_qk + d_v)·T
         (PaLM appendix B's 12·L·d·T when d_qk = d_v = dim / H; MLA's q·k uses
         qk_nope + qk_rope dims, its values v_head_dim). The input embedding is a lookup,
-        not a matmul, so it is excluded."""
+        not a matmul, so it is excluded. Each MTP depth adds its block and projection, one
+        more pass through the shared output projection and its attention (its k fewer
+        positions are ignored)."""
         n = self.num_params(include_embedding=False, active=True)
+        n += self.mtp_depth * self.vocab_size * self.dim  # the shared head, once per depth
         if self.is_mla:
             widths = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
         else:
             widths = 2 * self.dim
-        return 6.0 * n + 6.0 * self.n_layers * widths * seq_len
+        return 6.0 * n + 6.0 * (self.n_layers + self.mtp_depth) * widths * seq_len
 
     def describe_params(self) -> str:
-        """"12.3M parameters" or, for MoE, "45.6M parameters (12.3M active)"."""
-        text = f"{self.num_params() / 1e6:.2f}M parameters"
+        """"12.3M parameters" or, for MoE, "45.6M parameters (12.3M active)"; with MTP
+        modules "(1.2M of them in MTP)" (included in the total). B from a billion on."""
+        def n(x: int) -> str:
+            return f"{x / 1e9:.2f}B" if x >= 1e9 else f"{x / 1e6:.2f}M"
+        text = f"{n(self.num_params())} parameters"
         if self.is_moe:
-            text += f" ({self.num_params(active=True) / 1e6:.2f}M active per token)"
+            text += f" ({n(self.num_params(active=True))} active per token)"
+        if self.mtp_depth:
+            text += f" ({n(self.mtp_params())} of them in MTP)"
         return text
 
 
@@ -191,11 +214,12 @@ FLAVORS: dict[str, ModelConfig] = {
                                     q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                     v_head_dim=128, rope_factor=40.0, rope_original_max_seq_len=4096,
                                     rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
-                                    rope_mscale_all_dim=1.0),
+                                    rope_mscale_all_dim=1.0, mtp_depth=1),
 }
 
 # [model] keys that override a flavor (ModelSection's fields of the same names).
-OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "tie_embeddings", *MOE_KEYS, *MLA_KEYS)
+OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "tie_embeddings", *MOE_KEYS, *MLA_KEYS,
+             "mtp_depth")
 
 
 def model_config_from_section(section, vocab_size: int | None, seq_len: int | None = None) -> ModelConfig:
@@ -214,4 +238,5 @@ def model_config_from_section(section, vocab_size: int | None, seq_len: int | No
     if changes.get("n_routed_experts", base.n_routed_experts):
         check_moe({f: changes.get(f, getattr(base, f)) for f in MOE_KEYS}, changes.get("n_layers", base.n_layers))
     check_mla({f: changes.get(f, getattr(base, f)) for f in MLA_KEYS})
+    check_mtp_depth(changes.get("mtp_depth", base.mtp_depth))
     return dataclasses.replace(base, **changes)

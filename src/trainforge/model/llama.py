@@ -21,7 +21,7 @@ Fused kinds (``fused.py``) and quantised linears are module swaps applied from o
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,7 @@ from torch import nn
 from trainforge.model.config import ModelConfig
 from trainforge.model.norm import RMSNorm
 from trainforge.model.rope import apply_rope, model_rope_tables
+from trainforge.model.mtp import MTPModule
 from trainforge.model.swiglu import FeedForward
 
 if TYPE_CHECKING:
@@ -168,6 +169,10 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Multi-token prediction modules (mtp.py), keyed "0".."D-1" for depths 1..D; empty
+        # (no parameters, nothing in state dicts) when cfg.mtp_depth = 0.
+        self.mtp = nn.ModuleDict({str(k): MTPModule(cfg, TransformerBlock(cfg, cfg.n_layers + k), RMSNorm)
+                                  for k in range(cfg.mtp_depth)})
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = model_rope_tables(cfg)
@@ -200,7 +205,8 @@ class Transformer(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None, output_rows: slice | None = None) -> torch.Tensor:
+                cache: AttentionCache | None = None, output_rows: slice | None = None,
+                mtp: bool = False, return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """tokens: (B, T) int64 -> logits (B, T, vocab).
 
         Training passes tokens alone: positions 0..T-1, causal attention within the
@@ -210,24 +216,76 @@ class Transformer(nn.Module):
         owner sets the step's metadata (slots, lengths) before the call. ``output_rows``
         keeps only those positions before the final norm (prefill needs the last one).
 
+        ``mtp=True`` (training only: no positions, cache or output_rows) also runs the
+        multi-token prediction modules and returns ``(logits, [logits_1, ..., logits_D])``,
+        depth k's (B, T-k, vocab) at position t predicting token t+k+1 (``mtp_hidden``).
+        ``return_hidden=True`` returns ``(logits, h)`` instead, h (B, T', dim) the last block's
+        output (before the final norm) at the kept rows: the input of MTP depth 1 when
+        drafting (``mtp_step``).
+
         A pipeline stage sets ``tok_embeddings`` / ``norm`` / ``output`` to None when it
-        does not own them; it then takes and/or returns hidden states (B, T, dim)."""
-        T = tokens.shape[1]
-        if positions is None:
-            if T > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-            cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, D)
-        elif positions.dim() == 1:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T, D)
-        else:  # (B, T): (B, 1, T, D), broadcast over heads
-            cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        does not own them; it then takes and/or returns hidden states (B, T, dim). With
+        ``output`` None (also the chunked loss's convention) every returned tensor is the
+        normed hidden states (B, T[-k], dim) instead of logits."""
+        cos, sin = self._rope(tokens.shape[1], positions)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, cache.layer(int(name)) if cache is not None else None)
+        if mtp:
+            if positions is not None or cache is not None or output_rows is not None:
+                raise ValueError("mtp=True is the training forward: pass tokens alone (no positions, cache or "
+                                 "output_rows)")
+            return self.head(h), [self.head(hk, depth) for depth, hk in enumerate(self.mtp_hidden(h, tokens), 1)]
         if output_rows is not None:
             h = h[:, output_rows]
-        h = self.norm(h) if self.norm is not None else h
+        return (self.head(h), h) if return_hidden else self.head(h)
+
+    def _rope(self, T: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary rows for T tokens at ``positions`` (None: 0..T-1)."""
+        if positions is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            return self.rope_cos[:T], self.rope_sin[:T]  # (T, D)
+        if positions.dim() == 1:
+            return self.rope_cos[positions], self.rope_sin[positions]  # (T, D)
+        # (B, T): (B, 1, T, D), broadcast over heads
+        return self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+
+    def head(self, h: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """Final norm and output projection of hidden states h (..., dim): the main model's
+        norm for ``depth`` 0, MTP depth k's own norm for k >= 1; the output projection is
+        shared. Either step is skipped where unset (pipeline stages, the chunked loss)."""
+        norm = self.norm if depth == 0 else self.mtp[str(depth - 1)].norm
+        h = norm(h) if norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def mtp_step(self, depth: int, h: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                 cache: AttentionCache | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP depth ``depth`` (1..D) on aligned inputs, as a drafter calls it. h (B, T, dim):
+        depth-1's hidden states before its norm at ``positions`` (depth 1: ``forward(...,
+        return_hidden=True)``'s); tokens (B, T): the token depth ``depth`` reads beside each
+        one, token t+depth at position t (depth 1: the token just chosen after position t).
+        The block attends through ``cache.layer(n_layers + depth - 1)`` (a cache with
+        ``n_layers + mtp_depth`` layers) like the main blocks, so it needs its own keys and
+        values for the earlier positions. Returns (logits (B, T, vocab) for token t+depth+1,
+        this depth's hidden states (B, T, dim) for depth + 1)."""
+        cos, sin = self._rope(tokens.shape[1], positions)
+        layer = cache.layer(self.cfg.n_layers + depth - 1) if cache is not None else None
+        h = self.mtp[str(depth - 1)](h, self.tok_embeddings(tokens), cos, sin, layer)
+        return self.head(h, depth), h
+
+    def mtp_hidden(self, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """The MTP chain of one training sequence. h: the main model's last hidden states
+        (B, T, dim) before its final norm; tokens: the model's input tokens (B, T). Returns
+        depth k's hidden states (B, T-k, dim) for k = 1..D, before their norms: position t
+        combines h_{k-1}[t] with the embedding of tokens[t+k] and predicts token t+k+1
+        (``targets[:, k:]`` for the usual next-token targets)."""
+        out = []
+        for k, module in enumerate(self.mtp.values(), start=1):
+            T = h.shape[1] - 1  # depth k has one position fewer than depth k-1
+            h = module(h[:, :T], self.tok_embeddings(tokens[:, k:]), self.rope_cos[:T], self.rope_sin[:T])
+            out.append(h)
+        return out
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int | None = None) -> Transformer:

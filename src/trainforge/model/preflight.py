@@ -23,7 +23,9 @@ it lands within about 25% of the real peak:
   (T, T) scores), for ``batch_size * seq_len`` tokens over ``n_layers / pp`` layers, divided
   by tp; with activation checkpointing only each block's input (``dim``) plus one block's set;
 * logits: fp32 logits, their float copy for the loss and their gradient, ``12 * tokens *
-  vocab`` bytes (tokens = the loss chunk when ``training.loss_chunk_tokens`` is set);
+  vocab`` bytes (tokens = the loss chunk when ``training.loss_chunk_tokens`` is set, else
+  ``(1 + mtp_depth)`` x the batch's tokens: each MTP depth has its own logits; MTP blocks
+  count as layers);
 * inference: weights at the load dtype (int8 / int4 linears when quantised), rotary tables,
   and the KV pool ``2 * n_layers * n_kv_heads * head_dim * slots`` elements.
 
@@ -105,6 +107,13 @@ def check_shape(values: dict[str, object], keys: dict[str, str] = MODEL_KEYS, pr
         raise error(f"{name('max_seq_len')} = {positions}: more than 2^31 positions (the rotary tables alone "
                     f"would need ~{fmt_bytes(rotary_bytes(head_dim, positions))}); use at most "  # type: ignore[arg-type]
                     f"{MAX_POSITIONS}")
+
+
+def check_mtp_depth(depth: object, key: str = "model.mtp_depth", error: type[TrainforgeError] = ConfigError) -> None:
+    """Raise ``error`` naming ``key`` unless ``depth`` (MTP modules) is an integer >= 0."""
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise error(f"config key '{key}' = {depth!r}: must be an integer >= 0 (the number of multi-token "
+                    "prediction modules; DeepSeek-V3 uses 1, 0 turns MTP off)")
 
 
 def check_moe(values: dict[str, object], n_layers: int, prefix: str = "model.",
@@ -216,12 +225,14 @@ def training_estimate(cfg: "ModelConfig", batch_size: int, seq_len: int, *, stat
     n = cfg.num_params()
     tokens = batch_size * seq_len
     per_token_layer = 20 * cfg.dim + 6 * cfg.ffn_hidden_dim
-    layers = -(-cfg.n_layers // layer_shards)
+    # MTP blocks (model/mtp.py) run after the main ones, unsharded by pipelining (refused with MTP).
+    layers = -(-cfg.n_layers // layer_shards) + cfg.mtp_depth
     if activation_checkpointing:
         act_elems = tokens * (cfg.dim * layers + per_token_layer)
     else:
         act_elems = tokens * per_token_layer * layers
-    logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens
+    # Unchunked, every MTP depth's logits are alive with the main ones until backward.
+    logit_tokens = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens * (1 + cfg.mtp_depth)
     return MemoryEstimate({
         "rotary tables": rotary_bytes(cfg.rope_head_dim, cfg.max_seq_len),
         "weights + grads + AdamW": max(4 * n, 16 * n // max(state_shards, 1)),

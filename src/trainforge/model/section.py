@@ -53,6 +53,9 @@ class ModelSection:
     rope_mscale: float | None = _f(None, "YaRN: attention temperature coefficient of the rotary tables")
     rope_mscale_all_dim: float | None = _f(None, "YaRN: attention temperature coefficient of the softmax scale "
                                                  "(0 = none)")
+    # Multi-token prediction (model/mtp.py).
+    mtp_depth: int | None = _f(None, "multi-token prediction modules after the main model (DeepSeek-V3: 1), each "
+                                     "predicting one token further; 0 = none. Loss weight: training.mtp_loss_weight")
 
     def validate(self) -> None:
         from trainforge.model.config import FLAVORS
@@ -61,3 +64,4 @@ class ModelSection:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"model.{name}", v, "a positive integer")
+        _require(self.mtp_depth is None or self.mtp_depth >= 0, "model.mtp_depth", self.mtp_depth, "an integer >= 0")

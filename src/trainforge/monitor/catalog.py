@@ -88,6 +88,7 @@ SAMPLED = "steps sampled every monitor.interval_steps"
 SERVE = "trainforge serve"
 MOE = "MoE model (model.n_routed_experts > 0)"
 SPEC = "trainforge serve --speculative"
+MTP = "model.mtp_depth > 0"
 
 CATALOG: tuple[MetricSpec, ...] = (
     # -- system ------------------------------------------------------------------------
@@ -279,7 +280,23 @@ CATALOG: tuple[MetricSpec, ...] = (
        "learning-curve prediction of the final validation loss", when="early_stop.mode = predict"),
     _s("predicted_final_loss_std", "predicted_final_loss_std", "gauge", "nats", "model",
        "spread of that prediction (bootstrap)", when="early_stop.mode = predict"),
-    # -- model: mixture of experts (train/moe_balance.py; moe_layer i is block n_dense_layers + i) ----
+    # -- model: multi-token prediction (train/mtp_loss.py) ------------------------------------------
+    _s("mtp_loss", "mtp_loss", "gauge", "nats", "model",
+       "multi-token prediction cross-entropy of the step, mean over depths and data-parallel ranks (the "
+       "record's loss is main + mtp_loss_weight x this)", when=MTP),
+    _s(r"mtp_loss_(?P<depth>[0-9]+)", "mtp_depth_loss", "gauge", "nats", "model",
+       "cross-entropy of MTP depth k (predicting the token k + 1 places beyond the next) of the step, mean over "
+       "data-parallel ranks", pattern=True, labels=("depth",), when=MTP),
+    _s("mtp_loss_weight", "mtp_loss_weight", "gauge", "1", "model",
+       "lambda weighting the step's mean MTP loss (training.mtp_loss_weight, then "
+       "training.mtp_loss_weight_final)", when=MTP),
+    _s("val_mtp_loss", "validation_mtp_loss", "gauge", "nats", "model",
+       "MTP cross-entropy over the fixed validation set, mean over depths (val_loss stays the main model's)",
+       when=MTP),
+    _s(r"val_mtp_loss_(?P<depth>[0-9]+)", "validation_mtp_depth_loss", "gauge", "nats", "model",
+       "MTP cross-entropy of depth k over the fixed validation set", pattern=True, labels=("depth",), when=MTP),
+    # -- model: mixture of experts (train/moe_balance.py; moe_layer i is block n_dense_layers + i, MTP blocks
+    # last) ----
     _s("moe_maxvio_batch", "moe_maxvio_batch_ratio", "gauge", "ratio", "model",
        "MaxVio_batch = (max - mean) / mean of the tokens routed per expert in one step's global batch, mean over "
        "MoE layers and the window's steps", when=MOE),

@@ -16,3 +16,5 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         raise ValueError(f"parallel.activation_checkpointing = {mode!r}: use none or full")
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    for module in getattr(model, "mtp", nn.ModuleDict()).values():  # multi-token prediction (model/mtp.py)
+        module.block = checkpoint_wrapper(module.block, preserve_rng_state=False)

@@ -45,13 +45,14 @@ def check_chunked_loss(chunk_tokens: int, dims) -> None:
                           "tp = pp = 1 and parallel.dp_shard = 1")
 
 
-def hidden_states(model: nn.Module, owner: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """``model(tokens)`` without its output projection: (B, T, dim). ``owner`` is the
-    module holding ``output`` (``model`` itself, or what a DDP wrapper wraps)."""
+def hidden_states(model: nn.Module, owner: nn.Module, tokens: torch.Tensor, **kwargs):
+    """``model(tokens, **kwargs)`` without its output projection: (B, T, dim) (and, with
+    ``mtp=True``, the MTP depths' normed hidden states). ``owner`` is the module holding
+    ``output`` (``model`` itself, or what a DDP wrapper wraps)."""
     head = owner.output
     owner.output = None
     try:
-        return model(tokens)
+        return model(tokens, **kwargs)
     finally:
         owner.output = head
 

@@ -70,12 +70,14 @@ class Window:
     """One logging window as the loop read it (host values, same on every rank):
     ``steps`` and their ``losses`` (mean over data-parallel ranks) and pre-clip
     ``norms``; ``stats`` is what the loop measured and ``on_log`` hooks add, merged
-    into every training record of the window."""
+    into every training record of the window; ``per_step`` is what hooks measured per
+    step: one value per entry of ``steps``, each merged into its step's record."""
 
     steps: list[int]
     losses: list[float]
     norms: list[float]
     stats: dict[str, Any] = field(default_factory=dict)
+    per_step: dict[str, list[Any]] = field(default_factory=dict)
 
 
 class Component:

@@ -10,8 +10,18 @@ from typing import Any
 from trainforge.train.component import Component
 
 
+def build_loss(tcfg: Any, model_config: Any) -> Any:
+    """The loss of a model with extra training heads (``model.mtp_depth`` > 0: ``MTPLoss``,
+    called as ``loss(model, owner, inputs, targets)``), or None for plain cross-entropy."""
+    if not model_config.mtp_depth:
+        return None
+    from trainforge.train.mtp_loss import MTPLoss
+
+    return MTPLoss(model_config.mtp_depth, tcfg)
+
+
 def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predicted: list[float] | None,
-                     log: Any, model_config: Any = None) -> list[Component]:
+                     log: Any, model_config: Any = None, model_loss: Any = None) -> list[Component]:
     """``mp``: the run's ``TrainerPrecision``; ``compressor``: the gradient compressor or
     None; ``pp_predicted``: the pipeline split's planned stage seconds (None unpipelined);
     ``log``: a warning function on rank 0, None elsewhere; ``model_config``: the resolved
@@ -20,6 +30,8 @@ def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predic
 
     tcfg, par = cfg.training, cfg.parallel
     out: list[Component] = [PrecisionComponent(mp)]
+    if isinstance(model_loss, Component):
+        out.append(model_loss)
     if model_config is not None and model_config.is_moe:
         from trainforge.train.moe_balance import MoEBalance
 

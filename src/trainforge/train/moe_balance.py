@@ -40,7 +40,7 @@ import torch.distributed as dist
 from trainforge.model.moe import Router, routers
 from trainforge.train.component import Component, Window
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_LAYER = re.compile(r"(?:^|\.)(layers|mtp)\.(\d+)\.")
 
 
 def max_violation(load: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,10 @@ class MoEBalance(Component):
     def __init__(self, model_config: Any, grad_accum_steps: int):
         self.gamma = float(model_config.bias_update_rate)
         self.micro_batches = grad_accum_steps
-        self.moe_layers = [i for i in range(model_config.n_layers) if model_config.is_moe_layer(i)]
+        # MTP depth k's block (model/mtp.py) is layer n_layers + k - 1: the last MoE layers.
+        n = model_config.n_layers + model_config.mtp_depth
+        self.moe_layers = [i for i in range(n) if model_config.is_moe_layer(i)]
+        self.n_main_layers = model_config.n_layers
         self.n_experts = model_config.n_routed_experts
         self.has_aux = bool(model_config.aux_loss_alpha or model_config.seq_aux_loss_alpha)
         self._held: list[tuple[int, Router, Router | None]] | None = None  # (MoE layer #, router, master's)
@@ -78,9 +81,10 @@ class MoEBalance(Component):
                 mirror = dict(routers(opt_part)) if opt_part is not part else {}
                 for fqn, router in routers(part):
                     m = _LAYER.search(fqn)
-                    if m is None or int(m.group(1)) not in self.moe_layers:
+                    layer = None if m is None else int(m.group(2)) + (self.n_main_layers if m.group(1) == "mtp" else 0)
+                    if layer not in self.moe_layers:
                         raise RuntimeError(f"router {fqn} is not in a MoE layer of the model config")
-                    held.append((self.moe_layers.index(int(m.group(1))), router, mirror.get(fqn)))
+                    held.append((self.moe_layers.index(layer), router, mirror.get(fqn)))
             self._held = held
             self._device = loop.device
         return self._held

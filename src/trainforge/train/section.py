@@ -34,6 +34,14 @@ class TrainingSection:
     loss_chunk_tokens: int = _f(0, "output projection + cross-entropy this many tokens at a time, recomputed "
                                    "in backward (never the whole logits tensor: less memory, ~7% more forward "
                                    "FLOPs on small); 0 = all at once. Single-device or DDP runs")
+    # Multi-token prediction (model.mtp_depth > 0; train/mtp_loss.py).
+    mtp_loss_weight: float | None = _f(None, "multi-token prediction: lambda in loss = main loss + lambda x mean "
+                                             "MTP loss over depths; unset = 0.3 (DeepSeek-V3) when "
+                                             "model.mtp_depth > 0")
+    mtp_loss_weight_final: float | None = _f(None, "multi-token prediction: lambda after "
+                                                   "training.mtp_loss_weight_switch_step (DeepSeek-V3: 0.1)")
+    mtp_loss_weight_switch_step: int = _f(0, "multi-token prediction: steps after this one use "
+                                             "training.mtp_loss_weight_final; 0 = never switch")
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum_steps", "seq_len", "val_batches", "log_interval"):
@@ -52,6 +60,15 @@ class TrainingSection:
                      f"({decay_steps}) must not exceed training.steps ({self.steps}); lower one of them")
         _require(math.isfinite(self.grad_clip) and self.grad_clip >= 0, "training.grad_clip", self.grad_clip,
                  "a number >= 0 (0 turns clipping off)")
+        for name in ("mtp_loss_weight", "mtp_loss_weight_final"):
+            v = getattr(self, name)
+            _require(v is None or (math.isfinite(v) and v >= 0), f"training.{name}", v, "a finite number >= 0")
+        _require(self.mtp_loss_weight_switch_step >= 0, "training.mtp_loss_weight_switch_step",
+                 self.mtp_loss_weight_switch_step, "an integer >= 0 (0 = never switch)")
+        _require((self.mtp_loss_weight_final is None) == (self.mtp_loss_weight_switch_step == 0),
+                 "training.mtp_loss_weight_switch_step", self.mtp_loss_weight_switch_step,
+                 "set together with training.mtp_loss_weight_final (the weight after the switch; "
+                 f"now {self.mtp_loss_weight_final}): both or neither")
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                  "training.device", self.device, "auto, cpu, cuda or cuda:N")
 

@@ -40,7 +40,7 @@ from trainforge.train import loop_checkpoint
 from trainforge.train.build import build_model_stack, check_run, pick_device, seed_everything
 from trainforge.train.chunked_loss import chunked_cross_entropy, hidden_states
 from trainforge.train.component import Callback, Components, Rollback, Stop, StopKind, Window
-from trainforge.train.features import build_components
+from trainforge.train.features import build_components, build_loss
 from trainforge.train.lr_schedule import build_scheduler
 from trainforge.train.metrics import ConsoleReporter, validation_message
 from trainforge.train.mfu import PeakFlops
@@ -99,6 +99,8 @@ class Trainer:
         # Before anything is allocated and before the first collective, identically on every rank.
         policy, pp_layout = check_run(cfg, self.model_config, self.dims, self.device, self.log if self.is_main else None)
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
+        # A model with extra training heads brings its own loss (a component too; None: plain cross-entropy).
+        self.model_loss = build_loss(tcfg, self.model_config)
         self.compressor = build_compressor(cfg.compression, self.dims,
                                            self.mesh["dp_replicate"].get_group() if self.mesh else None,
                                            self.device, tcfg.seed, log=self.log.info if self.is_main else None)
@@ -114,7 +116,7 @@ class Trainer:
         # Callbacks first: their evaluation records merge before the features' (as they always did).
         self.components = Components([*(callbacks or []), *build_components(
             cfg, self.run_dir, self.mp, self.compressor, self.pp_predicted, self.log.warning if self.is_main else None,
-            model_config=self.model_config)])
+            model_config=self.model_config, model_loss=self.model_loss)])
         self.stop: Stop | None = None
         self._rollback_request: Rollback | None = None
         # Train batches are assembled (and on CUDA staged to the device) ahead of use, in the
@@ -214,6 +216,8 @@ class Trainer:
         """Mean cross-entropy in fp32 (unpipelined layouts). Under TP with loss parallel
         the logits are a vocab-sharded DTensor and this must run (with its backward) in
         ``layout.loss_ctx()``."""
+        if self.model_loss is not None:
+            return self.model_loss(self.model, self.model_parts[0], inputs, targets)
         chunk = self.cfg.training.loss_chunk_tokens
         if chunk:  # never the whole (B, T, V) logits (train/chunked_loss.py)
             owner = self.model_parts[0]
@@ -370,9 +374,10 @@ class Trainer:
         window.stats.update(self.train_batches.window_stats())  # this rank's data pipeline: I/O wait, cache tiers
         window.stats.update(self.layout.window_stats())
         self.components.on_log(self, window)
-        for (step, step_lr, _, _), loss_v, norm_v in zip(pending, losses, norms):
+        for i, ((step, step_lr, _, _), loss_v, norm_v) in enumerate(zip(pending, losses, norms)):
             record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
-                      "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **window.stats}
+                      "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **window.stats,
+                      **{k: v[i] for k, v in window.per_step.items()}}
             self.metrics.write(record)
         reporter.step(self.step, record)
         self.components.after_log(self, window)
