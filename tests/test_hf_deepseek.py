@@ -101,7 +101,7 @@ def test_transformers_directory_loads_with_same_logits_and_greedy_tokens(name, t
     ours = loaded.model
     assert loaded.source == "huggingface" and ours.cfg.is_mla and ours.cfg.is_moe
     # save_pretrained writes num_nextn_predict_layers = 1 but no MTP layer: no MTP modules built.
-    assert getattr(ours.cfg, "mtp_depth", 0) == 0
+    assert ours.cfg.mtp_depth == 0
     x = _tokens(ours.cfg.vocab_size)
     with torch.no_grad():
         got = ours(x)
@@ -140,9 +140,7 @@ def test_group_mask_is_minus_inf():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A dsv3-debug trainforge checkpoint with one MTP module, and its Hugging Face export."""
-    cfg = dataclasses.replace(FLAVORS["dsv3-debug"], max_seq_len=128, bias_update_rate=0.0,
-                              **({"mtp_depth": 1} if "mtp_depth" in FLAVORS["dsv3-debug"].__dataclass_fields__
-                                 else {}))
+    cfg = dataclasses.replace(FLAVORS["dsv3-debug"], max_seq_len=128, bias_update_rate=0.0, mtp_depth=1)
     model = build_model(cfg, seed=0).eval()
     _sharpen(model, seed=4)
     root = tmp_path_factory.mktemp("dsv3")
@@ -153,8 +151,7 @@ def exported(tmp_path_factory):
 def test_exported_checkpoint_loads_in_transformers_with_same_logits(exported):
     model, _, hf_dir = exported
     config = json.loads((hf_dir / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3" and config["num_nextn_predict_layers"] == getattr(
-        model.cfg, "mtp_depth", 0)
+    assert config["model_type"] == "deepseek_v3" and config["num_nextn_predict_layers"] == 1
     # transformers keeps no MTP layer in DeepseekV3ForCausalLM: it reports the layer as unexpected keys.
     theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()
     x = _tokens(model.cfg.vocab_size)
@@ -169,7 +166,7 @@ def test_round_trip_is_bit_identical_mtp_included(exported):
     back = load_model(hf_dir).model
     want, got = model.state_dict(), back.state_dict()
     assert got.keys() == want.keys()
-    assert any(k.startswith("mtp.") for k in want) == bool(getattr(model.cfg, "mtp_depth", 0))
+    assert any(k.startswith("mtp.0.block.feed_forward.experts") for k in want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     # The state-dict functions alone too: ours -> HF -> ours.
     again = from_hf_state_dict(to_hf_state_dict(want, model.cfg), model.cfg)
@@ -180,8 +177,8 @@ def test_transformers_in_memory_state_dict_converts(exported):
     """transformers' fused expert tensors (``gate_up_proj``) convert like the files' per-expert keys."""
     model, _, hf_dir = exported
     theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir)
-    sd = from_hf_state_dict(theirs.state_dict(), dataclasses.replace(model.cfg, **(
-        {"mtp_depth": 0} if "mtp_depth" in model.cfg.__dataclass_fields__ else {})))
+    # DeepseekV3ForCausalLM has no MTP layer: convert as a model without MTP modules.
+    sd = from_hf_state_dict(theirs.state_dict(), dataclasses.replace(model.cfg, mtp_depth=0))
     want = model.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in sd.items())
 

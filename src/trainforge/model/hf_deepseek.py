@@ -92,10 +92,6 @@ _MTP_SHARED = (("tok_embeddings.weight", "embed_tokens.weight"), ("output.weight
 _IGNORED_SUFFIX = "rotary_emb.inv_freq"
 
 
-def mtp_depth_of(cfg: ModelConfig) -> int:
-    return getattr(cfg, "mtp_depth", 0)
-
-
 def _block_table(cfg: ModelConfig, layer: int, ours: str, hf: str) -> list[tuple[str, str]]:
     """(our key, HF key) of one block's weights, routed experts excluded (``_expert_table``)."""
     low_rank_q = ("wq_a.weight", "q_norm.weight", "wq_b.weight")
@@ -120,7 +116,7 @@ def _blocks(cfg: ModelConfig) -> list[tuple[int, str, str]]:
     (HF layer ``num_hidden_layers + depth``, as in the released checkpoints)."""
     n = cfg.n_layers
     return ([(i, f"layers.{i}.", f"model.layers.{i}.") for i in range(n)]
-            + [(n + d, f"mtp.{d}.block.", f"model.layers.{n + d}.") for d in range(mtp_depth_of(cfg))])
+            + [(n + d, f"mtp.{d}.block.", f"model.layers.{n + d}.") for d in range(cfg.mtp_depth)])
 
 
 def _key_table(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -130,7 +126,7 @@ def _key_table(cfg: ModelConfig) -> list[tuple[str, str]]:
     for layer, ours, hf in _blocks(cfg):
         table += _block_table(cfg, layer, ours, hf)
     n = cfg.n_layers
-    for d in range(mtp_depth_of(cfg)):
+    for d in range(cfg.mtp_depth):
         table += [(f"mtp.{d}.{o}", f"model.layers.{n + d}.{h}") for o, h in _MTP]
     table += [("norm.weight", "model.norm.weight"), ("output.weight", "lm_head.weight")]
     return table
@@ -187,7 +183,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_inter
     sd = _unfuse_experts({k: v for k, v in sd.items() if not k.endswith(_IGNORED_SUFFIX)}, cfg)
     table, experts = _key_table(cfg), _expert_table(cfg)
     n = cfg.n_layers
-    copies = {f"model.layers.{n + d}.{h}": o for d in range(mtp_depth_of(cfg)) for o, h in _MTP_SHARED}
+    copies = {f"model.layers.{n + d}.{h}": o for d in range(cfg.mtp_depth) for o, h in _MTP_SHARED}
     expected = {h for _, h in table} | {h for _, hs in experts for h in hs}
     missing = sorted(expected - sd.keys())
     if cfg.tie_embeddings and "lm_head.weight" in missing:
@@ -196,7 +192,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_inter
     if missing or unexpected:
         raise CheckpointError(
             f"Hugging Face state dict does not match config.json (num_hidden_layers={n}, first_k_dense_replace="
-            f"{cfg.n_dense_layers}, num_nextn_predict_layers={mtp_depth_of(cfg)}, q_lora_rank="
+            f"{cfg.n_dense_layers}, num_nextn_predict_layers={cfg.mtp_depth}, q_lora_rank="
             f"{cfg.q_lora_rank or None}): missing keys {_listing(missing)}, unexpected keys {_listing(unexpected)}")
     index = deinterleave(cfg.qk_rope_head_dim) if rope_interleave else None
     out = {o: _rope_permute(cfg, o, sd[h], index) for o, h in table if h in sd}
@@ -259,7 +255,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_interle
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     n = cfg.n_layers
     main = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
-    for d in range(mtp_depth_of(cfg)):
+    for d in range(cfg.mtp_depth):
         out.update({f"model.layers.{n + d}.{h}": out[main[o]] for o, h in _MTP_SHARED})
     return out
 
@@ -386,11 +382,7 @@ def model_config_from_hf(d: dict[str, Any], mtp_weights: bool = True) -> ModelCo
     depth = _num(d, "num_nextn_predict_layers", 0) if mtp_weights else 0
     if depth < 0:
         raise CheckpointError(f"config.json key 'num_nextn_predict_layers' = {depth}: must be an integer >= 0")
-    if depth:
-        if not hasattr(ModelConfig, "mtp_depth") and "mtp_depth" not in ModelConfig.__dataclass_fields__:
-            raise CheckpointError("config.json key 'num_nextn_predict_layers' > 0, but this trainforge has no "
-                                  "multi-token prediction modules")
-        values["mtp_depth"] = depth
+    values["mtp_depth"] = depth
     try:
         return ModelConfig(**values)
     except TrainforgeError as e:  # named by ModelConfig's fields: rename them to config.json's keys
@@ -432,7 +424,7 @@ def to_hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any
         "num_experts_per_tok": cfg.n_activated_experts, "moe_intermediate_size": cfg.moe_inter_dim,
         "first_k_dense_replace": cfg.n_dense_layers, "moe_layer_freq": 1, "n_group": cfg.n_group,
         "topk_group": cfg.topk_group, "routed_scaling_factor": cfg.route_scale, "norm_topk_prob": True,
-        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": mtp_depth_of(cfg),
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": cfg.mtp_depth,
         "rope_parameters": rope, "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
         "dtype": dtype, "torch_dtype": dtype,
     }
