@@ -1,6 +1,28 @@
-"""Weight mapping between trainforge's DeepSeek-V3 modules and Hugging Face's
-``DeepseekV3ForCausalLM`` layout. For now the attention only (``MLA`` <-> ``DeepseekV3Attention``);
-the whole-checkpoint load/write builds on these functions.
+"""Conversion between trainforge's DeepSeek-V3 models (latent attention + sigmoid-routed MoE
++ MTP) and Hugging Face's ``DeepseekV3ForCausalLM``: ``config.json`` <-> ``ModelConfig`` and
+state dicts both ways. ``infer/loading.py`` reads such directories, ``infer/hf_export.py``
+writes them.
+
+Experts: the released files (and transformers' ``save_pretrained``) store one tensor per
+expert, ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``; transformers holds them in
+memory fused, ``gate_up_proj`` (E, 2·inter, dim) and ``down_proj`` (E, dim, inter). Both are
+read; the per-expert layout is written. Ours are stacked: w1 (gate), w3 (up), w2 (down).
+The router's ``gate.e_score_correction_bias`` is our ``router.expert_bias``.
+
+MTP: the released checkpoints store MTP depth d as ``model.layers.{num_hidden_layers + d}``
+(a normal block's ``self_attn`` / ``mlp`` / norms plus ``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm``, and copies of the embedding ``embed_tokens`` and of the head
+``shared_head.head``) <-> ``Transformer.mtp[d]`` (enorm, hnorm, proj, block, norm). They are
+kept on load and written back. ``DeepseekV3ForCausalLM`` itself drops that layer on load
+(reported as unexpected keys); transformers loads it only into its separate ``MtpModel`` for
+``generate(use_mtp=True)``, and only for the 61-layer checkpoint (its key pattern names layer 61).
+
+Expert-group masking: DeepSeek's reference ``Gate`` masks the experts of unchosen groups with
+-inf before the top-k; so does transformers 5's ``DeepseekV3TopkRouter`` and so does our
+``Router``. transformers 4.x and the checkpoints' remote code masked with 0.0, which differs
+only when fewer than k experts of the kept groups have a biased score above 0 (possible: the
+selection bias is negative for overloaded experts); no option is needed for parity with the
+installed transformers (``tests/test_hf_deepseek.py::test_group_mask_is_minus_inf``).
 
 Names: wq <-> q_proj, wq_a <-> q_a_proj, q_norm <-> q_a_layernorm, wq_b <-> q_b_proj,
 wkv_a <-> kv_a_proj_with_mqa, kv_norm <-> kv_a_layernorm, wkv_b <-> kv_b_proj, wo <-> o_proj.
@@ -272,7 +294,8 @@ _FIELD_TO_HF = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads"
                 "moe_inter_dim": "moe_intermediate_size", "n_dense_layers": "first_k_dense_replace",
                 "route_scale": "routed_scaling_factor", "n_group": "n_group", "topk_group": "topk_group",
                 "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-                "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "rope_factor": "rope_scaling.factor",
+                "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+                "rope_factor": "rope_scaling.factor",
                 "rope_original_max_seq_len": "rope_scaling.original_max_position_embeddings",
                 "rope_beta_fast": "rope_scaling.beta_fast", "rope_beta_slow": "rope_scaling.beta_slow",
                 "rope_mscale": "rope_scaling.mscale", "rope_mscale_all_dim": "rope_scaling.mscale_all_dim",
