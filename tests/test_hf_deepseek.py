@@ -161,8 +161,14 @@ def test_exported_checkpoint_loads_in_transformers_with_same_logits(exported):
     assert _hf_argmax_loop(theirs, prompt, GREEDY_TOKENS) == argmax_loop(model, prompt, GREEDY_TOKENS)
 
 
-def test_round_trip_is_bit_identical_mtp_included(exported):
-    model, _, hf_dir = exported
+@pytest.mark.parametrize("via", ["python", "cli"])
+def test_round_trip_is_bit_identical_mtp_included(exported, via, tmp_path):
+    model, ck, hf_dir = exported
+    if via == "cli":
+        from trainforge.cli import main as cli_main
+
+        hf_dir = tmp_path / "hf"
+        assert cli_main(["export", "--checkpoint", str(ck), "--output", str(hf_dir)]) == 0
     back = load_model(hf_dir).model
     want, got = model.state_dict(), back.state_dict()
     assert got.keys() == want.keys()
