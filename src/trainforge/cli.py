@@ -359,6 +359,22 @@ def _quantize(argv: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    from trainforge.infer.hf_export import export_hf
+
+    p = argparse.ArgumentParser(prog="trainforge export",
+                                description="Write a trainforge checkpoint as a Hugging Face directory (config.json + "
+                                            "model.safetensors + tokenizer.json): LlamaForCausalLM for dense models, "
+                                            "DeepseekV3ForCausalLM (MTP layers included) for latent-attention MoE.")
+    p.add_argument("--checkpoint", required=True, help="float trainforge checkpoint or run directory")
+    p.add_argument("--output", required=True, help="new directory for the Hugging Face files")
+    a = p.parse_args(argv)
+    if Path(a.output).exists():
+        raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
+    print(f"wrote {export_hf(a.checkpoint, a.output)}")
+    return 0
+
+
 def _serve(argv: list[str]) -> int:
     import os
 
@@ -425,7 +441,7 @@ def _report(argv: list[str]) -> int:
 
 
 COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quantize": _quantize,
-            "serve": _serve, "report": _report}
+            "serve": _serve, "export": _export, "report": _report}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
 """Load a model for inference from a trainforge checkpoint (float or quantised by
-``trainforge quantize``) or a Hugging Face Llama-layout directory (``config.json`` +
-``*.safetensors``, sharded or not). Safetensors only: no pickle is ever loaded.
+``trainforge quantize``) or a Hugging Face directory (``config.json`` + ``*.safetensors``,
+sharded or not) in the ``LlamaForCausalLM`` layout (``model/hf.py``) or, when config.json's
+``model_type`` is ``deepseek_v3``, the ``DeepseekV3ForCausalLM`` one (``model/hf_deepseek.py``;
+its MTP layers are kept). Safetensors only: no pickle is ever loaded.
 
 The model is built on the meta device (no memory, no random init), quantised layers are
 swapped in on meta too, and the tensors read from the file become the parameters by
@@ -24,6 +26,7 @@ from safetensors.torch import load_file
 
 from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
+from trainforge.model import hf_deepseek
 from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
 from trainforge.model.llama import Transformer
 from trainforge.model.rope import model_rope_tables
@@ -119,7 +122,7 @@ def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tor
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
-    directory (newest checkpoint), or a Hugging Face Llama directory. ``dtype`` is the float
+    directory (newest checkpoint), or a Hugging Face Llama or DeepSeek-V3 directory. ``dtype`` is the float
     dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file.
 
     Before any weight is read, the shape is validated and the memory of the weights, the
@@ -177,6 +180,20 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
     return LoadedModel(model, tok, eos, name, "trainforge", quantization, ck)
 
 
+def _has_layer(files: list[Path], layer: Any) -> bool:
+    """Whether any of ``files`` holds a tensor of ``model.layers.{layer}`` (names only are read)."""
+    prefix = f"model.layers.{layer}."
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                if any(k.startswith(prefix) for k in fh.keys()):
+                    return True
+        except Exception as e:  # as _read_safetensors: a damaged header
+            raise CheckpointError(f"weights file {f} could not be read: not a safetensors file, or damaged "
+                                  f"({error_detail(e)})") from None
+    return False
+
+
 def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
     config_file = path / "config.json"
     try:
@@ -188,14 +205,22 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
         raise CheckpointError(f"{config_file} could not be read: not a JSON config ({error_detail(e)})") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_file} holds {type(hf_config).__name__}, not a JSON object")
+    files = sorted(path.glob("*.safetensors"))
+    deepseek = hf_deepseek.is_deepseek_v3(hf_config)
     try:
-        cfg = model_config_from_hf(hf_config)
+        if deepseek:
+            # transformers' save_pretrained drops the MTP layers but keeps num_nextn_predict_layers:
+            # the files say whether there are MTP modules to build.
+            cfg = hf_deepseek.model_config_from_hf(hf_config, mtp_weights=_has_layer(
+                files, hf_config.get("num_hidden_layers")))
+        else:
+            cfg = model_config_from_hf(hf_config)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type
-        raise CheckpointError(f"{config_file} does not describe a Llama model ({error_detail(e)})") from None
+        raise CheckpointError(f"{config_file} does not describe a {'DeepSeek-V3' if deepseek else 'Llama'} model "
+                              f"({error_detail(e)})") from None
     _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
-    files = sorted(path.glob("*.safetensors"))
     if not files:
         found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         raise CheckpointError(f"{path}: no *.safetensors weights" + (f" (found {found}: pickle formats are not "
@@ -203,7 +228,10 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
                               if found else ""))
     sd, _ = _read_safetensors(files, device)
     try:
-        sd = from_hf_state_dict(sd, cfg)
+        if deepseek:
+            sd = hf_deepseek.from_hf_state_dict(sd, cfg, rope_interleave=bool(hf_config.get("rope_interleave", True)))
+        else:
+            sd = from_hf_state_dict(sd, cfg)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     model = _materialise(cfg, sd, device, dtype, None, str(path))

@@ -76,11 +76,11 @@ def _convert(sd: dict[str, torch.Tensor], cfg: ModelConfig, src: int, what: str)
                               "no experts; mixture-of-experts models have no Hugging Face conversion yet")
     if cfg.is_mla:
         raise CheckpointError(f"{what} state dict: the Hugging Face layout here is LlamaForCausalLM's; latent-"
-                              "attention (MLA) models have no Hugging Face conversion yet")
+                              "attention (MLA) models convert as DeepseekV3ForCausalLM (model/hf_deepseek.py)")
     if cfg.mtp_depth:
         raise CheckpointError(f"{what} state dict: the Hugging Face layout here is LlamaForCausalLM's, which has "
                               f"no multi-token prediction modules (model.mtp_depth = {cfg.mtp_depth}); drop them by "
-                              "training with model.mtp_depth = 0, or wait for the DeepSeek-V3 layout")
+                              "training with model.mtp_depth = 0, or use a DeepSeek-V3 model (model/hf_deepseek.py)")
     table = _key_table(cfg)
     dst = 1 - src
     emb_src, emb_dst = table[0][src], table[0][dst]
