@@ -28,7 +28,8 @@ TP = 2
 LOSS_RTOL = 1e-5  # relative, per step, over 3 steps
 GRAD_ATOL = 1e-5  # every parameter's gradient, gathered with full_tensor(), every step
 WEIGHT_ATOL = 1e-5  # every parameter after 3 clipped AdamW steps (lr 1e-3)
-CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied"]  # sequence / loss parallel, tied embeddings
+# sequence / loss parallel, tied embeddings; latent attention (MLA) with a low- or full-rank query
+CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied", "mla-sp-lp", "mla-nosp-nolp", "mla-fullq-sp-lp"]
 
 
 @pytest.fixture(scope="module")
