@@ -10,6 +10,8 @@
   norms are SequenceParallel, so between the blocks' matmuls the residual stream is
   (B, T/tp, dim) on each rank and norms / residual adds run on a 1/tp slice of the tokens.
   Without it the stream is the full (B, T, dim) on every rank and the norms run replicated.
+  Latent attention (MLA) has its own attention plan (``_mla_plan``): the head projections
+  split as above, the low-rank ones replicated.
 - ``norm``: as the block norms; ``output``: ColwiseParallel, vocab sharded. With loss
   parallel the logits stay a Shard(-1) DTensor and the cross-entropy is computed on the
   shards (never materialising (B, T, vocab) on one rank); otherwise they are all-gathered
