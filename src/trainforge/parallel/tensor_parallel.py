@@ -222,10 +222,11 @@ class _ReplicatePartialGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
-        if not grad.placements[0].is_partial():
-            # A replicated gradient as a partial sum: rank 0 keeps it, the others send zeros.
-            grad = grad.redistribute(placements=(Partial(),))
-        return grad.to_local(), None
+        if grad.placements[0].is_partial():
+            return grad.to_local(), None
+        # Replicated (DTensor reduced it already; compiled backwards do): an equal share per
+        # rank sums to it. (Redistributing to Partial instead is refused under torch.compile.)
+        return grad.to_local() / grad.device_mesh.size(), None
 
 
 def _wrap_sequence_shard(tp_mesh: DeviceMesh):
