@@ -180,8 +180,8 @@ def _norm_style(sequence_parallel: bool, use_local_output: bool = False) -> Para
 
 
 class _ReplicateParallel(ParallelStyle):
-    """A norm without sequence parallel: runs on the full, replicated (B, T, dim) input, but
-    its weight still becomes a Replicate DTensor. Left a plain tensor, it would make the
+    """A module run replicated (a norm without sequence parallel, MLA's low-rank projections):
+    it computes on the full, replicated input, but its weights still become Replicate DTensors. Left a plain tensor, it would make the
     parameter list a mix of Tensors and DTensors, which foreach ops reject
     (``clip_grad_norm_``: "got mixed torch.Tensor and DTensor"). torchtitan's ``NoParallel``.
 
