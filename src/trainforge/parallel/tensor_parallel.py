@@ -181,8 +181,9 @@ def _norm_style(sequence_parallel: bool, use_local_output: bool = False) -> Para
 
 class _ReplicateParallel(ParallelStyle):
     """A module run replicated (a norm without sequence parallel, MLA's low-rank projections):
-    it computes on the full, replicated input, but its weights still become Replicate DTensors. Left a plain tensor, it would make the
-    parameter list a mix of Tensors and DTensors, which foreach ops reject
+    it computes on the full, replicated input, but its weights still become Replicate
+    DTensors. Left plain tensors, they would make the parameter list a mix of Tensors and
+    DTensors, which foreach ops reject
     (``clip_grad_norm_``: "got mixed torch.Tensor and DTensor"). torchtitan's ``NoParallel``.
 
     ``partial_grad``: the gradient of a plain input or output is each rank's partial sum
