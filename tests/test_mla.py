@@ -165,10 +165,11 @@ def test_overrides_and_yarn_on_dense_refused_via_the_cli_config():
         model_config_from_section(bad.model, 512)
 
 
-def test_tensor_parallel_refuses_latent_attention_before_any_work():
+def test_tensor_parallel_takes_dense_latent_attention_and_refuses_its_experts():
+    """MLA splits over TP (tests/parallel/test_mla_parallel.py); the dsv3 flavors' MoE blocks do not."""
     from trainforge.parallel.tensor_parallel import check_tensor_parallel
 
-    dense_mla = dataclasses.replace(FLAVORS["dsv3-debug"], n_routed_experts=0)  # not refused as MoE
-    with pytest.raises(ConfigError, match="parallel.tp.*latent attention"):
-        check_tensor_parallel(dense_mla, 2)
-    check_tensor_parallel(dense_mla, 1)
+    dense_mla = dataclasses.replace(FLAVORS["dsv3-debug"], n_routed_experts=0)
+    check_tensor_parallel(dense_mla, 2)
+    with pytest.raises(ConfigError, match="parallel.tp.*mixture-of-experts"):
+        check_tensor_parallel(FLAVORS["dsv3-debug"], 2)

@@ -7,6 +7,7 @@ below assert them against the stated tolerances.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -28,7 +29,8 @@ TP = 2
 LOSS_RTOL = 1e-5  # relative, per step, over 3 steps
 GRAD_ATOL = 1e-5  # every parameter's gradient, gathered with full_tensor(), every step
 WEIGHT_ATOL = 1e-5  # every parameter after 3 clipped AdamW steps (lr 1e-3)
-CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied"]  # sequence / loss parallel, tied embeddings
+# sequence / loss parallel, tied embeddings; latent attention (MLA) with a low- or full-rank query
+CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied", "mla-sp-lp", "mla-nosp-nolp", "mla-fullq-sp-lp"]
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +104,13 @@ def test_cross_entropy_loss_on_plain_tensors():
     torch.testing.assert_close(loss, want, rtol=0, atol=0)  # computed in fp32 whatever the logits' dtype
     assert logits.grad is not None and logits.grad.shape == logits.shape
 
+
+
+def test_mla_tp_degree_is_checked_against_heads_only():
+    """Latent attention has no KV heads to split (one latent serves all heads): a tp that
+    divides n_heads is accepted whatever n_kv_heads, one that does not is refused."""
+    mla = dataclasses.replace(FLAVORS["debug"], dim=96, n_heads=6, n_kv_heads=3, q_lora_rank=32, kv_lora_rank=32,
+                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, ffn_hidden_dim=180)
+    check_tensor_parallel(mla, 2)  # 3 KV heads do not matter
+    with pytest.raises(ConfigError, match="model.n_heads = 6"):
+        check_tensor_parallel(mla, 4)

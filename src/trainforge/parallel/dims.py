@@ -71,7 +71,12 @@ class ParallelDims:
 
     def check_model(self, model_config) -> None:
         """Shape constraints between the layout and the model, checked before any collective."""
-        if model_config.n_heads % self.tp or model_config.n_kv_heads % self.tp:
+        mla = getattr(model_config, "is_mla", False)
+        if mla and model_config.n_heads % self.tp:
+            # Latent attention has no separate KV heads: one latent and one rotary key serve all heads.
+            raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide model.n_heads = "
+                              f"{model_config.n_heads} (each rank holds whole heads)")
+        if not mla and (model_config.n_heads % self.tp or model_config.n_kv_heads % self.tp):
             raise ConfigError(
                 f"config key 'parallel.tp' = {self.tp} must divide model.n_heads = {model_config.n_heads} and "
                 f"model.n_kv_heads = {model_config.n_kv_heads} (each rank holds whole heads)")
@@ -88,10 +93,6 @@ class ParallelDims:
             raise ConfigError(f"config key 'parallel.tp' = {self.tp}: tensor parallelism of mixture-of-experts "
                               "blocks is not supported (the TP plans shard dense feed-forwards); use parallel.tp = 1 "
                               "and split the experts with parallel.ep")
-        if getattr(model_config, "is_mla", False) and self.tp > 1:
-            raise ConfigError(f"config key 'parallel.tp' = {self.tp}: tensor parallelism of latent attention (MLA, "
-                              "model.kv_lora_rank > 0) is not supported yet (no TP plan for its projections); use "
-                              "parallel.tp = 1 and shard with parallel.dp_shard (FSDP)")
         if self.pp > model_config.n_layers:
             raise ConfigError(f"config key 'parallel.pp' = {self.pp} exceeds model.n_layers = "
                               f"{model_config.n_layers}: every stage needs at least one block")

@@ -10,6 +10,8 @@
   norms are SequenceParallel, so between the blocks' matmuls the residual stream is
   (B, T/tp, dim) on each rank and norms / residual adds run on a 1/tp slice of the tokens.
   Without it the stream is the full (B, T, dim) on every rank and the norms run replicated.
+  Latent attention (MLA) has its own attention plan (``_mla_plan``): the head projections
+  split as above, the low-rank ones replicated.
 - ``norm``: as the block norms; ``output``: ColwiseParallel, vocab sharded. With loss
   parallel the logits stay a Shard(-1) DTensor and the cross-entropy is computed on the
   shards (never materialising (B, T, vocab) on one rank); otherwise they are all-gathered
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -115,9 +117,11 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
         plan = {
             "attention": PrepareModuleInput(input_layouts=(stream, None, None, None),
                                             desired_input_layouts=(Replicate(), None, None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
+            **(_mla_plan(block.attention) if model.cfg.is_mla else {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+            }),
             "attention.wo": RowwiseParallel(output_layouts=stream),
             "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
@@ -145,6 +149,30 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
             block.register_forward_pre_hook(_unwrap_sequence_shard)
 
 
+def _mla_plan(attention: nn.Module) -> dict[str, ParallelStyle]:
+    """Latent attention (model/mla.py): the head-producing projections (``wq`` or ``wq_b``,
+    ``wkv_b``) are column-parallel, so each rank computes whole heads (the forward derives
+    the head count from their output sizes); the low-rank projections and their norms
+    (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``) are small and run replicated.
+
+    ``wkv_a``'s output is split inside the forward into the latent (into ``kv_norm`` ->
+    ``wkv_b``) and the rotary key shared by all heads (concatenated with this rank's plain
+    per-head keys), so it leaves as a plain tensor. Either part's gradient on a rank covers
+    that rank's heads only: a partial sum over the TP ranks. ``partial_grad`` keeps it one
+    across the plain/DTensor boundaries, so it is reduced once, by DTensor, in ``wkv_a``'s
+    backward (its weight gradient arrives Partial, as the norms' do)."""
+    if hasattr(attention, "wq"):
+        query = {"attention.wq": ColwiseParallel()}
+    else:
+        # DTensors from wq_a through q_norm into wq_b: DTensor tracks the partial gradient itself.
+        query = {"attention.wq_a": _ReplicateParallel(), "attention.q_norm": _ReplicateParallel(),
+                 "attention.wq_b": ColwiseParallel()}
+    return {**query,
+            "attention.wkv_a": _ReplicateParallel(use_local_output=True, partial_grad=True),
+            "attention.kv_norm": _ReplicateParallel(partial_grad=True),
+            "attention.wkv_b": ColwiseParallel()}
+
+
 def _norm_style(sequence_parallel: bool, use_local_output: bool = False) -> ParallelStyle:
     if sequence_parallel:
         return SequenceParallel(use_local_output=use_local_output)
@@ -152,27 +180,54 @@ def _norm_style(sequence_parallel: bool, use_local_output: bool = False) -> Para
 
 
 class _ReplicateParallel(ParallelStyle):
-    """A norm without sequence parallel: runs on the full, replicated (B, T, dim) input, but
-    its weight still becomes a Replicate DTensor. Left a plain tensor, it would make the
-    parameter list a mix of Tensors and DTensors, which foreach ops reject
-    (``clip_grad_norm_``: "got mixed torch.Tensor and DTensor"). torchtitan's ``NoParallel``."""
+    """A module run replicated (a norm without sequence parallel, MLA's low-rank projections):
+    it computes on the full, replicated input, but its weights still become Replicate
+    DTensors. Left plain tensors, they would make the parameter list a mix of Tensors and
+    DTensors, which foreach ops reject
+    (``clip_grad_norm_``: "got mixed torch.Tensor and DTensor"). torchtitan's ``NoParallel``.
 
-    def __init__(self, *, use_local_output: bool = False):
+    ``partial_grad``: the gradient of a plain input or output is each rank's partial sum
+    (the value feeds this rank's heads only), not the full gradient: a plain input's
+    gradient is handed back unreduced, and a plain output's is taken as Partial."""
+
+    def __init__(self, *, use_local_output: bool = False, partial_grad: bool = False):
         super().__init__()
         self.use_local_output = use_local_output
+        self.partial_grad = partial_grad
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def input_fn(mod, inputs, mesh):
             x, *rest = inputs
             if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                x = (_ReplicatePartialGrad.apply(x, mesh) if self.partial_grad
+                     else DTensor.from_local(x, mesh, (Replicate(),), run_check=False))
             return (x, *rest)
 
         def output_fn(mod, output, mesh):
-            return output.to_local() if self.use_local_output else output
+            if not self.use_local_output:
+                return output
+            return output.to_local(grad_placements=(Partial(),) if self.partial_grad else None)
 
         # No partition_fn: distribute_module replicates every parameter from rank 0.
         return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
+
+
+class _ReplicatePartialGrad(torch.autograd.Function):
+    """A plain tensor, identical on the TP ranks -> a Replicate DTensor, whose gradient goes
+    back as this rank's local partial sum. (``DTensor.from_local`` would all-reduce a Partial
+    gradient into the full one, which a Partial ``to_local`` upstream would count tp times.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        if grad.placements[0].is_partial():
+            return grad.to_local(), None
+        # Replicated (DTensor reduced it already; compiled backwards do): an equal share per
+        # rank sums to it. (Redistributing to Partial instead is refused under torch.compile.)
+        return grad.to_local() / grad.device_mesh.size(), None
 
 
 def _wrap_sequence_shard(tp_mesh: DeviceMesh):

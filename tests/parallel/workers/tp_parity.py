@@ -27,12 +27,17 @@ from trainforge.parallel.distributed import destroy_distributed, init_distribute
 from trainforge.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_loss, loss_context
 
 BATCH, SEQ, STEPS = 2, 16, 3
-CASES = {  # name -> (sequence_parallel, loss_parallel, tie_embeddings)
-    "sp-lp": (True, True, False),
-    "sp-nolp": (True, False, False),
-    "nosp-lp": (False, True, False),
-    "nosp-nolp": (False, False, False),
-    "sp-lp-tied": (True, True, True),
+# Dense latent attention (model/mla.py) on the debug shapes: low-rank or full-rank query.
+MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+CASES = {  # name -> (sequence_parallel, loss_parallel, tie_embeddings, model overrides)
+    "sp-lp": (True, True, False, {}),
+    "sp-nolp": (True, False, False, {}),
+    "nosp-lp": (False, True, False, {}),
+    "nosp-nolp": (False, False, False, {}),
+    "sp-lp-tied": (True, True, True, {}),
+    "mla-sp-lp": (True, True, False, MLA),
+    "mla-nosp-nolp": (False, False, False, MLA),
+    "mla-fullq-sp-lp": (True, True, False, {**MLA, "q_lora_rank": 0}),
 }
 
 
@@ -55,15 +60,23 @@ def batches(vocab: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run_case(mesh, sp: bool, lp: bool, tied: bool) -> dict:
-    cfg = dataclasses.replace(FLAVORS["debug"], tie_embeddings=tied)
+def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict) -> dict:
+    cfg = dataclasses.replace(FLAVORS["debug"], tie_embeddings=tied, **overrides)
     ref = build_model(cfg, seed=0)
     model = copy.deepcopy(ref)
     apply_tensor_parallel(model, mesh, sequence_parallel=sp, loss_parallel=lp)
 
     # The model really is split: each rank holds half the query heads and half the vocab.
-    wq = model.layers["0"].attention.wq.weight
-    assert isinstance(wq, DTensor) and wq.to_local().shape[0] == cfg.n_heads * cfg.head_dim // 2
+    attention = model.layers["0"].attention
+    if cfg.is_mla:
+        wq = (attention.wq if cfg.q_lora_rank == 0 else attention.wq_b).weight
+        head = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        kv = attention.wkv_b.weight
+        assert kv.to_local().shape[0] == cfg.n_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) // 2
+        assert attention.wkv_a.weight.placements[0].is_replicate()  # the shared rotary key: whole on every rank
+    else:
+        wq, head = attention.wq.weight, cfg.head_dim
+    assert isinstance(wq, DTensor) and wq.to_local().shape[0] == cfg.n_heads * head // 2
     assert model.output.weight.to_local().shape[0] == cfg.vocab_size // 2
     if tied:
         assert model.output.weight is model.tok_embeddings.weight, "tie lost"
@@ -169,7 +182,7 @@ def main() -> None:
     torch.set_num_threads(1)
     info = init_distributed("cpu")
     mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("tp",))
-    result = {name: run_case(mesh, *flags) for name, flags in CASES.items()}
+    result = {name: run_case(mesh, *case) for name, case in CASES.items()}
     result["stages"] = run_stages(mesh)
     result["seq_len_error"] = check_seq_len(mesh)
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result, indent=1))
