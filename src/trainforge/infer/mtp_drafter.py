@@ -35,8 +35,7 @@ import torch
 
 from trainforge.errors import TrainforgeError
 from trainforge.infer.kv_pool import KVPool
-from trainforge.infer.speculative import DraftBatch, Drafter
-from trainforge.infer.speculative_sampling import draw, filtered_probs
+from trainforge.infer.speculative import DraftBatch, Drafter, pick_draft
 from trainforge.model.attention_cache import LayerCache, PagedCache
 from trainforge.model.fast_decode import FastMTPStep
 from trainforge.model.llama import Transformer
@@ -138,12 +137,7 @@ class MTPDrafter(Drafter):
             else:
                 logits, h = self._step(h, tokens[:, None], u[:, None])
                 logits = logits[:, 0]
-            if greedy:
-                tokens = logits.argmax(-1)
-            else:
-                q = filtered_probs(logits[:, None], batch.params)[:, 0]  # (B, V)
-                tokens = draw(q, batch.params, batch.gens)
-                qs.append(q)
+            tokens = pick_draft(logits, batch, greedy, qs)
             drafts.append(tokens)
         return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
 

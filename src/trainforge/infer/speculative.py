@@ -123,6 +123,17 @@ class Drafter:
         return 0
 
 
+def pick_draft(logits: torch.Tensor, batch: DraftBatch, greedy: bool, qs: list[torch.Tensor]) -> torch.Tensor:
+    """Each row's next draft from the drafter's logits (B, V): the argmax when every row is
+    greedy, else a draw from the filtered distribution, which is appended to ``qs`` for the
+    acceptance rule."""
+    if greedy:
+        return logits.argmax(-1)
+    q = filtered_probs(logits[:, None], batch.params)[:, 0]  # (B, V)
+    qs.append(q)
+    return draw(q, batch.params, batch.gens)
+
+
 class DraftModelDrafter(Drafter):
     """A smaller model sharing the target's tokenizer drafts k tokens, one decode step each
     (its runner: the allocation-free float32 step where the model has one). Its keys/values
@@ -174,12 +185,7 @@ class DraftModelDrafter(Drafter):
         tokens, drafts, qs = batch.tokens, [], []
         for j in range(k):
             logits = self._step(batch, j, tokens)
-            if greedy:
-                tokens = logits.argmax(-1)
-            else:
-                q = filtered_probs(logits[:, None], batch.params)[:, 0]  # (B, V)
-                tokens = draw(q, batch.params, batch.gens)
-                qs.append(q)
+            tokens = pick_draft(logits, batch, greedy, qs)
             drafts.append(tokens)
         return torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None
 
