@@ -54,9 +54,12 @@ def exposition_of_every_metric() -> str:
     reg = Registry(rank=0)
     record = {"some_new_key": 1.5}
     for s in CATALOG:
-        key = {"data_hit_rate_(?P<tier>[a-z]+)": "data_hit_rate_memory", "data_bytes_(?P<tier>[a-z]+)": "data_bytes_disk",
-               r"http_requests (?P<path>\S+) (?P<status>\d+)": "http_requests /v1/completions 200"}
-        key = key.get(s.key, "mem_params_bf16_bytes" if s.pattern else s.key)
+        # One example key per pattern spec: a new pattern without one fails here by name.
+        examples = {"data_hit_rate_(?P<tier>[a-z]+)": "data_hit_rate_memory", "data_bytes_(?P<tier>[a-z]+)": "data_bytes_disk",
+                    r"http_requests (?P<path>\S+) (?P<status>\d+)": "http_requests /v1/completions 200",
+                    r"mem_(?P<category>[a-z_]+)_(?P<dtype>[a-z]+[0-9][a-z0-9]*)_bytes": "mem_params_bf16_bytes",
+                    r"mtp_loss_(?P<depth>[0-9]+)": "mtp_loss_1", r"val_mtp_loss_(?P<depth>[0-9]+)": "val_mtp_loss_1"}
+        key = examples[s.key] if s.pattern else s.key
         if s.encode == "dtype_bytes":
             record[key] = {"layers.0": "bf16"}
         elif s.labels and not s.pattern:
