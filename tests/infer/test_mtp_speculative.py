@@ -170,11 +170,12 @@ def test_greedy_output_is_identical_to_plain_decoding_with_continuous_batching(t
     assert s["spec_acceptance_rate"][0] > 0.3 and s["spec_mean_accepted_length"] > 1.3
 
 
-@pytest.mark.parametrize("depth, k", [(1, 1), (2, 4)])
-def test_greedy_moe_with_mtp(depth, k):
+@pytest.mark.parametrize("flavor, depth, k", [("moe-debug", 1, 1), ("moe-debug", 2, 4), ("dsv3-debug", 1, 2)])
+def test_greedy_moe_with_mtp(flavor, depth, k):
     """A MoE model (its MTP block has a MoE feed-forward, as DeepSeek-V3's); a model with two
-    MTP depths drafts with depth 1 for every k."""
-    model = sharpen(build_model(dataclasses.replace(FLAVORS["moe-debug"], max_seq_len=128, mtp_depth=depth),
+    MTP depths drafts with depth 1 for every k; a DeepSeek-V3 model (latent attention: the MTP
+    block's cache holds latents, as the target's pool)."""
+    model = sharpen(build_model(dataclasses.replace(FLAVORS[flavor], max_seq_len=128, mtp_depth=depth),
                                 seed=0)).eval()
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     want = [argmax_loop(model, p, 10) for p in PROMPTS[:3]]

@@ -74,8 +74,9 @@ class MTPDrafter(Drafter):
         check_mtp_model(target.cfg)
         cfg, w = target.cfg, target.tok_embeddings.weight
         self.model = target
+        # The target pool's layout for one layer: GQA keys and values, or MLA's latent alone (no v).
         self.k_pool = torch.zeros(1, *pool.k.shape[1:], dtype=w.dtype, device=w.device)
-        self.v_pool = torch.zeros_like(self.k_pool)
+        self.v_pool = None if pool.v is None else torch.zeros(1, *pool.v.shape[1:], dtype=w.dtype, device=w.device)
         context = -(-(max_context + k) // pool.block_size) * pool.block_size  # as the target runner's
         self.cache = PagedCache(self.k_pool, self.v_pool, max_rows, context, max_tokens_per_row=max(k, 1))
         self._layers = _MTPLayers(self.cache, cfg.n_layers)
@@ -88,7 +89,7 @@ class MTPDrafter(Drafter):
         if self.cache is None:
             return 0
         c = self.cache
-        own = sum(t.nbytes for t in (self.k_pool, self.v_pool, self.h, c.slots, c.gather, c.bias))
+        own = sum(t.nbytes for t in (self.k_pool, self.v_pool, self.h, c.slots, c.gather, c.bias) if t is not None)
         return own + (self.fast.nbytes if self.fast is not None else 0)
 
     def _step(self, h: torch.Tensor, tokens: torch.Tensor, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
