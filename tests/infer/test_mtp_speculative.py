@@ -6,6 +6,7 @@ modules gets an error naming the key; the runner's fast verification equals the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -22,6 +23,8 @@ from trainforge.errors import TrainforgeError
 from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.kv_pool import KVPool
 from trainforge.infer.mtp_drafter import MTPDrafter
+from trainforge.infer.prepare import prepare_model
+from trainforge.infer.quantize import quantize_model
 from trainforge.infer.runner import ModelRunner
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model import FLAVORS, ModelConfig, build_model
@@ -182,6 +185,21 @@ def test_greedy_moe_with_mtp(flavor, depth, k):
     engine = mtp_engine(model, k=k)
     assert [r.output_ids for r in engine.generate(PROMPTS[:3], params)] == want
     assert engine.stats()["spec_drafted_tokens"] > 0
+
+
+@pytest.mark.parametrize("mode, kernel", [("int8", "int8pack"), ("int4", "reference")])
+def test_quantised_mtp_target(trained, mode, kernel):
+    """A quantised target drafts with its own quantised MTP module (module swaps, the MTP
+    block's linears included): greedy output equals the quantised model's plain decoding."""
+    target = copy.deepcopy(trained)
+    quantize_model(target, mode, group_size=32, pack=False)
+    prepare_model(target, quant_kernel=kernel)
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    plain = Engine(target, EngineConfig(max_batch_size=1, block_size=8, max_context=96))
+    want = [plain.generate([p], params)[0].output_ids for p in PROMPTS]
+    engine = mtp_engine(target, k=2)
+    assert [r.output_ids for r in engine.generate(PROMPTS, params)] == want
+    assert set(engine.kernels) == {kernel} and engine.stats()["spec_accepted_tokens"] > 0
 
 
 TINY = ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=8, ffn_hidden_dim=64, max_seq_len=32,
