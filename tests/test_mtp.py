@@ -236,10 +236,15 @@ def test_bad_mtp_settings_are_refused_naming_the_key(small_data):
         check_mtp_layout(training_section(mtp_loss_weight=0.3), FLAVORS["debug"], one)
     with pytest.raises(ConfigError, match="training.seq_len"):
         check_mtp_layout(training_section(seq_len=2), mtp_config("debug", 2), one)
-    for layout in ({"pp": 2, "dp_shard": 1}, {"tp": 2, "dp_shard": 1}):
-        dims = ParallelDims.resolve(ParallelSection(**layout), 2)
-        with pytest.raises(ConfigError, match=f"parallel.{next(iter(layout))} = 2"):
-            check_mtp_layout(training_section(), mtp_config("debug", 1), dims)
+    pp2 = ParallelDims.resolve(ParallelSection(pp=2, dp_shard=1), 2)
+    with pytest.raises(ConfigError, match="parallel.pp = 2"):
+        check_mtp_layout(training_section(), mtp_config("debug", 1), pp2)
+    # Tensor parallelism trains dense MTP models (tests/parallel/test_mtp_tensor_parallel.py);
+    # a MoE config's MTP block is refused under TP with the rest of the MoE blocks.
+    tp2 = ParallelDims.resolve(ParallelSection(tp=2, dp_shard=1), 2)
+    check_mtp_layout(training_section(), mtp_config("debug", 2), tp2)
+    with pytest.raises(ConfigError, match="'parallel.tp' = 2: tensor parallelism of mixture-of-experts"):
+        tp2.check_model(mtp_config("moe-debug", 1))
 
 
 MTP_DP = ["--model.flavor", "moe-debug", "--model.mtp_depth", "2"]

@@ -1,4 +1,5 @@
-"""Tensor parallelism: TP=2 parity against the single-device model, and layout validation.
+"""Tensor parallelism: TP=2 parity against the single-device model (with and without
+multi-token prediction), and layout validation.
 
 The parity checks run once, in one torchrun launch of ``workers/tp_parity.py`` (gloo, CPU,
 one thread per process), which writes each rank's measured maxima to JSON; the tests
@@ -29,8 +30,10 @@ TP = 2
 LOSS_RTOL = 1e-5  # relative, per step, over 3 steps
 GRAD_ATOL = 1e-5  # every parameter's gradient, gathered with full_tensor(), every step
 WEIGHT_ATOL = 1e-5  # every parameter after 3 clipped AdamW steps (lr 1e-3)
-# sequence / loss parallel, tied embeddings; latent attention (MLA) with a low- or full-rank query
-CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied", "mla-sp-lp", "mla-nosp-nolp", "mla-fullq-sp-lp"]
+# sequence / loss parallel, tied embeddings; latent attention (MLA) with a low- or full-rank query;
+# multi-token prediction (1 or 2 depths, dense or MLA) with its own loss
+CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied", "mla-sp-lp", "mla-nosp-nolp", "mla-fullq-sp-lp",
+         "mtp-sp-lp", "mtp-sp-nolp", "mtp-nosp-lp", "mtp-sp-lp-tied", "mla-mtp-sp-lp"]
 
 
 @pytest.fixture(scope="module")

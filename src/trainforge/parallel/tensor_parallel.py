@@ -16,6 +16,21 @@
   parallel the logits stay a Shard(-1) DTensor and the cross-entropy is computed on the
   shards (never materialising (B, T, vocab) on one rank); otherwise they are all-gathered
   into an ordinary replicated tensor.
+- ``mtp`` (multi-token prediction, model/mtp.py; ``_mtp_plan``): depth k runs on its whole
+  sequence of T - k positions, replicated on every rank. Its block is split like the main
+  ones (heads, FFN hidden dim) with the stream Replicate, as without sequence parallel;
+  ``enorm`` / ``hnorm`` / ``norm`` run replicated and ``proj`` is row-parallel. Its logits
+  come from the shared ``output``, vocab-sharded like the main ones, so each depth's loss is
+  the same loss-parallel cross-entropy. Why replicated: the shift by k positions does not
+  commute with a sequence shard (rank r's shard of h[:, :T-k] is not a slice of its shard of
+  h), and re-sharding T - k positions would need padding, since tp cannot divide both T and
+  T - 1. The gather is paid once per depth: depth 1's h is the slice of the last block's
+  output, presented as the Shard(1) DTensor it is, which DTensor all-gathers, and the
+  shifted tokens' embeddings, which the shared embedding reduce-scatters, are all-gathered
+  back. Inside the module an all-reduce replaces sequence parallel's all-gather +
+  reduce-scatter (the same bytes); the cost is that its norms and residual adds run on all
+  T - k positions on every rank, for the few MTP blocks only. Without sequence parallel
+  every tensor involved is already replicated and the hooks are not installed.
 
 Nothing here is hand-written communication: every collective comes from DTensor. Every
 parameter becomes a DTensor (foreach ops reject a mix of Tensors and DTensors). Gradients
@@ -27,9 +42,9 @@ them itself, a plain optimizer pays the deferred reductions.
 Contract for callers (trainer, pipeline stages):
 
 - With sequence parallel the token count T must be divisible by ``tp`` (checked on the
-  model's forward), and activations passed *between pipeline stages* are the local
-  sequence shard (B, T/tp, dim): a stage without ``tok_embeddings`` takes, and one
-  without ``output`` returns, that shard as a plain tensor.
+  model's forward; the MTP depths' T - k positions need not be), and activations passed
+  *between pipeline stages* are the local sequence shard (B, T/tp, dim): a stage without
+  ``tok_embeddings`` takes, and one without ``output`` returns, that shard as a plain tensor.
 - The loss is computed as ``with loss_context(lp): loss = cross_entropy_loss(logits,
   targets); loss.backward()`` -- loss parallel needs the backward inside the context.
 """
@@ -84,7 +99,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
 
     With ``loss_parallel`` the model returns logits as a DTensor sharded on the vocab dim;
     use ``loss_context`` / ``cross_entropy_loss``. Otherwise it returns a plain (B, T, vocab)
-    tensor, replicated over the TP ranks.
+    tensor, replicated over the TP ranks. The same holds for the MTP depths' logits
+    (B, T-k, vocab) of ``model(tokens, mtp=True)``.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D mesh (mesh['tp']), got {tp_mesh.ndim} dims")
@@ -114,23 +130,18 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
     # (an all-gather with SP, a no-op otherwise) lets wq/wk/wv (w1/w3) share one DTensor
     # input, so their input-gradients are summed locally and all-reduced/reduce-scattered once.
     for block in model.layers.values():
-        plan = {
-            "attention": PrepareModuleInput(input_layouts=(stream, None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None)),
-            **(_mla_plan(block.attention) if model.cfg.is_mla else {
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-            }),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w3": ColwiseParallel(),
-            "attention_norm": _norm_style(sequence_parallel),
-            "ffn_norm": _norm_style(sequence_parallel),
-        }
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, _block_plan(block, model.cfg.is_mla, sequence_parallel))
+    mtp = getattr(model, "mtp", None) or {}
+    for module in mtp.values():
+        # Replicated sequence, split matmuls (see _mtp_plan); the block as without SP.
+        parallelize_module(module, tp_mesh, _mtp_plan(module, model.cfg.is_mla))
+        if sequence_parallel:
+            module.register_forward_pre_hook(_replicate_mtp_inputs(tp_mesh))
+    if mtp and sequence_parallel and model.layers:
+        # The last block's (B, T/tp, dim) shard, presented as the (B, T, dim) Shard(1) DTensor it
+        # is, so Transformer.mtp_hidden's shift h[:, :T-1] slices the global sequence. The final
+        # norm (SequenceParallel) takes the DTensor as it took the shard.
+        model.layers[next(reversed(model.layers.keys()))].register_forward_hook(_sequence_shard_output(tp_mesh))
 
     if tied:
         # parallelize_module registered a fresh Parameter on each module; both are the same
@@ -147,6 +158,66 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
         model.register_forward_pre_hook(_wrap_sequence_shard(tp_mesh))
         for block in model.layers.values():
             block.register_forward_pre_hook(_unwrap_sequence_shard)
+
+
+def _block_plan(block: nn.Module, mla: bool, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A ``TransformerBlock``'s plan: heads and the FFN hidden dim split, the residual stream
+    between the matmuls Shard(1) (sequence parallel) or Replicate."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    return {
+        "attention": PrepareModuleInput(input_layouts=(stream, None, None, None),
+                                        desired_input_layouts=(Replicate(), None, None, None)),
+        **(_mla_plan(block.attention) if mla else {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+        }),
+        "attention.wo": RowwiseParallel(output_layouts=stream),
+        "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        "feed_forward.w3": ColwiseParallel(),
+        "attention_norm": _norm_style(sequence_parallel),
+        "ffn_norm": _norm_style(sequence_parallel),
+    }
+
+
+def _mtp_plan(module: nn.Module, mla: bool) -> dict[str, ParallelStyle]:
+    """A multi-token prediction module (model/mtp.py) on its whole, replicated sequence of
+    T - k positions: ``enorm`` / ``hnorm`` / ``norm`` replicated; ``proj`` (2 dim -> dim)
+    row-parallel, each rank multiplying its slice of the concatenation and the partial sums
+    all-reduced (slicing a replicated input is free; its input-gradient is then an
+    all-gather of 2 dim, where a column split's would be an all-reduce); the block with the
+    main blocks' split of heads and FFN hidden dim, its stream replicated as without
+    sequence parallelism. The final ``norm`` returns a Replicate DTensor, which the shared
+    ``output`` projection (planned for a Shard(1) input) takes without redistributing."""
+    return {"enorm": _ReplicateParallel(), "hnorm": _ReplicateParallel(),
+            "proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "norm": _ReplicateParallel(),
+            **{f"block.{name}": style for name, style in _block_plan(module.block, mla, False).items()}}
+
+
+def _replicate_mtp_inputs(tp_mesh: DeviceMesh):
+    """Forward pre-hook of an MTP module under sequence parallel: its inputs as plain,
+    replicated (B, T - k, dim) tensors. h: depth 1 gets the main model's hidden state as the
+    DTensor the shift sliced (``_sequence_shard_output``); deeper depths the replicated
+    output of the depth before. emb: the shared embedding reduce-scattered the T - k rows
+    over the ranks (unevenly when tp does not divide T - k), so it is gathered back."""
+    def hook(module, args):
+        h, emb, *rest = args
+        if isinstance(h, DTensor):
+            h = h.redistribute(placements=(Replicate(),)).to_local()
+        emb = DTensor.from_local(emb, tp_mesh, (Shard(1),), run_check=False, shape=h.shape,
+                                 stride=(h.shape[1] * h.shape[2], h.shape[2], 1)).full_tensor()
+        return (h, emb, *rest)
+    return hook
+
+
+def _sequence_shard_output(tp_mesh: DeviceMesh):
+    """Forward hook: a block's local (B, T/tp, dim) output as the (B, T, dim) Shard(1) DTensor."""
+    def hook(module, args, out):
+        return out if isinstance(out, DTensor) else DTensor.from_local(out, tp_mesh, (Shard(1),), run_check=False)
+    return hook
 
 
 def _mla_plan(attention: nn.Module) -> dict[str, ParallelStyle]:

@@ -18,9 +18,12 @@ over depths) and ``mtp_loss_{k}`` of each step, means over the data-parallel ran
 The record's ``loss`` stays what was optimised (main + lambda x mtp_loss).
 
 Layouts: the MTP modules are ordinary parameters of the model, so DDP and FSDP2 need
-nothing more (FSDP2 gathers them with the root unit). Pipeline and tensor parallelism are
-refused before anything is built (``check_mtp_layout``): the last stage would need the
-first stage's embedding and the input tokens, and the MTP projection has no TP plan yet.
+nothing more (FSDP2 gathers them with the root unit). Tensor parallelism splits them with
+their own plan (``parallel/tensor_parallel.py``: ``_mtp_plan``), and the depths' logits
+are vocab-sharded like the main ones, so ``cross_entropy_loss`` computes every depth's loss
+loss-parallel, exactly. Pipeline parallelism is refused before anything is built
+(``check_mtp_layout``): the last stage would need the first stage's embedding and the
+input tokens.
 """
 
 from __future__ import annotations
@@ -50,15 +53,15 @@ def check_mtp_layout(tcfg: Any, model_config: Any, dims: Any) -> None:
                               "multi-token prediction loss, but model.mtp_depth = 0 (no MTP modules); set "
                               "model.mtp_depth >= 1 or remove the training.mtp_loss_weight* keys")
         return
-    for axis in ("pp", "tp"):
-        n = getattr(dims, axis)
-        if n > 1:
-            why = ("the MTP modules would live on the last stage, which holds neither the token embedding nor "
-                   "the input tokens" if axis == "pp" else "the MTP modules have no tensor-parallel plan")
-            raise ConfigError(f"config key 'model.mtp_depth' = {depth} with parallel.{axis} = {n}: multi-token "
-                              f"prediction is not supported with {'pipeline' if axis == 'pp' else 'tensor'} "
-                              f"parallelism yet ({why}); use parallel.{axis} = 1 (data parallelism, FSDP2 and "
-                              "expert parallelism work) or model.mtp_depth = 0")
+    if dims.pp > 1:
+        raise ConfigError(f"config key 'model.mtp_depth' = {depth} with parallel.pp = {dims.pp}: multi-token "
+                          "prediction is not supported with pipeline parallelism yet (the MTP modules would live "
+                          "on the last stage, which holds neither the token embedding nor the input tokens); use "
+                          "parallel.pp = 1 (data, tensor and expert parallelism and FSDP2 work) or "
+                          "model.mtp_depth = 0")
+    # parallel.tp > 1 needs nothing here: the MTP modules have a TP plan (tensor_parallel.py's
+    # _mtp_plan). MoE blocks, a MoE config's MTP block included, are refused under TP for every
+    # model by ParallelDims.check_model, naming parallel.tp.
     if tcfg.seq_len <= depth:
         raise ConfigError(f"config key 'training.seq_len' = {tcfg.seq_len}: MTP depth k trains on seq_len - k "
                           f"positions, so seq_len must exceed model.mtp_depth = {depth}")

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor, Shard
 from trainforge.model import FLAVORS, build_model
 from trainforge.parallel.distributed import destroy_distributed, init_distributed
 from trainforge.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_loss, loss_context
+from trainforge.train.mtp_loss import MTPLoss
+from trainforge.train.section import TrainingSection
 
 BATCH, SEQ, STEPS = 2, 16, 3
 # Dense latent attention (model/mla.py) on the debug shapes: low-rank or full-rank query.
@@ -38,6 +40,13 @@ CASES = {  # name -> (sequence_parallel, loss_parallel, tie_embeddings, model ov
     "mla-sp-lp": (True, True, False, MLA),
     "mla-nosp-nolp": (False, False, False, MLA),
     "mla-fullq-sp-lp": (True, True, False, {**MLA, "q_lora_rank": 0}),
+    # Multi-token prediction (model/mtp.py) trained with its real loss (train/mtp_loss.py):
+    # depth 1 has SEQ - 1 = 15 positions, which tp = 2 does not divide; depth 2 has 14.
+    "mtp-sp-lp": (True, True, False, {"mtp_depth": 2}),
+    "mtp-sp-nolp": (True, False, False, {"mtp_depth": 2}),
+    "mtp-nosp-lp": (False, True, False, {"mtp_depth": 2}),
+    "mtp-sp-lp-tied": (True, True, True, {"mtp_depth": 1}),
+    "mla-mtp-sp-lp": (True, True, False, {**MLA, "mtp_depth": 1}),
 }
 
 
@@ -78,6 +87,9 @@ def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict) -> dict:
         wq, head = attention.wq.weight, cfg.head_dim
     assert isinstance(wq, DTensor) and wq.to_local().shape[0] == cfg.n_heads * head // 2
     assert model.output.weight.to_local().shape[0] == cfg.vocab_size // 2
+    for module in model.mtp.values():  # the MTP blocks are split like the main ones
+        assert module.block.feed_forward.w1.weight.to_local().shape[0] == cfg.ffn_hidden_dim // 2
+        assert module.proj.weight.to_local().shape[1] == cfg.dim  # of 2 dim: row-parallel
     if tied:
         assert model.output.weight is model.tok_embeddings.weight, "tie lost"
     # All DTensors, none plain: foreach ops (clip_grad_norm_, the optimizers) reject a mix.
@@ -96,16 +108,20 @@ def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict) -> dict:
     opt_tp = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.1)
     loss_rel, grad_max, worst_grad, norm_rel = 0.0, 0.0, "", 0.0
     losses = []
+    # An MTP model trains with main + lambda x mean over depths; its depth losses take the
+    # same loss-parallel cross-entropy as the main one.
+    mtp_loss = MTPLoss(cfg.mtp_depth, TrainingSection()) if cfg.mtp_depth else None
     for inputs, targets in batches(cfg.vocab_size, STEPS):
-        loss_ref = cross_entropy_loss(ref(inputs), targets)
+        loss_ref = mtp_loss(ref, ref, inputs, targets) if mtp_loss else cross_entropy_loss(ref(inputs), targets)
         loss_ref.backward()
         with loss_context(lp):
-            logits = model(inputs)
-            if lp:
-                assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
-            else:
-                assert not isinstance(logits, DTensor) and logits.shape == (BATCH, SEQ, cfg.vocab_size)
-            loss = cross_entropy_loss(logits, targets)
+            logits, depth_logits = model(inputs, mtp=True) if mtp_loss else (model(inputs), [])
+            for k, lg in enumerate([logits, *depth_logits]):
+                if lp:
+                    assert isinstance(lg, DTensor) and lg.placements == (Shard(2),), lg
+                else:
+                    assert not isinstance(lg, DTensor) and lg.shape == (BATCH, SEQ - k, cfg.vocab_size), lg.shape
+            loss = mtp_loss(model, model, inputs, targets) if mtp_loss else cross_entropy_loss(logits, targets)
             assert not isinstance(loss, DTensor) and loss.dim() == 0
             loss.backward()
         losses.append((loss.item(), loss_ref.item()))
