@@ -24,7 +24,8 @@ norm; the loss function runs the MTP chain on h (``train/mtp_loss.py``). The two
 copies' gradients are summed after each backward (``shared_embedding.py``). Every
 schedule's backward reaches the parameters used only in the loss: they are the stage
 module's own, and for the split backward (zbv, dualpipev) each of them meets the stage's
-input on its way to the loss (the MTP projection concatenates the embedding with h).
+input on its way to the loss (the MTP projection concatenates the embedding with h). The
+split backward runs one MTP depth only (``check_pipeline_config`` says why).
 
 Schedules and the stages each rank owns (S = total stages, p = pp_size):
 
@@ -134,7 +135,7 @@ def _check_schedule(schedule: str) -> None:
 
 def check_pipeline_config(n_layers: int, pp_size: int, schedule: str, microbatches: int | None = None,
                           boundaries: Sequence[int] | None = None, batch_size: int | None = None,
-                          tie_embeddings: bool = False) -> int:
+                          tie_embeddings: bool = False, mtp_depth: int = 0) -> int:
     """Validate a pipeline layout before any collective; returns the total number of
     stages. Every rank runs the same checks on the same config, so all fail alike.
 
@@ -148,6 +149,15 @@ def check_pipeline_config(n_layers: int, pp_size: int, schedule: str, microbatch
     if tie_embeddings and pp_size > 1:
         raise ConfigError("config key 'model.tie_embeddings' = true cannot be pipelined: the embedding and the "
                           "output projection live on different stages; set it to false or parallel.pp = 1")
+    if mtp_depth >= 2 and schedule in V_SCHEDULES and pp_size > 1:
+        # torch 2.13's split backward computes a parameter group's weight gradients from each of its
+        # meeting points with the stage input; the embedding meets it at every depth's concatenation,
+        # and depth 2's path back to the embedding crosses depth 1's block, whose saved tensors the
+        # first of those passes frees ("backward through the graph a second time").
+        raise ConfigError(f"config key 'parallel.pp_schedule' = {schedule!r} splits the backward into input and "
+                          f"weight passes, which torch cannot run over model.mtp_depth = {mtp_depth} MTP depths "
+                          "sharing the embedding on the last stage; use gpipe, 1f1b or interleaved-1f1b, or "
+                          "model.mtp_depth = 1")
     v = stages_per_rank(schedule, pp_size, boundaries)
     num_stages = v * pp_size
     if boundaries is not None:
@@ -203,7 +213,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, boundaries: Sequen
     ``len(boundaries) // pp_size`` (default 2) for interleaved-1f1b."""
     cfg = model.cfg
     num_stages = check_pipeline_config(cfg.n_layers, pp_size, schedule, boundaries=boundaries,
-                                       tie_embeddings=cfg.tie_embeddings)
+                                       tie_embeddings=cfg.tie_embeddings, mtp_depth=cfg.mtp_depth)
     if not 0 <= pp_rank < pp_size:
         raise ConfigError(f"pipeline rank {pp_rank} is outside parallel.pp = {pp_size}")
     starts = list(boundaries) if boundaries is not None else even_boundaries(cfg.n_layers, num_stages)
