@@ -241,7 +241,8 @@ def test_bad_mtp_settings_are_refused_naming_the_key(small_data):
     tp2 = ParallelDims.resolve(ParallelSection(tp=2, dp_shard=1), 2)
     with pytest.raises(ConfigError, match="parallel.tp = 2"):
         check_mtp_layout(training_section(), mtp_config("debug", 1), tp2)
-    check_mtp_layout(training_section(), mtp_config("debug", 2), ParallelDims.resolve(ParallelSection(pp=2, dp_shard=1), 2))
+    pp2 = ParallelDims.resolve(ParallelSection(pp=2, dp_shard=1), 2)
+    check_mtp_layout(training_section(), mtp_config("debug", 2), pp2)  # the MTP modules run on the last stage
     # torch's split backward cannot run two depths sharing the embedding (pipeline.py); one depth runs.
     for schedule in ("zbv", "dualpipev"):
         with pytest.raises(ConfigError, match="parallel.pp_schedule"):
@@ -257,14 +258,14 @@ def _pipeline_stages(cfg, schedule: str = "1f1b"):
 
 def test_last_pipeline_stage_holds_the_mtp_modules_and_an_embedding_copy():
     cfg = dataclasses.replace(mtp_config("debug"), n_layers=4)
-    model, stages = _pipeline_stages(cfg)
+    _, stages = _pipeline_stages(cfg)
     names = [{n for n, _ in s.named_parameters()} for s in stages]
     assert "tok_embeddings.weight" in names[0] and "tok_embeddings.weight" in names[1]  # same FQN
     assert not any(n.startswith("mtp.") for n in names[0]) and {"mtp.1.proj.weight", "output.weight"} <= names[1]
     assert torch.equal(stages[0].tok_embeddings.weight, stages[1].tok_embeddings.weight)
-    # V schedule: rank 0 holds the first and the last stage
-    _, v = _pipeline_stages(dataclasses.replace(cfg, mtp_depth=1), "zbv")  # one depth: check_pipeline_config
-    assert [len(s.mtp) for s in v] == [0, 1, 0, 0]  # rank 0: stages 0 and 3; rank 1: 1 and 2 and v[0].layers.keys() == {"0"} and v[1].layers.keys() == {"3"}
+    # V schedule (one depth: check_pipeline_config): rank 0's stages 0 and 3, then rank 1's 1 and 2
+    _, v = _pipeline_stages(dataclasses.replace(cfg, mtp_depth=1), "zbv")
+    assert [len(s.mtp) for s in v] == [0, 1, 0, 0] and v[0].layers.keys() == {"0"} and v[1].layers.keys() == {"3"}
 
 
 @pytest.mark.parametrize("flavor", ["debug", "moe-debug"])
