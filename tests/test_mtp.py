@@ -3,7 +3,8 @@ computation from the model's own modules, gradients reach the MTP modules and th
 embedding, lambda follows its schedule, a CLI run records the per-depth losses with
 val_loss the main model's, resume is exact, a checkpoint keeps the MTP weights and
 generates like its main model, bad settings are refused naming the key, and data
-parallelism (DDP, FSDP2 with expert parallelism) matches one process."""
+parallelism (DDP, FSDP2 with expert parallelism) and pipeline parallelism (the MTP modules
+on the last stage, alone and with FSDP2) match one process."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from trainforge.infer.sampling import SamplingParams
 from trainforge.model import FLAVORS, Transformer, build_model
 from trainforge.monitor.jsonl import read_jsonl
 from trainforge.parallel.dims import ParallelDims
+from trainforge.parallel.pipeline import check_pipeline_config, split_model
 from trainforge.train import checkpoint as ckpt
 from trainforge.train.mtp_loss import MTPLoss, check_mtp_layout, mtp_weight_at
 from trainforge.train.section import TrainingSection
@@ -236,15 +238,100 @@ def test_bad_mtp_settings_are_refused_naming_the_key(small_data):
         check_mtp_layout(training_section(mtp_loss_weight=0.3), FLAVORS["debug"], one)
     with pytest.raises(ConfigError, match="training.seq_len"):
         check_mtp_layout(training_section(seq_len=2), mtp_config("debug", 2), one)
-    pp2 = ParallelDims.resolve(ParallelSection(pp=2, dp_shard=1), 2)
-    with pytest.raises(ConfigError, match="parallel.pp = 2"):
-        check_mtp_layout(training_section(), mtp_config("debug", 1), pp2)
     # Tensor parallelism trains dense MTP models (tests/parallel/test_mtp_tensor_parallel.py);
     # a MoE config's MTP block is refused under TP with the rest of the MoE blocks.
     tp2 = ParallelDims.resolve(ParallelSection(tp=2, dp_shard=1), 2)
     check_mtp_layout(training_section(), mtp_config("debug", 2), tp2)
     with pytest.raises(ConfigError, match="'parallel.tp' = 2: tensor parallelism of mixture-of-experts"):
         tp2.check_model(mtp_config("moe-debug", 1))
+    tp2pp2 = ParallelDims.resolve(ParallelSection(tp=2, pp=2, dp_shard=1), 4)
+    with pytest.raises(ConfigError, match="parallel.tp = 2 and parallel.pp = 2"):
+        check_mtp_layout(training_section(), mtp_config("debug", 1), tp2pp2)
+    pp2 = ParallelDims.resolve(ParallelSection(pp=2, dp_shard=1), 2)
+    check_mtp_layout(training_section(), mtp_config("debug", 2), pp2)  # the MTP modules run on the last stage
+    # torch's split backward cannot run two depths sharing the embedding (pipeline.py); one depth runs.
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ConfigError, match="parallel.pp_schedule"):
+            check_pipeline_config(4, 2, schedule, 4, tie_embeddings=False, mtp_depth=2)
+        check_pipeline_config(4, 2, schedule, 4, mtp_depth=1)
+
+
+def _pipeline_stages(cfg, schedule: str = "1f1b"):
+    """The full model and the stage modules of 2 pipeline ranks (rank 0's, then rank 1's)."""
+    model = build_model(cfg, seed=0)
+    return model, [m for rank in range(2) for m in split_model(model, rank, 2, None, schedule)]
+
+
+def test_last_pipeline_stage_holds_the_mtp_modules_and_an_embedding_copy():
+    cfg = dataclasses.replace(mtp_config("debug"), n_layers=4)
+    _, stages = _pipeline_stages(cfg)
+    names = [{n for n, _ in s.named_parameters()} for s in stages]
+    assert "tok_embeddings.weight" in names[0] and "tok_embeddings.weight" in names[1]  # same FQN
+    assert not any(n.startswith("mtp.") for n in names[0]) and {"mtp.1.proj.weight", "output.weight"} <= names[1]
+    assert torch.equal(stages[0].tok_embeddings.weight, stages[1].tok_embeddings.weight)
+    # V schedule (one depth: check_pipeline_config): rank 0's stages 0 and 3, then rank 1's 1 and 2
+    _, v = _pipeline_stages(dataclasses.replace(cfg, mtp_depth=1), "zbv")
+    assert [len(s.mtp) for s in v] == [0, 1, 0, 0] and v[0].layers.keys() == {"0"} and v[1].layers.keys() == {"3"}
+
+
+@pytest.mark.parametrize("flavor", ["debug", "moe-debug"])
+def test_last_stage_loss_from_the_targets_equals_the_unpipelined_loss(flavor):
+    """The last stage rebuilds the input tokens from the targets (tokens_from_targets):
+    its MTP loss and every gradient equal the unpipelined model's."""
+    cfg = dataclasses.replace(mtp_config(flavor), n_layers=4)
+    model, (first, last) = _pipeline_stages(cfg)
+    full = torch.randint(0, cfg.vocab_size, (3, 18))
+    x, y = full[:, :-1], full[:, 1:]
+    want = MTPLoss(2, training_section())
+    want_total = want(model, model, x, y)
+    got = MTPLoss(2, training_section())
+    got.bind_stage(last, 1)
+    h = first(x)  # (B, T, dim) hidden states
+    logits, h_last = last(h, return_hidden=True)
+    got_total = got.stage_loss((logits, h_last), y)
+    torch.testing.assert_close(got_total, want_total, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got._step_losses[-1], want._step_losses[-1], rtol=1e-6, atol=0)
+    want_total.backward()
+    got_total.backward()
+    ref = dict(model.named_parameters())
+    for stage in (first, last):
+        for name, p in stage.named_parameters():
+            if name != "tok_embeddings.weight":
+                torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    # the embedding's gradient is the sum of its two copies' (what shared_embedding.py forms)
+    torch.testing.assert_close(first.tok_embeddings.weight.grad + last.tok_embeddings.weight.grad,
+                               ref["tok_embeddings.weight"].grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("flavor", ["debug", "moe-debug"])
+def test_split_backward_of_the_last_stage_with_one_mtp_depth_equals_the_full_backward(flavor):
+    """zbv / dualpipev run the last stage's backward as torch's input and weight passes:
+    with one MTP depth they give every parameter the full backward's gradient."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    cfg = dataclasses.replace(mtp_config(flavor, 1), n_layers=4)
+    _, stages = _pipeline_stages(cfg, "zbv")
+    last = stages[1]  # rank 0's second stage module is the pipeline's last stage
+    loss_fn = MTPLoss(1, training_section())
+    loss_fn.bind_stage(last, 1)
+    torch.manual_seed(0)
+    h = torch.randn(2, 16, cfg.dim, requires_grad=True)
+    y = torch.randint(0, cfg.vocab_size, (2, 16))
+
+    def grads(split: bool) -> dict[str, torch.Tensor]:
+        last.zero_grad(set_to_none=True)
+        loss = loss_fn.stage_loss(last(h, return_hidden=True), y)
+        if split:
+            _, groups = stage_backward_input([loss], None, [h], last.parameters())
+            stage_backward_weight(last.parameters(), groups)
+        else:
+            loss.backward()
+        return {n: p.grad.clone() for n, p in last.named_parameters()}
+
+    want, got = grads(False), grads(True)
+    assert got.keys() == want.keys() and "tok_embeddings.weight" in got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 MTP_DP = ["--model.flavor", "moe-debug", "--model.mtp_depth", "2"]
@@ -272,6 +359,80 @@ def test_data_parallel_mtp_matches_single_process(tmp_path, small_data, mtp_refe
     got = tmp_path / "dp2"
     run(train_cmd(2, got, small_data, "--training.batch_size", str(GLOBAL_BATCH // 2), *MTP_DP, *layout))
     assert_same_training(got, mtp_reference)
-    mtp_losses = lambda d: [r["mtp_loss_2"] for r in read_jsonl(d / "metrics.jsonl") if "loss" in r]  # noqa
-    assert len(mtp_losses(got)) == 6
-    torch.testing.assert_close(mtp_losses(got), mtp_losses(mtp_reference), rtol=1e-4, atol=0)
+    assert_same_records(got, mtp_reference, ("mtp_loss_2",))
+
+
+def assert_same_records(run_dir, ref_dir, keys: tuple[str, ...]) -> None:
+    """Each of ``keys`` in every record holding it (6 steps, or validations) within the
+    parity tests' 1e-4 relative of the reference run's."""
+    from tests.parallel.test_data_parallel import LOSS_RTOL
+
+    for key in keys:
+        pick = lambda d: [r[key] for r in read_jsonl(d / "metrics.jsonl") if key in r]  # noqa: E731
+        got, want = pick(run_dir), pick(ref_dir)
+        assert len(got) == (3 if key.startswith("val_") else 6), key
+        torch.testing.assert_close(got, want, rtol=LOSS_RTOL, atol=0, msg=key)
+
+
+PP_MTP_KEYS = ("mtp_loss_1", "mtp_loss_2", "grad_norm", "val_loss", "val_mtp_loss_1")
+
+
+def pipelined_mtp_run(run_dir, small_data, nproc: int, *layout: str):
+    """``trainforge train`` of the MTP model on 2 pipeline stages (1F1B, 2 microbatches) x
+    nproc / 2 FSDP2 ranks, at the reference's global batch; each rank saves its embedding
+    copies at the end (workers/pp_embedding_copies.py)."""
+    from tests.parallel.test_data_parallel import GLOBAL_BATCH, run, train_cmd
+    from tests.parallel.torchrun import WORKERS, with_worker
+
+    cmd = train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH * 2 // nproc), *MTP_DP,
+                    "--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "2",
+                    "--parallel.dp_shard", str(nproc // 2), "--checkpoint.keep_last", "5", *layout)
+    run(with_worker(cmd, WORKERS / "pp_embedding_copies.py"))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def mtp_pp2(tmp_path_factory, small_data):
+    return pipelined_mtp_run(tmp_path_factory.mktemp("mtp_pp2") / "run", small_data, 2)
+
+
+def assert_pipelined_mtp_matches(run_dir, ref_dir, nproc: int) -> None:
+    from tests.parallel.test_data_parallel import assert_same_training
+
+    assert_same_training(run_dir, ref_dir)
+    assert_same_records(run_dir, ref_dir, PP_MTP_KEYS)
+    # The first and the last stage's embedding copies got the same updates: identical bits.
+    copies = [t for r in range(nproc) for t in torch.load(run_dir / f"embedding_rank{r}.pt")]
+    assert len(copies) == nproc and all(torch.equal(c, copies[0]) for c in copies)
+
+
+@pytest.mark.slow
+def test_pipelined_mtp_matches_single_process(mtp_pp2, mtp_reference):
+    """pp2 (1F1B), the MTP modules on the last stage: losses, the MTP losses, grad_norm
+    (the embedding counted once) and val_loss within 1e-4 of one process over 6 steps,
+    every weight within 1e-5; the two embedding copies identical."""
+    assert_pipelined_mtp_matches(mtp_pp2, mtp_reference, 2)
+
+
+@pytest.mark.slow
+def test_pipelined_mtp_with_fsdp2_matches_single_process(tmp_path, small_data, mtp_reference):
+    """pp2 x FSDP2 over 2 (4 processes): the embedding copies' gradients are summed shard by shard."""
+    assert_pipelined_mtp_matches(pipelined_mtp_run(tmp_path / "run", small_data, 4), mtp_reference, 4)
+
+
+@pytest.mark.slow
+def test_pipelined_mtp_checkpoint_resumes_in_one_process(tmp_path, small_data, mtp_pp2, mtp_reference):
+    """The pp2 run's step-3 checkpoint (DCP; the embedding under one FQN on both pipeline
+    ranks) resumes at pp1 and continues as the single-process run."""
+    import shutil
+    import sys
+
+    from tests.parallel.test_data_parallel import assert_same_training, run
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(mtp_pp2, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_0000006")  # as if interrupted after step 3
+    run([sys.executable, "-m", "trainforge", "train", "--resume", str(resumed), "--parallel.pp", "1",
+         "--parallel.dp_shard", "1"])
+    assert_same_training(resumed, mtp_reference)
+    assert_same_records(resumed, mtp_reference, PP_MTP_KEYS)

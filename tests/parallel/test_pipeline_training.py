@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.parallel.test_data_parallel import assert_same_training, run, train_cmd
-from tests.parallel.torchrun import WORKERS
+from tests.parallel.torchrun import WORKERS, with_worker
 from trainforge.monitor.jsonl import read_jsonl
 
 LAYERS = ["--model.n_layers", "4"]  # interleaved / V schedules need 2 stages per rank
@@ -81,9 +81,7 @@ def test_drifted_pipeline_rebalances_and_training_is_unchanged(tmp_path, small_d
                     "--parallel.dp_shard", "1", "--parallel.microbatches", "2",
                     "--parallel.rebalance_threshold", "1e-6", "--parallel.rebalance_min_steps", "2",
                     "--checkpoint.keep_last", "10")
-    i = cmd.index("-m", cmd.index("--nproc_per_node=2"))
-    cmd[i:i + 2] = [str(WORKERS / "pp_rebalance.py")]  # same CLI, patched plan
-    r = run(cmd)
+    r = run(with_worker(cmd, WORKERS / "pp_rebalance.py"))  # same CLI, patched plan
     assert r.stderr.count("rebalance: measured stage ms") == 2  # at steps 2 and 4
     assert r.stderr.count("pipeline split auto") == 3  # measured at start and after each re-balance
     assert_same_training(run_dir, reference4)

@@ -16,6 +16,13 @@ def torchrun_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def with_worker(cmd: list[str], script: Path) -> list[str]:
+    """A torchrun command line of ``-m trainforge`` with ``script`` run instead (the same
+    CLI arguments; the script patches something, then calls the CLI)."""
+    i = cmd.index("-m", next(j for j, a in enumerate(cmd) if a.startswith("--nproc_per_node=")))
+    return [*cmd[:i], str(script), *cmd[i + 2:]]
+
+
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout_s: float = 240.0,
                  check: bool = True) -> subprocess.CompletedProcess:
     env = torchrun_env()

@@ -224,11 +224,14 @@ class Transformer(nn.Module):
         drafting (``mtp_step``).
 
         A pipeline stage sets ``tok_embeddings`` / ``norm`` / ``output`` to None when it
-        does not own them; it then takes and/or returns hidden states (B, T, dim). With
-        ``output`` None (also the chunked loss's convention) every returned tensor is the
+        does not own them; it then takes and/or returns hidden states (B, T, dim). A
+        floating-point ``tokens`` (B, T, dim) is such hidden states even where the
+        embedding is kept (the last stage of an MTP model holds a copy for its MTP modules).
+        With ``output`` None (also the chunked loss's convention) every returned tensor is the
         normed hidden states (B, T[-k], dim) instead of logits."""
         cos, sin = self._rope(tokens.shape[1], positions)
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
+        embed = self.tok_embeddings is not None and not tokens.is_floating_point()
+        h = self.tok_embeddings(tokens) if embed else tokens  # (B, T, dim)
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, cache.layer(int(name)) if cache is not None else None)
         if mtp:

@@ -101,7 +101,7 @@ def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size:
     num_stages = stages_per_rank(section.pp_schedule, dims.pp, explicit) * dims.pp
     microbatches = section.microbatches or 2 * num_stages
     check_pipeline_config(model_config.n_layers, dims.pp, section.pp_schedule, microbatches, explicit, batch_size,
-                          model_config.tie_embeddings)
+                          model_config.tie_embeddings, model_config.mtp_depth)
     return num_stages, microbatches
 
 

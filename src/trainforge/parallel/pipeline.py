@@ -15,6 +15,18 @@ model passes hidden states (B, T, dim) through. ``boundaries[i]`` is the first l
 stage i (``boundaries[0] == 0``); None splits the layers evenly, and
 ``trainforge.parallel.stage_balance`` chooses them from measured layer costs.
 
+Multi-token prediction (``model.mtp_depth`` > 0, model/mtp.py). The MTP modules live on the
+last stage, with a copy of ``tok_embeddings`` (same FQN, so checkpoints need no renaming):
+depth k reads the input tokens t + k (k >= 1), which are the targets t + k - 1, so the last
+stage needs nothing more than the targets it already has. Its module is called with
+``return_hidden=True`` and returns (logits, h), h the last block's output before the final
+norm; the loss function runs the MTP chain on h (``train/mtp_loss.py``). The two embedding
+copies' gradients are summed after each backward (``shared_embedding.py``). Every
+schedule's backward reaches the parameters used only in the loss: they are the stage
+module's own, and for the split backward (zbv, dualpipev) each of them meets the stage's
+input on its way to the loss (the MTP projection concatenates the embedding with h). The
+split backward runs one MTP depth only (``check_pipeline_config`` says why).
+
 Schedules and the stages each rank owns (S = total stages, p = pp_size):
 
 =================  ===========================  ===================================
@@ -123,7 +135,7 @@ def _check_schedule(schedule: str) -> None:
 
 def check_pipeline_config(n_layers: int, pp_size: int, schedule: str, microbatches: int | None = None,
                           boundaries: Sequence[int] | None = None, batch_size: int | None = None,
-                          tie_embeddings: bool = False) -> int:
+                          tie_embeddings: bool = False, mtp_depth: int = 0) -> int:
     """Validate a pipeline layout before any collective; returns the total number of
     stages. Every rank runs the same checks on the same config, so all fail alike.
 
@@ -137,6 +149,15 @@ def check_pipeline_config(n_layers: int, pp_size: int, schedule: str, microbatch
     if tie_embeddings and pp_size > 1:
         raise ConfigError("config key 'model.tie_embeddings' = true cannot be pipelined: the embedding and the "
                           "output projection live on different stages; set it to false or parallel.pp = 1")
+    if mtp_depth >= 2 and schedule in V_SCHEDULES and pp_size > 1:
+        # torch 2.13's split backward computes a parameter group's weight gradients from each of its
+        # meeting points with the stage input; the embedding meets it at every depth's concatenation,
+        # and depth 2's path back to the embedding crosses depth 1's block, whose saved tensors the
+        # first of those passes frees ("backward through the graph a second time").
+        raise ConfigError(f"config key 'parallel.pp_schedule' = {schedule!r} splits the backward into input and "
+                          f"weight passes, which torch cannot run over model.mtp_depth = {mtp_depth} MTP depths "
+                          "sharing the embedding on the last stage; use gpipe, 1f1b or interleaved-1f1b, or "
+                          "model.mtp_depth = 1")
     v = stages_per_rank(schedule, pp_size, boundaries)
     num_stages = v * pp_size
     if boundaries is not None:
@@ -192,7 +213,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, boundaries: Sequen
     ``len(boundaries) // pp_size`` (default 2) for interleaved-1f1b."""
     cfg = model.cfg
     num_stages = check_pipeline_config(cfg.n_layers, pp_size, schedule, boundaries=boundaries,
-                                       tie_embeddings=cfg.tie_embeddings)
+                                       tie_embeddings=cfg.tie_embeddings, mtp_depth=cfg.mtp_depth)
     if not 0 <= pp_rank < pp_size:
         raise ConfigError(f"pipeline rank {pp_rank} is outside parallel.pp = {pp_size}")
     starts = list(boundaries) if boundaries is not None else even_boundaries(cfg.n_layers, num_stages)
@@ -205,14 +226,17 @@ def _stage_module(model: nn.Module, start: int, end: int, first: bool, last: boo
     # Seeding deepcopy's memo with None for every unowned submodule skips copying it
     # (and its parameters); the None placeholders are then removed or kept as "absent".
     memo: dict[int, object] = {}
+    mtp_last = last and len(model.mtp) > 0  # the MTP modules read the embedding (module docstring)
     drop = [m for k, m in model.layers.items() if not start <= int(k) < end]
-    drop += [] if first else [model.tok_embeddings]
-    drop += [] if last else [model.norm, model.output]
+    drop += [] if first or mtp_last else [model.tok_embeddings]
+    drop += [] if last else [model.norm, model.output, model.mtp]
     for m in drop:
         memo[id(m)] = None
     stage = copy.deepcopy(model, memo)
     for k in [k for k in stage.layers.keys() if not start <= int(k) < end]:
         del stage.layers[k]
+    if not last:
+        stage.mtp = nn.ModuleDict()  # no MTP modules here, as in a model without them
     return stage
 
 
@@ -256,11 +280,33 @@ class _Timer:
 
 
 class _TimedStage(PipelineStage):
-    """A PipelineStage whose compute calls are timed under its stage index."""
+    """A PipelineStage whose compute calls are timed under its stage index.
 
-    def __init__(self, *args, timer: _Timer, **kwargs):
+    ``call_kwargs``: keyword arguments of every call of the stage's module (the last
+    stage of an MTP model: ``return_hidden=True``); torch 2.13 calls it in
+    ``forward_maybe_with_nosync`` and, for shape inference, ``_compute_outputs``.
+    ``probe_loss``: the loss the one-off shape inference runs on the last stage's
+    placeholder outputs instead of the schedule's (which may record metrics)."""
+
+    def __init__(self, *args, timer: _Timer, call_kwargs: dict | None = None,
+                 probe_loss: Callable | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._timer = timer
+        self.call_kwargs = dict(call_kwargs or {})
+        self._probe_loss = probe_loss
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        return super().forward_maybe_with_nosync(*args, **self.call_kwargs, **kwargs)
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
+        return super()._compute_outputs(*args, module=module, **self.call_kwargs, **kwargs)
+
+    def _backward_metadata_inference(self, *args, loss_fn: Callable | None = None, **kwargs):
+        """Shape inference of the gradients: only their shapes are learnt, so a loss
+        without side effects (``probe_loss``) serves as well as the real one."""
+        if loss_fn is not None and self._probe_loss is not None:
+            loss_fn = self._probe_loss
+        return super()._backward_metadata_inference(*args, loss_fn=loss_fn, **kwargs)
 
     def forward_one_chunk(self, *args, **kwargs):
         return self._timer.run(self.stage_index, super().forward_one_chunk, *args, **kwargs)
@@ -322,6 +368,8 @@ class Pipeline:
         self.batch_size = batch_size
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
+        # The last stage's module where this rank holds it (an MTP loss runs its MTP modules), else None.
+        self.last_stage_module = next((m for s, m in zip(stages, stage_modules) if s.is_last), None)
         self._timer = timer
         self._step_timer = _Timer(stages[0].device)
         self._stepped = False
@@ -373,7 +421,9 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
     ``PipelineStage``s and the named schedule.
 
     ``pp_mesh_or_group``: the 1-D ``pp`` DeviceMesh, a ProcessGroup, or None for the
-    default group. ``loss_fn(logits, targets)`` must return a mean over its microbatch.
+    default group. ``loss_fn(logits, targets)`` must return a mean over its microbatch;
+    for a model with MTP modules the last stage returns ``(logits, h)`` instead (module
+    docstring) and ``loss_fn`` receives that pair.
     ``batch_size``, when given, is checked against ``microbatches`` here, before any
     collective. Validation raises ``ConfigError`` naming the config key."""
     _check_schedule(schedule)
@@ -398,7 +448,8 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
     device = torch.device(device)
     timer = _Timer(device)
     stage_ids = stage_ids_for_rank(pp_rank, pp_size, schedule, num_stages)
-    stages = [_TimedStage(m, sid, num_stages, device, group=group, timer=timer)
+    stages = [_TimedStage(m, sid, num_stages, device, group=group, timer=timer,
+                          **(_mtp_last_stage() if sid == num_stages - 1 and len(getattr(m, "mtp", ())) else {}))
               for m, sid in zip(stage_modules, stage_ids)]
 
     def timed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -408,6 +459,14 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
     sched = cls(stages[0], microbatches, loss_fn=timed_loss) if v == 1 else cls(stages, microbatches,
                                                                                  loss_fn=timed_loss)
     return Pipeline(sched, stages, list(stage_modules), timer, schedule, microbatches, batch_size)
+
+
+def _mtp_last_stage() -> dict:
+    """How the last stage of an MTP model is run: its module returns (logits, h) for the
+    MTP loss, and shape inference learns the input gradient's shape from the main
+    cross-entropy alone (the MTP loss would record metrics and move MoE router counters)."""
+    return {"call_kwargs": {"return_hidden": True},
+            "probe_loss": lambda output, target: cross_entropy_loss(output[0], target)}
 
 
 @torch.no_grad()
@@ -420,14 +479,15 @@ def forward_only_loss(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.T
     Written out with point-to-point sends because ``schedule.eval`` fails for the
     runtime (V-shaped) schedules in torch 2.13. ``act_shape`` is the activation passed
     between stages, (B, T, dim) or (B, T/tp, dim) under sequence parallelism. Every rank
-    passes the same ``inputs``/``targets``; returns the loss on the last stage's rank.
+    passes the same ``inputs``/``targets``; returns the loss on the last stage's rank
+    (``loss_fn`` gets the last stage's output as in training: logits, or (logits, h)).
     ``act_dtype``: the activations' dtype (bf16 where FSDP2 gathers bf16 weights)."""
     num_stages = len(pipeline.stages) * pp_size
     owner = {}
     for r in range(pp_size):
         for sid in stage_ids_for_rank(r, pp_size, pipeline.schedule_name, num_stages):
             owner[sid] = r
-    mine = {stage.stage_index: module for stage, module in zip(pipeline.stages, pipeline.stage_modules)}
+    mine = {stage.stage_index: (stage, module) for stage, module in zip(pipeline.stages, pipeline.stage_modules)}
     device = pipeline.stages[0].device
     h = None
     loss = None
@@ -441,7 +501,8 @@ def forward_only_loss(pipeline: Pipeline, inputs: torch.Tensor, targets: torch.T
         else:
             x = torch.empty(act_shape, device=device, dtype=act_dtype)
             dist.recv(x, group=pp_group, group_src=owner[sid - 1])
-        h = mine[sid](x)
+        stage, module = mine[sid]
+        h = module(x, **stage.call_kwargs)
         if sid == num_stages - 1:
             loss = loss_fn(h, targets.to(device))
         elif owner[sid + 1] != pp_rank:

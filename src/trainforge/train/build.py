@@ -24,6 +24,8 @@ from trainforge.parallel.apply import (
     parallelize_module_stack,
 )
 from trainforge.parallel.data_parallel import data_parallel_kind
+from trainforge.parallel.shared_embedding import shared_embedding_grads
+from trainforge.parallel.tensor_parallel import cross_entropy_loss
 from trainforge.precision.casting import apply_precision
 from trainforge.precision.policy import PrecisionPolicy, build_policy
 from trainforge.train.chunked_loss import check_chunked_loss
@@ -93,10 +95,12 @@ class ModelStack:
 
 def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device: torch.device,
                       policy: PrecisionPolicy, compressor: Any, pp_layout: Any, loss_fn: LossFn,
-                      log: logging.Logger | None) -> ModelStack:
+                      log: logging.Logger | None, model_loss: Any = None) -> ModelStack:
     """Every rank builds the full model from the same seed, then keeps its part, so
     sharded/split results equal the single-process model's. ``loss_fn``: the mean loss of
-    the unpipelined model (the trainer's ``_loss``)."""
+    the unpipelined model (the trainer's ``_loss``); ``model_loss``: the loss component of a
+    model with extra training heads (``MTPLoss``; None: plain cross-entropy), whose
+    ``stage_loss`` is the pipeline's loss on the last stage."""
     tcfg = cfg.training
     full_model = build_model(model_config, device, seed=tcfg.seed)
     # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule wrappers.
@@ -110,13 +114,22 @@ def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device:
     common = dict(dims=dims, mesh=mesh, device=device, mp=mp, loss_parallel=cfg.parallel.loss_parallel)
     if dims.pp > 1:
         # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
+        stage_loss = model_loss.stage_loss if model_loss is not None else cross_entropy_loss
         pipeline, model_parts, predicted = build_pipeline_parts(
             full_model, mesh, dims, cfg.parallel, device, tcfg.batch_size, tcfg.seq_len, pp_layout,
-            pipeline_loss(mp, tcfg.grad_accum_steps), log=log.info if log is not None else None,
+            pipeline_loss(mp, tcfg.grad_accum_steps, stage_loss), log=log.info if log is not None else None,
             compressor=compressor, precision=policy)
+        if model_loss is not None:  # its stage_loss runs the last stage's MTP modules
+            model_loss.bind_stage(pipeline.last_stage_module, pipeline.microbatches)
         runtime.rebind(torch.nn.ModuleList(model_parts))  # the stages are copies; free the whole model
         seq = tcfg.seq_len // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else tcfg.seq_len
-        layout: StepLayout = PipelineStep(pipeline, model_parts, (tcfg.batch_size, seq, model_config.dim), **common)
+        layout: StepLayout = PipelineStep(pipeline, model_parts, (tcfg.batch_size, seq, model_config.dim),
+                                          eval_loss=stage_loss, **common)
+        # An MTP model's embedding is on the first and the last stage: one gradient, counted once.
+        shared = shared_embedding_grads(pipeline, mesh["pp"].get_group(), mesh.local_rank("pp"), dims.pp)
+        if shared is not None:
+            layout.grad_finishers.append(shared)
+            layout.counted_elsewhere.extend(shared.duplicates)
         model = None
     else:
         pipeline, predicted = None, None

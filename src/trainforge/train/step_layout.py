@@ -10,7 +10,9 @@ backward, before clipping (expert parallelism reduces the expert gradients there
 
 Gradients may be DTensors on different meshes (FSDP2's dp mesh, expert parallelism's
 (edp, ep) mesh): the norm is taken per mesh and combined, and clipping runs per mesh
-(one foreach op cannot mix meshes).
+(one foreach op cannot mix meshes). A parameter held twice (the token embedding on the
+first and the last pipeline stage of an MTP model, whose gradients a finisher makes
+equal) is in ``counted_elsewhere`` once: norms leave that copy out, clipping scales both.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class StepLayout:
         self._loss_parallel = dims.tp > 1 and loss_parallel
         self._pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
         self.grad_finishers: list[Callable[[], None]] = []
+        self.counted_elsewhere: list[torch.nn.Parameter] = []  # copies left out of gradient norms
 
     def finish_grads(self) -> None:
         for finish in self.grad_finishers:
@@ -51,8 +54,10 @@ class StepLayout:
         return loss_context(self._loss_parallel)
 
     def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """L2 norm of ``grads`` over every rank's shards and pipeline stages (collective)."""
-        groups = by_mesh(grads)
+        """L2 norm of ``grads`` over every rank's shards and pipeline stages (collective);
+        the gradients of ``counted_elsewhere`` are left out."""
+        skip = {id(p.grad) for p in self.counted_elsewhere if p.grad is not None}
+        groups = by_mesh([g for g in grads if id(g) not in skip])
         norms = []
         for group in groups:
             norm = torch.nn.utils.get_total_norm(group, foreach=True)
@@ -136,23 +141,28 @@ class LocalStep(StepLayout):
         return torch.stack(losses).mean()
 
 
-def pipeline_loss(mp: Any, micro_batches: int) -> LossFn:
-    """The loss the pipeline schedule runs backward on: each microbatch's mean, scaled so
-    accumulated micro-batches sum to the mean, with fp16 loss scaling applied here."""
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return mp.scaler.scale(cross_entropy_loss(logits, targets) / micro_batches)
+def pipeline_loss(mp: Any, micro_batches: int, base: Callable[[Any, torch.Tensor], torch.Tensor] = cross_entropy_loss
+                  ) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss the pipeline schedule runs backward on: each microbatch's mean (``base`` of
+    the last stage's output and the targets), scaled so accumulated micro-batches sum to
+    the mean, with fp16 loss scaling applied here."""
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        return mp.scaler.scale(base(output, targets) / micro_batches)
     return loss
 
 
 class PipelineStep(StepLayout):
     """This rank's pipeline stages (``model_parts``) driven by ``pipeline``'s schedule.
-    ``act_shape``: (B, T, D) of the hidden states between stages, for validation."""
+    ``act_shape``: (B, T, D) of the hidden states between stages, for validation;
+    ``eval_loss``: the validation loss of the last stage's output (the main loss)."""
 
     tracks_activations = False  # a schedule's tracking would hold every microbatch's activations
 
-    def __init__(self, pipeline: Any, model_parts: list[torch.nn.Module], act_shape: tuple[int, int, int], **kw):
+    def __init__(self, pipeline: Any, model_parts: list[torch.nn.Module], act_shape: tuple[int, int, int],
+                 eval_loss: Callable[[Any, torch.Tensor], torch.Tensor] = cross_entropy_loss, **kw):
         super().__init__(**kw)
         self.pipeline, self.model_parts, self.act_shape = pipeline, model_parts, act_shape
+        self.eval_loss = eval_loss
 
     def forward_backward(self, batches: Any, micro_batches: int, track_activations: bool) -> torch.Tensor:
         mp = self.mp
@@ -178,7 +188,7 @@ class PipelineStep(StepLayout):
         with self.loss_ctx(), self.mp.autocast():
             for x, y in val_set:
                 loss = forward_only_loss(self.pipeline, x, y, self._pp_group, self.mesh.local_rank("pp"),
-                                         self.dims.pp, self.act_shape, cross_entropy_loss,
+                                         self.dims.pp, self.act_shape, self.eval_loss,
                                          act_dtype=self.mp.stage_activation_dtype)
                 if loss is not None:
                     total += loss.double().cpu()

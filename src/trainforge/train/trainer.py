@@ -106,7 +106,7 @@ class Trainer:
                                            self.device, tcfg.seed, log=self.log.info if self.is_main else None)
         stack = build_model_stack(cfg, self.model_config, self.dims, self.mesh, self.device, policy, self.compressor,
                                   pp_layout, lambda inputs, targets: self._loss(inputs, targets),
-                                  self.log if self.is_main else None)
+                                  self.log if self.is_main else None, model_loss=self.model_loss)
         self.mp, self.model, self.model_parts, self.opt_parts = stack.mp, stack.model, stack.model_parts, stack.opt_parts
         self.pipeline, self.pp_predicted, self.layout = stack.pipeline, stack.pp_predicted, stack.layout
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
