@@ -160,7 +160,8 @@ def _toy(gamma: float, steps: int) -> tuple[float, float]:
     x = torch.randn(BATCH * SEQ, cfg.dim) + 2.0 * torch.randn(cfg.dim)  # a shared offset: skewed scores
     bal = MoEBalance(dataclasses.replace(cfg, bias_update_rate=gamma), grad_accum_steps=1)
     loop = SimpleNamespace(model_parts=[root], opt_parts=[root], device=torch.device("cpu"),
-                           mp=SimpleNamespace(scaler=SimpleNamespace(enabled=False)))
+                           mp=SimpleNamespace(scaler=SimpleNamespace(enabled=False)),
+                           layout=SimpleNamespace(loss_splits=1))
     router = root.layers["1"].feed_forward.router
     first = last = None
     for _ in range(steps):

@@ -1,6 +1,7 @@
 """Loss-free balancing across processes (gloo, CPU, the real CLI under torchrun): the
 loads every rank uses are the global batch's (one all-reduce), so DDP, FSDP2 and a
-2-stage pipeline move the expert bias exactly as one process does, and a sharded (DCP)
+2-stage pipeline (with and without gradient accumulation) move the expert bias exactly
+as one process does, and a sharded (DCP)
 checkpoint holds the bias: resuming one continues the same run."""
 
 from __future__ import annotations
@@ -57,12 +58,16 @@ def reference(tmp_path_factory, small_data):
     # non-expert parameters are FSDP2-sharded and whose biases must equal one process's.
     ["--parallel.pp", "2", "--parallel.dp_shard", "1", "--parallel.microbatches", "2",
      "--training.batch_size", "4"],
-], ids=["ddp2", "pp2"])
+    # Accumulation through a pipeline: torch's scale_grads would divide the first micro-batch's
+    # gradients twice (parallel/pipeline.py); the validation set is then 2-row micro-batches.
+    ["--parallel.pp", "2", "--parallel.dp_shard", "1", "--parallel.microbatches", "2",
+     "--training.batch_size", "2", "--training.grad_accum_steps", "2"],
+], ids=["ddp2", "pp2", "pp2-accum2"])
 def test_two_processes_balance_like_one(tmp_path, small_data, reference, layout):
     run_dir = tmp_path / "run"
     run(train_cmd(2, run_dir, small_data, *MOE, *layout))
     assert (run_dir / "checkpoints" / "step_0000006" / dckpt.SHARDED_DIR).is_dir()
-    assert_same_balancing(run_dir, reference)
+    assert_same_balancing(run_dir, reference, same_val_set="--training.grad_accum_steps" not in layout)
 
 
 @pytest.mark.slow
@@ -77,3 +82,22 @@ def test_sharded_checkpoint_resumes_the_bias_with_accumulation(tmp_path, small_d
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
          "train", "--resume", str(base)])
     assert_same_balancing(base, reference, same_val_set=False)  # val set: val_batches x the micro-batch
+
+
+@pytest.mark.slow
+def test_balance_loss_gradient_through_a_pipeline_is_scaled_as_the_main_loss(tmp_path, small_data):
+    """The batch-wise balance loss (alpha 0.1) adds its gradient inside backward, scaled by
+    1 / (accumulated micro-batches x pipeline microbatches), as the main loss is: pp2 with 2
+    microbatches of 2 rows gives the gradient norm of one process accumulating 2 micro-batches
+    of 2 rows (the loss is computed on the same 2-row pieces, so the two runs are the same sum)."""
+    aux = [*MOE, "--model.aux_loss_alpha", "0.1", "--training.steps", "2"]
+    ref, pp = tmp_path / "ref", tmp_path / "pp"
+    run(train_cmd(1, ref, small_data, *aux, "--training.batch_size", "2", "--training.grad_accum_steps", "2"))
+    run(train_cmd(2, pp, small_data, *aux, "--parallel.pp", "2", "--parallel.dp_shard", "1",
+                  "--parallel.microbatches", "2", "--training.batch_size", "4"))
+    got, want = ({r["step"]: r for r in read_jsonl(d / "metrics.jsonl") if "grad_norm" in r} for d in (pp, ref))
+    assert sorted(got) == sorted(want) == [1, 2]
+    for step in want:
+        assert got[step]["moe_aux_loss"] > 0
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5), (step, key)

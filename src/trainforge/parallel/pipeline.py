@@ -39,10 +39,12 @@ zbv                ScheduleZBVZeroBubble        [r, 2p-1-r]              (V shap
 dualpipev          ScheduleDualPipeV            [r, 2p-1-r]              (V shape, S = 2p)
 =================  ===========================  ===================================
 
-Loss. Each microbatch's loss is a mean; the schedule divides gradients by the number of
-microbatches (``scale_grads``), so with equal microbatches the gradients and the
-returned mean of the microbatch losses equal single-process mean cross-entropy over
-the global batch.
+Loss. Each microbatch's loss is a mean, divided here by the number of microbatches
+before backward, so with equal microbatches the gradients and the returned sum equal
+single-process mean cross-entropy over the batch. The schedule's own ``scale_grads`` is
+off: it divides every ``.grad`` after each ``step``, which also shrinks what earlier steps
+of a gradient accumulation left there (``training.grad_accum_steps`` > 1 gave ~20% wrong
+gradients).
 
 Measurement. Each stage's forward, backward and weight-backward calls (and the loss on
 the last stage) are timed; ``bubble_fraction = 1 - compute_s / step_s`` per rank, so it
@@ -401,7 +403,7 @@ class Pipeline:
         self._stepped = True
         if not self.has_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        return torch.stack([loss.detach() for loss in losses]).sum()  # each is a microbatch mean / microbatches
 
     def last_step_stats(self) -> PipelineStepStats:
         """Timings of the last ``step`` on this rank (syncs the device on CUDA)."""
@@ -453,11 +455,10 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
               for m, sid in zip(stage_modules, stage_ids)]
 
     def timed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return timer.run(num_stages - 1, loss_fn, output, target)
+        return timer.run(num_stages - 1, loss_fn, output, target) / microbatches
 
     cls = SCHEDULES[schedule]
-    sched = cls(stages[0], microbatches, loss_fn=timed_loss) if v == 1 else cls(stages, microbatches,
-                                                                                 loss_fn=timed_loss)
+    sched = cls(stages[0] if v == 1 else stages, microbatches, loss_fn=timed_loss, scale_grads=False)
     return Pipeline(sched, stages, list(stage_modules), timer, schedule, microbatches, batch_size)
 
 

@@ -8,9 +8,9 @@ Per training step:
   leaves its count behind, and it must not reach the next step) and set
   ``Router.aux_grad_scale`` = fp16 loss scale / ``training.grad_accum_steps``: the main
   loss is divided by the micro-batches and scaled before backward, and the auxiliary
-  losses (``model/moe.py`` adds their gradient inside backward) must match it. Pipeline
-  schedules divide every gradient of a stage by their micro-batches (``scale_grads``),
-  auxiliary ones included, so the same factor holds there.
+  losses (``model/moe.py`` adds their gradient inside backward) must match it. A pipeline
+  divides each of its microbatches' losses by their count (``StepLayout.loss_splits``),
+  and the auxiliary losses of each microbatch by the same.
 - ``after_optimizer_step``: the loads of all MoE layers as one (n_moe_layers, E) tensor
   (zeros for layers another pipeline stage holds), ONE all-reduce SUM over the default
   group (tensor parallelism is refused with MoE, so each data-parallel rank counts its
@@ -104,14 +104,15 @@ class MoEBalance(Component):
 
     def on_step_start(self, loop: Any) -> None:
         held = self._bind(loop)
-        scale: float | torch.Tensor = 1.0 / self.micro_batches
+        splits = self.micro_batches * loop.layout.loss_splits
+        scale: float | torch.Tensor = 1.0 / splits
         scaler = loop.mp.scaler
         if self.has_aux and scaler.enabled:
             scaler.ensure_scale(loop.device)  # GradScaler makes its scale on the first scale()
             if self._aux_scale is None:
                 self._aux_scale = torch.empty((), device=scaler.scale_tensor().device)
             # One tensor updated in place (no host sync; a compiled block sees the same object).
-            scale = self._aux_scale.copy_(scaler.scale_tensor() / self.micro_batches)
+            scale = self._aux_scale.copy_(scaler.scale_tensor() / splits)
         for _, router, _ in held:
             router.load.zero_()
             router.aux_loss_sum.zero_()

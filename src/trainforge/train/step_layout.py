@@ -33,6 +33,7 @@ class StepLayout:
     (``TrainerPrecision``); ``loss_parallel``: TP vocab-sharded logits need ``loss_context``."""
 
     tracks_activations = True  # saved activations can be counted on one forward (not through a schedule)
+    loss_splits = 1  # pieces each micro-batch's mean loss is divided into before backward (pipeline microbatches)
 
     def __init__(self, dims: Any, mesh: Any, device: torch.device, mp: Any, loss_parallel: bool):
         self.dims, self.mesh, self.device, self.mp = dims, mesh, device, mp
@@ -163,6 +164,7 @@ class PipelineStep(StepLayout):
         super().__init__(**kw)
         self.pipeline, self.model_parts, self.act_shape = pipeline, model_parts, act_shape
         self.eval_loss = eval_loss
+        self.loss_splits = pipeline.microbatches  # build_pipeline divides each microbatch's loss by them
 
     def forward_backward(self, batches: Any, micro_batches: int, track_activations: bool) -> torch.Tensor:
         mp = self.mp
