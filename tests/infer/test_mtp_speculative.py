@@ -70,7 +70,8 @@ def mtp_engine(model, k=3, drafter=None, **kw):
 
 
 class RecordingDrafter(MTPDrafter):
-    """Keeps, for every proposal, each row's accepted sequence, its drafts and the MTP logits."""
+    """Keeps, for every proposal, each row's accepted sequence, its drafts and the MTP logits
+    (the first draft's from the previous step's ``accepted`` where it ran there)."""
 
     def __init__(self, fast: bool):
         super().__init__(fast)
@@ -88,7 +89,9 @@ class RecordingDrafter(MTPDrafter):
         return out
 
     def propose(self, batch, k):
-        self._logits = []
+        B = len(batch.tokens)
+        # The first draft's logits, when ``accepted`` already ran it (the previous step).
+        self._logits = [self.first_logits[:B].clone()] if self.first_ready[:B].all() else []
         draft, q = super().propose(batch, k)
         for r, req in enumerate(self.engine._rows):
             seq = req.prompt_ids + req.output_ids

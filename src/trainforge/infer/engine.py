@@ -383,8 +383,9 @@ class Engine:
             n, out = accept_greedy(draft, logits)
         else:
             n, out = accept(draft, q, filtered_probs(logits, params), params, gens)
+        batch.next_tokens = out[torch.arange(B, device=self.device), n]  # the next step's inputs
         self.drafter.accepted(batch, draft, n)
-        self.runner.tokens[:B] = out[torch.arange(B, device=self.device), n]  # the next step's inputs
+        self.runner.tokens[:B] = batch.next_tokens
         n_host, out_host = n.tolist(), out.tolist()  # the host sync
         self.counters["decode_steps"] += 1
         self.counters["decode_s"] += time.perf_counter() - t0

@@ -62,6 +62,7 @@ class DraftBatch:
     params: list[SamplingParams]  # each row's sampling options (temperature, top-k, top-p)
     gens: list[torch.Generator | None]  # each row's generator (None for greedy rows)
     hidden: torch.Tensor | None = None  # (B, k+1, dim) the verify forward's last hidden states, for ``accepted``
+    next_tokens: torch.Tensor | None = None  # (B,) each row's next step input (after its accepted drafts), ditto
 
 
 class SpecStats:
