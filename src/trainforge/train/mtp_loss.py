@@ -48,8 +48,9 @@ _KEYS = ("mtp_loss_weight", "mtp_loss_weight_final", "mtp_loss_weight_switch_ste
 
 def check_mtp_layout(tcfg: Any, model_config: Any, dims: Any) -> None:
     """Refuse, naming the keys, MTP settings without MTP modules and MTP on the layout it
-    does not run on, tensor parallelism (``tcfg``: ``[training]``; ``dims``: the resolved
-    ``ParallelDims``). Pipeline parallelism runs the MTP modules on the last stage."""
+    does not run on, tensor and pipeline parallelism together (``tcfg``: ``[training]``;
+    ``dims``: the resolved ``ParallelDims``). Each alone runs it: TP with the MTP modules'
+    own plan, PP with the MTP modules on the last stage."""
     depth = model_config.mtp_depth
     if not depth:
         set_keys = [k for k in _KEYS if getattr(tcfg, k) not in (None, 0)]
