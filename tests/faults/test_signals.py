@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from tests.faults.conftest import cli_env, one_error_line, run_cli, torchrun_cmd, train_args
 from trainforge import exit_codes
 from trainforge.monitor.jsonl import read_jsonl
+from trainforge.monitor.sinks import free_port
 
 # Long enough never to finish on its own; no periodic validation or checkpoint, so the
 # only checkpoint is the one the stop writes.
@@ -37,16 +37,10 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "trainforge", *args]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(args: list[str], tmp: Path, n: int = 2) -> list[subprocess.Popen]:
     """``n`` ranks started as torchrun would (RANK, WORLD_SIZE, MASTER_*), without it:
     the test then sees each rank's own exit code, and nothing else signals them."""
-    port = str(_free_port())
+    port = str(free_port())
     return [_start(_cli(*args), tmp / f"rank{r}.log", RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n),
                    LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for r in range(n)]
 

@@ -28,7 +28,7 @@ COMMON = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.ste
 def test_monitor_statistics_under_torchrun(tmp_path, small_data, layout):
     # Endpoints on ports P and P+1 (one per rank); the pipeline case runs without, so rank 1
     # there has no destination at all.
-    endpoint = [] if "--parallel.pp" in layout else ["--monitor.prometheus_port", str(free_port())]
+    endpoint = [] if "--parallel.pp" in layout else ["--monitor.prometheus_port", str(free_port(count=2))]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
            "train", "--run_dir", str(tmp_path / "run"), "--data.path", str(small_data), *COMMON, *layout, *endpoint]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env())

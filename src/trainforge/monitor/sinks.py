@@ -138,11 +138,41 @@ class TensorBoardSink:
         self.writer.close()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (for tests and examples)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """The first of ``count`` consecutive TCP ports nothing listens on right now (for tests
+    and examples; a distributed run serves ``port + LOCAL_RANK``).
+
+    Drawn below the kernel's ephemeral range: a port the kernel handed out from that
+    range (bind to 0) can be handed again to torchrun's store or a gloo connection
+    before the trainer binds it, which CI hit once ('Address already in use')."""
+    import random
+
+    lo, _ = _ephemeral_range()
+    top = min(lo, 65536) - count
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, max(top, 20001))
+        socks = []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports on {host} between 20000 and {top}")
 
 
 def read_exposition(text: str, drop_labels: tuple[str, ...] = ("rank",)) -> dict[str, float]:
