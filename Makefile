@@ -27,7 +27,7 @@ prometheus:
 # lint-imports first: a broken layering contract ([tool.importlinter] in pyproject.toml) fails in a second.
 test: install prometheus
 	$(BIN)/lint-imports --no-cache --no-logo
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=40
 
 bench: install
 	$(BIN)/python bench/train_throughput.py
