@@ -360,18 +360,37 @@ def _quantize(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from trainforge.infer.hf_export import export_hf
+    from trainforge.infer.hf_export import DTYPES, export
 
     p = argparse.ArgumentParser(prog="trainforge export",
-                                description="Write a trainforge checkpoint as a Hugging Face directory (config.json + "
-                                            "model.safetensors + tokenizer.json): LlamaForCausalLM for dense models, "
-                                            "DeepseekV3ForCausalLM (MTP layers included) for latent-attention MoE.")
+                                description="Write a checkpoint as a Hugging Face directory that transformers, vLLM "
+                                            "and llm-compressor read: config.json, generation_config.json, "
+                                            "model.safetensors (sharded with an index above --max_shard_gb), "
+                                            "tokenizer.json + tokenizer_config.json. LlamaForCausalLM for dense "
+                                            "models, DeepseekV3ForCausalLM (MTP layers included) for latent-attention "
+                                            "MoE. --quantize writes int8/int4 linear weights in the "
+                                            "compressed-tensors format.")
     p.add_argument("--checkpoint", required=True, help="float trainforge checkpoint or run directory")
     p.add_argument("--output", required=True, help="new directory for the Hugging Face files")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the float weights")
+    p.add_argument("--quantize", default=None, choices=["none", "int8", "int4"],
+                   help="int8 per output channel or int4 per group (compressed-tensors format); default: none, "
+                        "or the scheme a quantisation-aware run was trained with")
+    p.add_argument("--group_size", type=int, default=None, help="int4 group size (default 128, or the QAT run's)")
+    p.add_argument("--max_shard_gb", type=float, default=5.0, help="split the weights into files of at most this size")
+    p.add_argument("--force", action="store_true", help="replace --output if it exists (only once the new one is "
+                                                        "complete)")
     a = p.parse_args(argv)
-    if Path(a.output).exists():
-        raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
-    print(f"wrote {export_hf(a.checkpoint, a.output)}")
+    if a.max_shard_gb <= 0:
+        raise TrainforgeError(f"--max_shard_gb {a.max_shard_gb}: must be > 0")
+    t0 = time.perf_counter()
+    r = export(a.checkpoint, a.output, dtype=a.dtype, quantize=a.quantize,
+               group_size=a.group_size if a.group_size is not None else 128, force=a.force,
+               max_shard_bytes=int(a.max_shard_gb * 2**30))
+    dt = time.perf_counter() - t0
+    what = f", {len(r.quantized)} linear layers {a.quantize}" if r.quantized else ""
+    print(f"wrote {r.path}: {r.tensors} tensors, {r.bytes / 2**20:.1f} MiB in {len(r.files)} file(s){what}; "
+          f"{dt:.1f} s")
     return 0
 
 

@@ -4,14 +4,18 @@
 latent-attention MoE (``model/hf_deepseek.py``, the released checkpoints' layout: per-expert
 weights, interleaved rotary rows, and the MTP modules as ``model.layers.{n_layers + d}``).
 
-The directory is written atomically (``storage/atomic.py``). Reading it back with
-``infer.loading.load_model`` gives the same weights bit for bit.
+``export`` is ``trainforge export``: any dtype, sharded above a size, tokenizer files that
+``AutoTokenizer`` reads, and optionally int8/int4 linear weights in the compressed-tensors
+format, streamed tensor by tensor. The directory is written atomically (``storage/atomic.py``).
+Reading it back with ``infer.loading.load_model`` gives the same weights bit for bit (float, and
+the quantised layers' stored form).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +25,7 @@ from trainforge.errors import CheckpointError
 from trainforge.model import hf, hf_deepseek
 from trainforge.model.config import ModelConfig
 from trainforge.storage.atomic import atomic_directory
+from trainforge.storage.safetensors_stream import Entry, write_sharded
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -62,15 +67,169 @@ def save_hf_dir(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: M
     return out_dir
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """A trainforge checkpoint (or run directory: its newest checkpoint) written as a Hugging
-    Face directory at ``out_dir`` (float32, as ``load_model`` reads it)."""
-    from trainforge.infer.loading import load_model
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
+# Kept float (and fp32) by the dtype cast: the selection bias of DeepSeek-V3's router is an
+# fp32 tensor in the released checkpoints, and top-k over near-tied scores flips in bf16.
+_KEEP_FP32 = ("e_score_correction_bias",)
 
+
+@dataclass
+class ExportResult:
+    path: Path
+    files: list[Path]
+    tensors: int
+    bytes: int
+    quantized: list[str]  # our layer names
+    ignored: list[str]  # HF module names left float in a quantised export
+
+
+def _check_args(out_dir: Path, dtype: str, quantize: str | None, group_size: int, force: bool) -> None:
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    if quantize not in (None, "none", "int8", "int4"):
+        raise CheckpointError(f"--quantize {quantize!r}: use int8 or int4 (or leave it out for float weights)")
+    if quantize == "int4" and (group_size < 2 or group_size % 2):
+        raise CheckpointError(f"--group_size {group_size}: int4 groups must be an even number >= 2 "
+                              "(32, 64, 128 or 256 run the fast CPU kernel)")
+    if out_dir.exists() and not force:
+        raise CheckpointError(f"--output {out_dir} exists; choose a new directory, or pass --force to replace it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--output {out_dir} is a file, not a directory")
+
+
+def _tokenizer_files(tmp: Path, tok_file: Path, eos_ids: tuple[int, ...], max_len: int) -> None:
+    """tokenizer.json and a tokenizer_config.json that makes ``AutoTokenizer`` build a
+    ``PreTrainedTokenizerFast`` over it, with the end-of-text token set."""
+    from tokenizers import Tokenizer
+
+    shutil.copyfile(tok_file, tmp / "tokenizer.json")
+    tok = Tokenizer.from_file(str(tok_file))
+    eos = tok.id_to_token(eos_ids[0]) if eos_ids else None
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_len,
+              "clean_up_tokenization_spaces": False, "eos_token": eos, "bos_token": None, "pad_token": None,
+              "unk_token": None, "add_bos_token": False, "add_eos_token": False}
+    (tmp / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "special_tokens_map.json").write_text(json.dumps({"eos_token": eos} if eos else {}, indent=2) + "\n")
+
+
+def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", quantize: str | None = None,
+           group_size: int = 128, force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> ExportResult:
+    """A trainforge checkpoint (or run directory: its newest checkpoint, or a Hugging Face
+    directory) written as a Hugging Face directory at ``out_dir``: ``config.json``,
+    ``generation_config.json``, the weights (``model.safetensors``, or shards + index above
+    ``max_shard_bytes``) in ``dtype``, and the tokenizer (``tokenizer.json`` +
+    ``tokenizer_config.json``). ``quantize``: int8 (per channel) or int4 (per group) linear
+    weights in the compressed-tensors format (``quantize/compressed_tensors_format.py``), on the grid of
+    ``trainforge quantize``; embeddings, norms, routers, routed experts and latent attention's
+    ``wkv_b`` stay float (listed in ``quantization_config.ignore``), as does a tied output head.
+
+    Every argument is checked before anything is read; the directory appears complete or not
+    at all (``--force`` replaces an existing one only once the new one is written). Tensors
+    are converted and written one at a time (``storage/safetensors_stream.py``)."""
+    from trainforge.infer.loading import load_model
+    from trainforge.infer.quantize import linear_names, quantize_state_dict
+    from trainforge.infer.quantize import compressed_tensors_format as ct
+
+    out_dir = Path(out_dir)
+    quantize = None if quantize == "none" else quantize
+    _check_args(out_dir, dtype, quantize, group_size, force)
     loaded = load_model(checkpoint)
     if loaded.quantization:
         raise CheckpointError(f"{checkpoint} is quantised ({loaded.quantization['mode']}); export the float "
-                              "checkpoint it was made from")
+                              "checkpoint it was made from, with --quantize")
+    model, cfg = loaded.model, loaded.model.cfg
+    layout = hf_layout(cfg)
+    sd = model.state_dict()
+    hf_sd = layout.to_hf_state_dict(sd, cfg)
+    if cfg.tie_embeddings:  # HF's save_pretrained writes the embedding alone when tied
+        hf_sd.pop("lm_head.weight", None)
+    target = DTYPES[dtype]
+
+    quantized: dict[str, str] = {}  # HF prefix -> our layer name
+    ignored: list[str] = []
+    if quantize:
+        if not hasattr(layout, "key_map"):
+            raise CheckpointError(f"{checkpoint}: quantised export of this model family is not supported yet; "
+                                  "export float weights (leave out --quantize)")
+        names = [n for n in linear_names(model) if not (cfg.tie_embeddings and n == "output")]
+        if quantize == "int4":
+            bad = {n: sd[f"{n}.weight"].shape[1] for n in names if sd[f"{n}.weight"].shape[1] % group_size}
+            if bad:
+                dims = sorted(set(bad.values()))
+                fits = [g for g in (32, 64, 128, 256) if all(d % g == 0 for d in dims)]
+                raise CheckpointError(f"--group_size {group_size} does not divide the input dim of "
+                                      f"{len(bad)} layers (e.g. {next(iter(bad))}: {next(iter(bad.values()))}); "
+                                      + (f"use one of {fits}" if fits else "use a group size dividing " + str(dims)))
+        kmap = layout.key_map(cfg)
+        quantized = {kmap[f"{n}.weight"][: -len(".weight")]: n for n in names}
+        for key in list(hf_sd):
+            module = key.rsplit(".", 1)[0]
+            if hf_sd[key].dim() == 2 and key.endswith(".weight") and module not in quantized \
+                    and "embed_tokens" not in key and ".mlp.experts." not in key:
+                ignored.append(module)
+        if cfg.tie_embeddings:
+            ignored.append("lm_head")  # tied to the float embedding
+
+    def layer_tensors(name: str) -> dict[str, torch.Tensor]:
+        """One layer's compressed-tensors tensors, quantised on demand (one layer in memory)."""
+        qsd, _ = quantize_state_dict({f"{name}.weight": sd[f"{name}.weight"]}, [name], quantize, group_size)
+        stored = {s: layout.rows_to_hf(cfg, f"{name}.weight", qsd[f"{name}.{s}"])
+                  for s in ("weight", "scales", "zeros") if f"{name}.{s}" in qsd}
+        return ct.to_ct(quantize, stored)
+
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def produce_quantized(prefix: str, suffix: str, last: bool):
+        def run() -> torch.Tensor:
+            if prefix not in cache:
+                cache.clear()
+                cache[prefix] = layer_tensors(quantized[prefix])
+            t = cache[prefix][suffix]
+            if last:
+                cache.pop(prefix)
+            return t
+        return run
+
+    def produce_float(t: torch.Tensor, to: torch.dtype):
+        return lambda: t.to(to)
+
+    entries: list[Entry] = []
+    for key, t in hf_sd.items():
+        module = key.rsplit(".", 1)[0]
+        if module in quantized and key.endswith(".weight"):
+            n, k = t.shape
+            shapes = ct.ct_shapes(quantize, n, k, group_size)
+            for i, (suffix, (shape, dt)) in enumerate(shapes.items()):
+                entries.append(Entry(f"{module}.{suffix}", shape, dt,
+                                     produce_quantized(module, suffix, i == len(shapes) - 1)))
+            continue
+        to = t.dtype if not t.is_floating_point() or key.endswith(_KEEP_FP32) else target
+        entries.append(Entry(key, tuple(t.shape), to, produce_float(t, to)))
+
+    store_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target]
+    config = layout.to_hf_config_dict(cfg, dtype=store_dtype)
+    eos_ids = loaded.eos_ids
+    if eos_ids:
+        config["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]
+    if quantize:
+        ignore = sorted(set(ignored)) + ([r"re:.*mlp\.experts\..*"] if cfg.is_moe else [])
+        config["quantization_config"] = ct.quantization_config(quantize, group_size, ignore)
+    generation = {"_from_model_config": True}
+    if eos_ids:
+        generation["eos_token_id"] = config["eos_token_id"]
     tok = loaded.path / "tokenizer.json"
-    return save_hf_dir(out_dir, loaded.model.state_dict(), loaded.model.cfg, tok if tok.is_file() else None,
-                       loaded.eos_ids)
+    with atomic_directory(out_dir, replace=force) as tmp:
+        files = write_sharded(tmp, entries, max_shard_bytes, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tok.is_file():
+            _tokenizer_files(tmp, tok, eos_ids, cfg.max_seq_len)
+    return ExportResult(out_dir, [out_dir / f.name for f in files], len(entries), sum(e.nbytes for e in entries),
+                        sorted(quantized.values()), sorted(set(ignored)))
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """A trainforge checkpoint (or run directory: its newest checkpoint) written as a Hugging
+    Face directory at ``out_dir`` (float32, as ``load_model`` reads it)."""
+    return export(checkpoint, out_dir).path

@@ -194,6 +194,46 @@ def _has_layer(files: list[Path], layer: Any) -> bool:
     return False
 
 
+def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: dict[str, Any], layout: Any,
+                      where: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, torch.Tensor]]:
+    """A compressed-tensors directory's tensors (HF names) -> (the float tensors, with a meta
+    placeholder ``P.weight`` of the right shape for every quantised module so the family's
+    renaming applies unchanged; the quantization info ``swap_quantized_linears`` takes; each
+    quantised layer's stored form under our names, rows back in our order)."""
+    from trainforge.infer.quantize import compressed_tensors_format as ct
+    from trainforge.model import hf as hf_llama
+
+    layout = layout or hf_llama
+    mode, group_size = ct.read_quantization_config(hf_config["quantization_config"], f"{where}")
+    inverse = {theirs: ours for ours, theirs in layout.key_map(cfg).items()}
+    sd = dict(sd)
+    stored: dict[str, torch.Tensor] = {}
+    layers = []
+    for prefix in ct.ct_prefixes(list(sd)):
+        if f"{prefix}.weight" not in inverse:
+            raise CheckpointError(f"{where}: quantised module {prefix} is not a linear layer trainforge quantises "
+                                  "(quantised experts, routers and kv_b_proj are not read); keep it float")
+        mine = {s: sd.pop(f"{prefix}.{s}") for s in ("weight", "weight_packed", "weight_scale", "weight_zero_point",
+                                                       "weight_shape") if f"{prefix}.{s}" in sd}
+        t = ct.from_ct(mode, mine, f"{where}: {prefix}")
+        if mode == "int4" and t["weight"].shape[1] * 2 // t["scales"].shape[1] != group_size:
+            raise CheckpointError(f"{where}: {prefix} has {t['scales'].shape[1]} groups per row, not the "
+                                  f"group_size {group_size} of quantization_config")
+        ours = inverse[f"{prefix}.weight"]
+        n, k = t["weight"].shape[0], t["weight"].shape[1] * (2 if mode == "int4" else 1)
+        sd[f"{prefix}.weight"] = torch.empty(n, k, device="meta")
+        name = ours[: -len(".weight")]
+        stored.update({f"{name}.{s}": layout.rows_from_hf(cfg, ours, v, hf_config) for s, v in t.items()})
+        layers.append(name)
+    if not layers:
+        raise CheckpointError(f"{where}: quantization_config is set but no tensor is quantised (no *.weight_scale)")
+    info: dict[str, Any] = {"mode": mode, "layers": layers, "experts": [], "skipped": {},
+                            "format": ct.QUANT_METHOD}
+    if mode == "int4":
+        info["group_size"] = group_size
+    return sd, info, stored
+
+
 def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
     config_file = path / "config.json"
     try:
@@ -227,6 +267,10 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
                               "loaded; convert them with transformers' save_pretrained(safe_serialization=True))"
                               if found else ""))
     sd, _ = _read_safetensors(files, device)
+    quantization, stored = None, {}
+    if "quantization_config" in hf_config:
+        sd, quantization, stored = _split_compressed(sd, cfg, hf_config, hf_deepseek if deepseek else None,
+                                                     str(config_file))
     try:
         if deepseek:
             sd = hf_deepseek.from_hf_state_dict(sd, cfg, rope_interleave=bool(hf_config.get("rope_interleave", True)))
@@ -234,7 +278,8 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
             sd = from_hf_state_dict(sd, cfg)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    model = _materialise(cfg, sd, device, dtype, None, str(path))
+    sd.update(stored)  # the quantised layers' stored form replaces their placeholders
+    model = _materialise(cfg, sd, device, dtype, quantization, str(path))
     tok, eos = None, []
     eos_cfg = hf_config.get("eos_token_id")
     if eos_cfg is not None:
@@ -254,4 +299,4 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
         except Exception as e:  # tokenizers raises plain Exception subclasses on bad JSON
             raise CheckpointError(f"tokenizer file {tok_file} could not be read ({error_detail(e)})") from None
         eos += [i for i in (tok.token_to_id(t) for t in _EOS_CANDIDATES) if i is not None and i not in eos]
-    return LoadedModel(model, tok, tuple(eos), path.name, "huggingface", None, path)
+    return LoadedModel(model, tok, tuple(eos), path.name, "huggingface", quantization, path)

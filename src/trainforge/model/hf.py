@@ -134,6 +134,23 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return _convert(sd, cfg, src=1, what="Hugging Face")
 
 
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """Our weight key -> its HF key (the quantised export renames stored tensors with it)."""
+    return {ours: theirs for ours, theirs, _ in _key_table(cfg)}
+
+
+def rows_to_hf(cfg: ModelConfig, key: str, t: torch.Tensor) -> torch.Tensor:
+    """A tensor indexed by the rows of our weight ``key`` (its codes, scales) in HF's row order:
+    the Llama layout renames only."""
+    return t
+
+
+def rows_from_hf(cfg: ModelConfig, key: str, t: torch.Tensor, hf_config: dict[str, Any] | None = None
+                 ) -> torch.Tensor:
+    """The inverse of ``rows_to_hf``."""
+    return t
+
+
 def to_hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any]:
     """A ``config.json`` dict for ``LlamaForCausalLM``; ``transformers.LlamaConfig(**d)`` accepts it.
 

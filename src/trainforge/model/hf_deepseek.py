@@ -282,6 +282,27 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_interle
     return out
 
 
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """Our weight key -> its HF key, routed experts and the MTP copies left out (the quantised
+    export renames stored tensors with it)."""
+    return dict(_key_table(cfg))
+
+
+def rows_to_hf(cfg: ModelConfig, key: str, t: torch.Tensor, rope_interleave: bool = True) -> torch.Tensor:
+    """A tensor indexed by the rows of our weight ``key`` (its quantised codes, scales, zero
+    points) in HF's row order: the query and ``wkv_a`` rope rows back to interleaved. Rows are
+    quantised independently, so permuting codes equals quantising the permuted weight."""
+    index = torch.argsort(deinterleave(cfg.qk_rope_head_dim)) if rope_interleave else None
+    return _rope_permute(cfg, key, t, index)
+
+
+def rows_from_hf(cfg: ModelConfig, key: str, t: torch.Tensor, hf_config: dict[str, Any] | None = None
+                 ) -> torch.Tensor:
+    """The inverse of ``rows_to_hf`` (``hf_config``'s ``rope_interleave``, default true)."""
+    interleave = bool((hf_config or {}).get("rope_interleave", True))
+    return _rope_permute(cfg, key, t, deinterleave(cfg.qk_rope_head_dim) if interleave else None)
+
+
 # -- config.json ----------------------------------------------------------------------------------
 
 MODEL_TYPE = "deepseek_v3"

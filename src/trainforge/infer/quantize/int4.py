@@ -2,9 +2,18 @@
 
 Stored form (safetensors, beside each other): ``<layer>.weight`` uint8 (N, K/2), two 4-bit
 codes per byte (even k in the high nibble, the layout ``torch.ops.aten._convert_weight_to_int4pack``
-takes on CUDA), ``<layer>.scales`` and ``<layer>.zeros`` fp32 (N, K/group_size). A code q in
-[0, 15] stands for (q - 8) * scale + zero, with zero = min + 8 * scale: gpt-fast's and
-torchao's convention, so every kernel below reads the same numbers.
+takes on CUDA), ``<layer>.scales`` fp32 (N, K/group_size) and ``<layer>.zeros`` int8
+(N, K/group_size): an integer zero point z in [-8, 7]. A code q in [0, 15] stands for
+((q - 8) - z) * scale, computed as an exact small integer times the fp32 scale. That is
+compressed-tensors' asymmetric int4 grid (signed codes q - 8, zero point z, ``(x_q - zp) *
+scale``), so an exported directory decompresses to these weights bit for bit
+(``compressed_tensors_format.py``), and QAT's fake quantisation (``train/qat.py``) calls the same two
+functions. The group's range always contains 0 (min <= 0 <= max), which is what makes the zero
+point an integer inside the code range.
+
+Directories written before 2026-12-01 hold fp32 ``zeros`` in the value domain: q stands for
+(q - 8) * scale + zero (gpt-fast's and torchao's convention, zero = min + 8 * scale). They keep
+loading: ``dequantize_int4`` and the kernels read the zeros by dtype.
 
 Kernels (``common.PREFERENCE`` holds the order per device):
 
@@ -40,17 +49,18 @@ CPU_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (uint8 codes (N, K/2), fp32 scales (N, K/g), fp32 zeros (N, K/g))."""
+    """(N, K) float -> (uint8 codes (N, K/2), fp32 scales (N, K/g), int8 zero points (N, K/g))."""
     n, k = w.shape
     if k % group_size or k % 2:
         raise ValueError(f"int4: in_features {k} is not a multiple of group_size {group_size}")
     g = w.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    lo = g.amin(dim=-1, keepdim=True).clamp(max=0.0)
+    hi = g.amax(dim=-1, keepdim=True).clamp(min=0.0)
     scales = (hi - lo).clamp(min=1e-6) / 15.0
-    zeros = lo + 8.0 * scales
-    q = torch.round((g - lo) / scales).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    zp = torch.round(-lo / scales).clamp(0, 15)  # unsigned zero point: the code that stands for 0.0
+    q = (torch.round(g / scales) + zp).clamp(0, 15).to(torch.uint8).reshape(n, k)
     packed = (q[:, 0::2] << 4) | q[:, 1::2]
-    return packed, scales.reshape(n, -1), zeros.reshape(n, -1)
+    return packed, scales.reshape(n, -1), (zp - 8).to(torch.int8).reshape(n, -1)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -59,11 +69,22 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    q = unpack_int4(packed).float()
+    """The fp32 (N, K) weight the stored form stands for (int8 zero points, or a pre-2026-12 fp32
+    value-domain zero)."""
+    q = unpack_int4(packed)
     n, k = q.shape
     group_size = k // scales.shape[1]
-    g = (q.reshape(n, -1, group_size) - 8.0) * scales[..., None] + zeros[..., None]
+    q = q.reshape(n, -1, group_size) - 8
+    if zeros.dtype == torch.int8:
+        g = (q - zeros.to(torch.int32)[..., None]).float() * scales[..., None]
+    else:
+        g = q.float() * scales[..., None] + zeros[..., None]
     return g.reshape(n, k)
+
+
+def value_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The fp32 value-domain zero the aten int4pack kernels take ((q - 8) * scale + zero)."""
+    return -zeros.float() * scales if zeros.dtype == torch.int8 else zeros
 
 
 class Int4Linear(QuantLinear):
@@ -77,7 +98,7 @@ class Int4Linear(QuantLinear):
         groups = in_features // group_size
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
-        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.int8, device=device))
 
     def _init_kwargs(self) -> dict:
         return {"kernel": self.kernel, "group_size": self.group_size}
@@ -96,7 +117,8 @@ class Int4Linear(QuantLinear):
 
     def _scales_and_zeros(self, dtype: torch.dtype) -> torch.Tensor:
         # (K/g, N, 2), the layout both aten int4pack kernels take.
-        return torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+        zeros = value_zeros(self.scales, self.zeros)
+        return torch.stack((self.scales, zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
 
     def supports(self, name: str) -> str | None:
         if name == "int4pack_cpu":
