@@ -365,7 +365,9 @@ def _export(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="trainforge export",
                                 description="Write a trainforge checkpoint as a Hugging Face directory (config.json + "
                                             "model.safetensors + tokenizer.json): LlamaForCausalLM for dense models, "
-                                            "DeepseekV3ForCausalLM (MTP layers included) for latent-attention MoE.")
+                                            "DeepseekV3ForCausalLM (MTP layers included) for latent-attention MoE, "
+                                            "Glm4MoeForCausalLM (sigmoid routing) or MixtralForCausalLM (softmax) "
+                                            "for other MoE.")
     p.add_argument("--checkpoint", required=True, help="float trainforge checkpoint or run directory")
     p.add_argument("--output", required=True, help="new directory for the Hugging Face files")
     a = p.parse_args(argv)
