@@ -368,8 +368,9 @@ def _export(argv: list[str]) -> int:
                                             "model.safetensors (sharded with an index above --max_shard_gb), "
                                             "tokenizer.json + tokenizer_config.json. LlamaForCausalLM for dense "
                                             "models, DeepseekV3ForCausalLM (MTP layers included) for latent-attention "
-                                            "MoE. --quantize writes int8/int4 linear weights in the "
-                                            "compressed-tensors format.")
+                                            "MoE, Glm4MoeForCausalLM (sigmoid routing) or MixtralForCausalLM "
+                                            "(softmax) for other MoE. --quantize writes int8/int4 linear weights in "
+                                            "the compressed-tensors format.")
     p.add_argument("--checkpoint", required=True, help="float trainforge checkpoint or run directory")
     p.add_argument("--output", required=True, help="new directory for the Hugging Face files")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the float weights")

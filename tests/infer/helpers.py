@@ -16,7 +16,7 @@ SHAPES = {
                         norm_eps=1e-6, rope_theta=500000.0, max_seq_len=256),
 }
 
-# Mixture of experts (moe-debug: first block dense, 8 experts top-2 + 1 shared); no HF layout.
+# Mixture of experts (moe-debug: first block dense, 8 experts top-2 + 1 shared; HF: Glm4MoeForCausalLM).
 MOE_SHAPES = {"moe": dataclasses.replace(FLAVORS["moe-debug"], max_seq_len=256)}
 
 

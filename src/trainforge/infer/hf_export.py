@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from trainforge.errors import CheckpointError
-from trainforge.model import hf, hf_deepseek
+from trainforge.model import hf, hf_deepseek, hf_moe
 from trainforge.model.config import ModelConfig
 from trainforge.storage.atomic import atomic_directory
 from trainforge.storage.safetensors_stream import Entry, write_sharded
@@ -31,8 +31,9 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 
 
 def hf_layout(cfg: ModelConfig):
-    """The conversion module for ``cfg``: ``hf_deepseek`` for latent attention, else ``hf`` (Llama)."""
-    return hf_deepseek if cfg.is_mla else hf
+    """The conversion module for ``cfg``: ``hf_deepseek`` for latent attention, ``hf_moe`` for other
+    MoE models (Glm4Moe / Mixtral), else ``hf`` (Llama)."""
+    return hf_deepseek if cfg.is_mla else hf_moe if cfg.is_moe else hf
 
 
 def save_hf_dir(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: ModelConfig,

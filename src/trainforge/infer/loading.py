@@ -2,7 +2,8 @@
 ``trainforge quantize``) or a Hugging Face directory (``config.json`` + ``*.safetensors``,
 sharded or not) in the ``LlamaForCausalLM`` layout (``model/hf.py``) or, when config.json's
 ``model_type`` is ``deepseek_v3``, the ``DeepseekV3ForCausalLM`` one (``model/hf_deepseek.py``;
-its MTP layers are kept). Safetensors only: no pickle is ever loaded.
+its MTP layers are kept), or for ``glm4_moe`` / ``mixtral`` ``Glm4MoeForCausalLM`` /
+``MixtralForCausalLM`` (``model/hf_moe.py``). Safetensors only: no pickle is ever loaded.
 
 The model is built on the meta device (no memory, no random init), quantised layers are
 swapped in on meta too, and the tensors read from the file become the parameters by
@@ -26,7 +27,7 @@ from safetensors.torch import load_file
 
 from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
-from trainforge.model import hf_deepseek
+from trainforge.model import hf_deepseek, hf_moe
 from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
 from trainforge.model.llama import Transformer
 from trainforge.model.rope import model_rope_tables
@@ -246,19 +247,20 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_file} holds {type(hf_config).__name__}, not a JSON object")
     files = sorted(path.glob("*.safetensors"))
-    deepseek = hf_deepseek.is_deepseek_v3(hf_config)
+    deepseek, moe = hf_deepseek.is_deepseek_v3(hf_config), hf_moe.is_hf_moe(hf_config)
     try:
-        if deepseek:
+        if deepseek or moe:
             # transformers' save_pretrained drops the MTP layers but keeps num_nextn_predict_layers:
             # the files say whether there are MTP modules to build.
-            cfg = hf_deepseek.model_config_from_hf(hf_config, mtp_weights=_has_layer(
+            cfg = (hf_deepseek if deepseek else hf_moe).model_config_from_hf(hf_config, mtp_weights=_has_layer(
                 files, hf_config.get("num_hidden_layers")))
         else:
             cfg = model_config_from_hf(hf_config)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     except (TypeError, ValueError, AttributeError) as e:  # a value of the wrong type
-        raise CheckpointError(f"{config_file} does not describe a {'DeepSeek-V3' if deepseek else 'Llama'} model "
+        kind = "DeepSeek-V3" if deepseek else hf_config.get("model_type") if moe else "Llama"
+        raise CheckpointError(f"{config_file} does not describe a {kind} model "
                               f"({error_detail(e)})") from None
     _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
     if not files:
@@ -274,6 +276,8 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
     try:
         if deepseek:
             sd = hf_deepseek.from_hf_state_dict(sd, cfg, rope_interleave=bool(hf_config.get("rope_interleave", True)))
+        elif moe:
+            sd = hf_moe.from_hf_state_dict(sd, cfg)
         else:
             sd = from_hf_state_dict(sd, cfg)
     except CheckpointError as e:

@@ -73,7 +73,9 @@ def _convert(sd: dict[str, torch.Tensor], cfg: ModelConfig, src: int, what: str)
     Raises ``CheckpointError`` naming every missing, unexpected or mis-shaped key."""
     if cfg.is_moe:
         raise CheckpointError(f"{what} state dict: the Hugging Face layout here is LlamaForCausalLM's, which has "
-                              "no experts; mixture-of-experts models have no Hugging Face conversion yet")
+                              "no experts; mixture-of-experts models convert as Glm4MoeForCausalLM or "
+                              "MixtralForCausalLM (model/hf_moe.py), or DeepseekV3ForCausalLM with latent "
+                              "attention (model/hf_deepseek.py)")
     if cfg.is_mla:
         raise CheckpointError(f"{what} state dict: the Hugging Face layout here is LlamaForCausalLM's; latent-"
                               "attention (MLA) models convert as DeepseekV3ForCausalLM (model/hf_deepseek.py)")
