@@ -158,7 +158,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
             bad = {n: sd[f"{n}.weight"].shape[1] for n in names if sd[f"{n}.weight"].shape[1] % group_size}
             if bad:
                 dims = sorted(set(bad.values()))
-                fits = [g for g in (32, 64, 128, 256) if all(d % g == 0 for d in dims)]
+                fits = [g for g in (8, 16, 32, 64, 128, 256) if all(d % g == 0 for d in dims)]
                 raise CheckpointError(f"--group_size {group_size} does not divide the input dim of "
                                       f"{len(bad)} layers (e.g. {next(iter(bad))}: {next(iter(bad.values()))}); "
                                       + (f"use one of {fits}" if fits else "use a group size dividing " + str(dims)))
@@ -175,8 +175,9 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     def layer_tensors(name: str) -> dict[str, torch.Tensor]:
         """One layer's compressed-tensors tensors, quantised on demand (one layer in memory)."""
         qsd, _ = quantize_state_dict({f"{name}.weight": sd[f"{name}.weight"]}, [name], quantize, group_size)
-        stored = {s: layout.rows_to_hf(cfg, f"{name}.weight", qsd[f"{name}.{s}"])
-                  for s in ("weight", "scales", "zeros") if f"{name}.{s}" in qsd}
+        # The permutations are of rows: a 1-D per-row tensor (int8 scales) goes through as a column.
+        stored = {s: layout.rows_to_hf(cfg, f"{name}.weight", t if t.dim() > 1 else t[:, None]).reshape(t.shape)
+                  for s in ("weight", "scales", "zeros") if (t := qsd.get(f"{name}.{s}")) is not None}
         return ct.to_ct(quantize, stored)
 
     cache: dict[str, dict[str, torch.Tensor]] = {}

@@ -224,7 +224,9 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
         n, k = t["weight"].shape[0], t["weight"].shape[1] * (2 if mode == "int4" else 1)
         sd[f"{prefix}.weight"] = torch.empty(n, k, device="meta")
         name = ours[: -len(".weight")]
-        stored.update({f"{name}.{s}": layout.rows_from_hf(cfg, ours, v, hf_config) for s, v in t.items()})
+        # Row permutations (a 1-D per-row tensor, int8's scales, goes through as a column).
+        stored.update({f"{name}.{s}": layout.rows_from_hf(cfg, ours, v if v.dim() > 1 else v[:, None], hf_config)
+                       .reshape(v.shape) for s, v in t.items()})
         layers.append(name)
     if not layers:
         raise CheckpointError(f"{where}: quantization_config is set but no tensor is quantised (no *.weight_scale)")
@@ -270,9 +272,9 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
                               if found else ""))
     sd, _ = _read_safetensors(files, device)
     quantization, stored = None, {}
-    if "quantization_config" in hf_config:
-        sd, quantization, stored = _split_compressed(sd, cfg, hf_config, hf_deepseek if deepseek else None,
-                                                     str(config_file))
+    if hf_config.get("quantization_config") is not None:
+        layout = hf_deepseek if deepseek else hf_moe if moe else None
+        sd, quantization, stored = _split_compressed(sd, cfg, hf_config, layout, str(config_file))
     try:
         if deepseek:
             sd = hf_deepseek.from_hf_state_dict(sd, cfg, rope_interleave=bool(hf_config.get("rope_interleave", True)))

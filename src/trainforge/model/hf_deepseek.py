@@ -326,6 +326,13 @@ _YARN_KEYS = (("rope_factor", "factor", 1.0), ("rope_original_max_seq_len", "ori
               ("rope_mscale", "mscale", 1.0), ("rope_mscale_all_dim", "mscale_all_dim", 0.0))
 
 
+def compressed_tensors(d: dict[str, Any]) -> bool:
+    """Whether config.json's weights are in the compressed-tensors format (``infer/loading.py``
+    reads its int8/int4 schemes and refuses the others by name)."""
+    qc = d.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+
+
 def is_deepseek_v3(d: Any) -> bool:
     """Whether a config.json dict describes a ``DeepseekV3ForCausalLM``."""
     return isinstance(d, dict) and d.get("model_type") == MODEL_TYPE
@@ -390,9 +397,10 @@ def model_config_from_hf(d: dict[str, Any], mtp_weights: bool = True) -> ModelCo
                 ("topk_method", "noaux_tc", "only 'noaux_tc' (group-limited top-k with a selection bias, "
                                             "DeepSeek-V3's) is implemented"),
                 ("moe_layer_freq", 1, "only every block from first_k_dense_replace on being MoE (1) is implemented"),
-                ("norm_topk_prob", True, "trainforge's sigmoid router always renormalises the chosen weights"),
-                ("quantization_config", None, "quantised (e.g. FP8) weights are not loaded; dequantise them to "
-                                              "bf16 first (DeepSeek's inference/fp8_cast_bf16.py)"))
+                ("norm_topk_prob", True, "trainforge's sigmoid router always renormalises the chosen weights"))
+    if not compressed_tensors(d):
+        refusals += (("quantization_config", None, "quantised (e.g. FP8) weights are not loaded; dequantise them "
+                                                   "to bf16 first (DeepSeek's inference/fp8_cast_bf16.py)"),)
     for key, want, why in refusals:
         if key in d and d[key] != want and not (want is None and d[key] is None):
             raise CheckpointError(f"config.json key {key!r} = {d[key]!r:.80}: {why}")

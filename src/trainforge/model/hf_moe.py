@@ -39,7 +39,7 @@ from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
 # The DeepSeek-V3 layout's MoE and MTP names are glm4_moe's too; its checks are shared.
 from trainforge.model.hf_deepseek import (_DENSE, _EXPERTS, _MOE, _MTP, _MTP_SHARED, _NORMS, _check_shapes,
-                                          _listing, _num, _same)
+                                          _listing, _num, _same, compressed_tensors)
 from trainforge.model.hf import _rope_theta
 
 GLM4_MOE, MIXTRAL = "glm4_moe", "mixtral"
@@ -271,6 +271,22 @@ def to_hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any
             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0}}
 
 
+def key_map(cfg: ModelConfig) -> dict[str, str]:
+    """Our weight key -> its HF key, routed experts left out (the quantised export renames
+    stored tensors with it)."""
+    return dict(_key_table(cfg, family(cfg)))
+
+
+def rows_to_hf(cfg: ModelConfig, key: str, t: torch.Tensor) -> torch.Tensor:
+    """Rows of our weight ``key`` in HF's order: both classes use our half-split rotary layout."""
+    return t
+
+
+def rows_from_hf(cfg: ModelConfig, key: str, t: torch.Tensor, hf_config: dict[str, Any] | None = None
+                 ) -> torch.Tensor:
+    return t
+
+
 def _refuse(d: dict[str, Any], rules: tuple[tuple[str, Any, str], ...]) -> None:
     for key, want, why in rules:
         if key in d and d[key] != want and not (want is None and d[key] is None):
@@ -291,7 +307,9 @@ def model_config_from_hf(d: dict[str, Any], mtp_weights: bool = True) -> ModelCo
                 ("attention_bias", False, "trainforge's projections have no biases"),
                 ("use_qk_norm", False, "trainforge's attention has no per-head query/key norm"),
                 ("norm_topk_prob", True, "trainforge's sigmoid router always renormalises the chosen weights"),
-                ("quantization_config", None, "quantised weights are not loaded; dequantise them first")))
+                *(() if compressed_tensors(d) else (("quantization_config", None, "quantised weights are not loaded "
+                                                     "(other than compressed-tensors int8/int4); dequantise them "
+                                                     "first"),))))
     if not glm and d.get("sliding_window") is not None \
             and d["sliding_window"] < d.get("max_position_embeddings", 131072):
         raise CheckpointError(f"config.json key 'sliding_window' = {d['sliding_window']!r}: trainforge's "

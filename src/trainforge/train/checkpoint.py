@@ -128,7 +128,9 @@ def _check_free_space(ckpt_root: Path, step: int, states: list[Any]) -> None:
     """CheckpointError before writing when the disk cannot hold the checkpoint: torch.save on
     a full disk fails with an opaque RuntimeError. Earlier checkpoints are left as they are."""
     need = _tensor_bytes(states) + (1 << 20)  # + tokenizer, meta.json, zip headers
-    probe = ckpt_root if ckpt_root.exists() else ckpt_root.parent
+    probe = ckpt_root
+    while not probe.exists() and probe != probe.parent:  # the directory is created below, parents too
+        probe = probe.parent
     free = shutil.disk_usage(probe).free
     if free < need:
         raise CheckpointError(f"checkpoint step {step} needs ~{need / 2**20:.1f} MiB but {probe} has "
