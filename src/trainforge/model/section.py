@@ -4,16 +4,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from trainforge.config_base import _f, _require
 
+# With model.init_from, a flavor left at this default is not compared with the directory's shape.
+DEFAULT_FLAVOR = "tiny"
+
 
 @dataclass
 class ModelSection:
-    flavor: str = _f("tiny", "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
+    flavor: str = _f(DEFAULT_FLAVOR, "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
                                         "mixture of experts: moe-debug, moe-tiny, moe-small; DeepSeek-V3 (latent "
                                         "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b")
+    init_from: str | None = _f(None, "start from these weights (fine-tuning): a Hugging Face directory (config.json "
+                                     "+ *.safetensors; Llama or DeepSeek-V3) or a trainforge checkpoint or run "
+                                     "directory (its newest checkpoint). Only the weights are taken: the optimizer, "
+                                     "step and LR schedule start fresh (--resume continues a run instead). The shape "
+                                     "comes from the directory (model.* shape keys and a non-default flavor must "
+                                     "match it) and so does the tokenizer: data.path must be tokenised with its "
+                                     "tokenizer.json; unset, the built-in corpus is prepared with it")
     dim: int | None = _f(None, "override the flavor's hidden size")
     n_layers: int | None = _f(None, "override the flavor's number of transformer blocks")
     n_heads: int | None = _f(None, "override the flavor's number of query heads")
@@ -64,4 +75,9 @@ class ModelSection:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"model.{name}", v, "a positive integer")
+        if self.init_from is not None:
+            _require(self.init_from != "", "model.init_from", self.init_from, "a directory path, or leave unset")
+            _require(Path(self.init_from).is_dir(), "model.init_from", self.init_from,
+                     "an existing directory (a Hugging Face model directory or a trainforge checkpoint/run "
+                     "directory); check the path")
         _require(self.mtp_depth is None or self.mtp_depth >= 0, "model.mtp_depth", self.mtp_depth, "an integer >= 0")
