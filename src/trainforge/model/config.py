@@ -257,11 +257,12 @@ def model_config_from_init(section, source: ModelConfig, where: str, source_keys
     and may be below the embedding's rows (published vocabularies are often padded); the
     model keeps the directory's rows. ``seq_len`` raises ``max_seq_len`` as for a flavor."""
     from trainforge.errors import ConfigError
-    from trainforge.model.section import DEFAULT_FLAVOR
 
+    # The section's own default (model/section.py imports this module, so not imported from there).
+    default_flavor = next(f.default for f in dataclasses.fields(section) if f.name == "flavor")
     shape_keys = [k for k in OVERRIDES if k not in TRAINING_ONLY_KEYS]
     wanted: dict[str, tuple[object, str]] = {}  # field -> (value, where it was asked for)
-    if section.flavor != DEFAULT_FLAVOR:
+    if section.flavor != default_flavor:
         flavor = FLAVORS[section.flavor]
         wanted = {k: (getattr(flavor, k), f"model.flavor = {section.flavor!r} has {k} = {getattr(flavor, k)!r}")
                   for k in shape_keys}
@@ -274,7 +275,7 @@ def model_config_from_init(section, source: ModelConfig, where: str, source_keys
     if mismatches:
         raise ConfigError("model.init_from: the model shape asked for does not match the weights: "
                           + "; ".join(mismatches) + f". Remove those [model] keys (and leave model.flavor at "
-                          f"{DEFAULT_FLAVOR!r}, or name a flavor of that shape): with model.init_from the shape "
+                          f"{default_flavor!r}, or name a flavor of that shape): with model.init_from the shape "
                           "comes from the directory")
     if vocab_size > source.vocab_size:
         raise ConfigError(f"model.init_from: the data's tokenizer has {vocab_size} tokens but {where} has "

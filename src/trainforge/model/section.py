@@ -1,5 +1,6 @@
 """``[model]``: which model shape to train (a named flavor, optionally overridden).
-``model_config_from_section`` (``config.py`` beside it) turns it into a ``ModelConfig``."""
+``model_config_from_section`` (``config.py`` beside it) turns it into a ``ModelConfig``, or
+``model_config_from_init`` when ``init_from`` names weights to start from."""
 
 from __future__ import annotations
 
@@ -9,15 +10,13 @@ from typing import Literal
 
 from trainforge.config_base import _f, _require
 
-# With model.init_from, a flavor left at this default is not compared with the directory's shape.
-DEFAULT_FLAVOR = "tiny"
-
 
 @dataclass
 class ModelSection:
-    flavor: str = _f(DEFAULT_FLAVOR, "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
+    flavor: str = _f("tiny", "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
                                         "mixture of experts: moe-debug, moe-tiny, moe-small; DeepSeek-V3 (latent "
-                                        "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b")
+                                        "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b. With model.init_from, "
+                                        "left at tiny the shape is the directory's; another flavor must match it")
     init_from: str | None = _f(None, "start from these weights (fine-tuning): a Hugging Face directory (config.json "
                                      "+ *.safetensors; Llama or DeepSeek-V3) or a trainforge checkpoint or run "
                                      "directory (its newest checkpoint). Only the weights are taken: the optimizer, "
