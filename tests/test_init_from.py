@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -219,3 +221,26 @@ def test_builtin_corpus_is_prepared_with_the_directorys_tokenizer(hf_llama, tmp_
     (bare / "tokenizer.json").unlink()
     _refused(_config(None, bare, "--data.cache_dir", str(tmp_path / "cache")), tmp_path / "run2", ConfigError,
              "has no tokenizer.json", "trainforge prepare --tokenizer")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"],
+                                    ["--parallel.dp_shard", "-1"]], ids=["ddp2", "fsdp2"])
+def test_init_from_under_torchrun_matches_single_process(finetuned, hf_llama, small_data, tmp_path, layout):
+    """Two processes start from the same weights (loaded before the model is wrapped or sharded)
+    and train as the single-process run did: same global batch, same validation losses."""
+    from tests.parallel.torchrun import torchrun_env
+    from trainforge.monitor.jsonl import read_jsonl
+
+    _, _, summary, _ = finetuned
+    hf_dir, _ = hf_llama
+    run_dir = tmp_path / "run"
+    args = [a for a in BASE if a not in ("--training.batch_size", "8")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
+           "train", "--run_dir", str(run_dir), "--data.path", str(small_data), *args, "--training.batch_size", "4",
+           "--model.init_from", str(hf_dir), "--training.steps", str(STEPS), "--training.lr", "3e-3", *layout]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env())
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    vals = {rec["step"]: rec["val_loss"] for rec in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in rec}
+    assert vals[0] == pytest.approx(summary["first_val_loss"], abs=ATOL)
+    assert vals[STEPS] == pytest.approx(summary["final_val_loss"], rel=1e-4)  # as tests/parallel's LOSS_RTOL
