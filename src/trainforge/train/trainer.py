@@ -65,6 +65,7 @@ class Trainer:
     one at ``from_step``; later ones are then moved to ``checkpoints/superseded/``); the
     continued run reproduces an uninterrupted one bit for bit (same device and thread
     count). A corrupt newest checkpoint is refused unless ``checkpoint.fallback``.
+    ``model.init_from`` starts a fresh run from a directory's weights (``init_from.py``).
     Nothing is written to ``run_dir`` until data, model and checkpoint all loaded."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
