@@ -237,9 +237,26 @@ def test_init_from_under_fsdp2_matches_single_process(finetuned, hf_llama, small
     args = [a for a in BASE if a not in ("--training.batch_size", "8")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
            "train", "--run_dir", str(run_dir), "--data.path", str(small_data), *args, "--training.batch_size", "4",
-           "--model.init_from", str(hf_dir), "--training.steps", str(STEPS), "--training.lr", "3e-3", "--parallel.dp_shard", "-1"]
+           "--model.init_from", str(hf_dir), "--training.steps", str(STEPS), "--training.lr", "3e-3",
+           "--parallel.dp_shard", "-1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env())
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     vals = {rec["step"]: rec["val_loss"] for rec in read_jsonl(run_dir / "metrics.jsonl") if "val_loss" in rec}
     assert vals[0] == pytest.approx(summary["first_val_loss"], abs=ATOL)
     assert vals[STEPS] == pytest.approx(summary["final_val_loss"], rel=1e-4)  # as tests/parallel's LOSS_RTOL
+
+
+def test_resume_of_an_init_from_run_continues_its_own_checkpoint(finetuned, small_data, tmp_path):
+    """--resume takes the run's checkpoint (step 8, trained weights), not init_from's weights."""
+    run_dir, _, _, final = finetuned
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    hf_dir = Path(ckpt.read_meta(ckpt.list_checkpoints(copy / "checkpoints")[-1])["config"]["model"]["init_from"])
+    t = Trainer(_config(small_data, hf_dir, "--training.steps", str(STEPS + 1), "--training.lr", "3e-3"), copy,
+                resume=True, progress=False)
+    try:
+        assert t.step == STEPS and len(t.optimizer.state) > 0
+        got, want = t.raw_model.state_dict(), final.state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        t.close()
