@@ -89,10 +89,12 @@ def open_cached(dcfg: DataSection, path: str, cache_dir: Path | None, log: Calla
 
 
 def open_data(dcfg: DataSection, rank: int = 0, world_size: int = 1,
-              log: Callable[[str], None] = print) -> PreparedData | CachedData:
+              log: Callable[[str], None] = print, tokenizer: Path | None = None) -> PreparedData | CachedData:
     """The dataset ``[data]`` names (see the module docstring). With several processes
-    each gets its own disk tier under ``data.cache.dir/rank_NNNNN`` (budgets are per process)."""
-    path = dcfg.path or str(default_data_dir(dcfg.vocab_size, dcfg.cache_dir))
+    each gets its own disk tier under ``data.cache.dir/rank_NNNNN`` (budgets are per process).
+    ``tokenizer``: the tokenizer.json the built-in corpus is prepared with when ``data.path``
+    is unset (a fine-tuned model's; None trains one of ``data.vocab_size``)."""
+    path = dcfg.path or str(default_data_dir(dcfg.vocab_size, dcfg.cache_dir, tokenizer))
     if not is_url(path) and dcfg.cache.dir is None:
         # Verified up front; under on_corrupt = "skip" a bad shard is quarantined here, as the cache would.
         return load_prepared(path, quarantine=Quarantine(dcfg.on_corrupt, str(path), log, DataMetrics()))

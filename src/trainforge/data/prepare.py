@@ -142,18 +142,25 @@ def prepare(inputs: list[str] | None, output: str | Path, opts: PrepareOptions, 
     return output
 
 
-def default_data_dir(vocab_size: int, cache_dir: str | None = None) -> Path:
-    """The built-in corpus, prepared once per (Python stdlib, vocab size) and cached.
+def default_data_dir(vocab_size: int, cache_dir: str | None = None, tokenizer: str | Path | None = None) -> Path:
+    """The built-in corpus, prepared once per (Python stdlib, vocab size) and cached; with
+    ``tokenizer`` (a tokenizer.json: a fine-tuned model's), tokenised with it instead, once
+    per (stdlib, that file's sha256), and ``vocab_size`` is unused.
 
     Concurrent callers (several ranks) race safely: the loser's rename fails and it
     uses the winner's directory."""
     root = Path(cache_dir) if cache_dir else Path(os.environ.get("TRAINFORGE_CACHE", Path.home() / ".cache" / "trainforge"))
     files = default_corpus_files()
-    out = root / "data" / f"stdlib-{fingerprint(files)}-v{vocab_size}"
+    if tokenizer is not None:
+        out = root / "data" / f"stdlib-{fingerprint(files)}-tok{sha256_file(Path(tokenizer))[:16]}"
+        opts = PrepareOptions(tokenizer=str(tokenizer))
+    else:
+        out = root / "data" / f"stdlib-{fingerprint(files)}-v{vocab_size}"
+        opts = PrepareOptions(vocab_size=vocab_size)
     if (out / MANIFEST).exists():
         return out
     try:
-        prepare(None, out, PrepareOptions(vocab_size=vocab_size))
+        prepare(None, out, opts)
     except DataError:
         if (out / MANIFEST).exists():
             return out

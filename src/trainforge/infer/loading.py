@@ -132,9 +132,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     path = Path(path)
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
-    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+    if is_hf_dir(path):
         return _load_hf(path, device, dtype, kv_slots)
     return _load_trainforge(path, device, dtype, kv_slots)
+
+
+def is_hf_dir(path: Path) -> bool:
+    """Whether ``load_model`` reads ``path`` as a Hugging Face directory (else as trainforge's)."""
+    return (path / "config.json").is_file() and not (path / "meta.json").is_file()
 
 
 def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
@@ -149,8 +154,9 @@ def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_sl
                     positions_key=positions_key, where=where, quantized_bytes=qbytes, error=CheckpointError)
 
 
-def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
-    from trainforge.data.tokenizer import eos_id, load_tokenizer
+def trainforge_model_config(path: Path) -> tuple[Path, dict[str, Any], ModelConfig]:
+    """(checkpoint directory, its meta.json, its ModelConfig) of a checkpoint or run directory
+    (the newest complete checkpoint); no weight is read. Raises ``CheckpointError`` naming the file."""
     from trainforge.storage import checkpoint_format as ckpt
     from trainforge.storage.checkpoint_dirs import resolve_checkpoint
 
@@ -164,6 +170,14 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
         raise
     except TrainforgeError as e:  # a shape check_shape refused
         raise CheckpointError(f"{ck / ckpt.META}: {e}") from None
+    return ck, meta, cfg
+
+
+def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
+    from trainforge.data.tokenizer import eos_id, load_tokenizer
+    from trainforge.storage import checkpoint_format as ckpt
+
+    ck, meta, cfg = trainforge_model_config(path)
     _preflight(cfg, device, dtype, kv_slots, meta.get("quantization"), "model_config.max_seq_len", str(ck))
     weights = ck / ckpt.MODEL_FILE
     if not weights.is_file():
@@ -237,7 +251,10 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
     return sd, info, stored
 
 
-def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
+def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]]:
+    """(config.json dict, its ModelConfig, the *.safetensors files) of a Hugging Face directory
+    (Llama, or DeepSeek-V3 by ``model_type``); only tensor names are read. Raises
+    ``CheckpointError`` naming the file or config.json key."""
     config_file = path / "config.json"
     try:
         hf_config = json.loads(config_file.read_bytes().decode("utf-8"))
@@ -264,6 +281,13 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
         kind = "DeepSeek-V3" if deepseek else hf_config.get("model_type") if moe else "Llama"
         raise CheckpointError(f"{config_file} does not describe a {kind} model "
                               f"({error_detail(e)})") from None
+    return hf_config, cfg, files
+
+
+def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
+    config_file = path / "config.json"
+    hf_config, cfg, files = hf_model_config(path)
+    deepseek, moe = hf_deepseek.is_deepseek_v3(hf_config), hf_moe.is_hf_moe(hf_config)
     _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
     if not files:
         found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))

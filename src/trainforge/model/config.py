@@ -240,3 +240,48 @@ def model_config_from_section(section, vocab_size: int | None, seq_len: int | No
     check_mla({f: changes.get(f, getattr(base, f)) for f in MLA_KEYS})
     check_mtp_depth(changes.get("mtp_depth", base.mtp_depth))
     return dataclasses.replace(base, **changes)
+
+
+# [model] keys that tune training, not the weights: with model.init_from they override the directory's values.
+TRAINING_ONLY_KEYS = ("bias_update_rate", "aux_loss_alpha", "seq_aux_loss_alpha")
+
+
+def model_config_from_init(section, source: ModelConfig, where: str, source_keys: dict[str, str],
+                           vocab_size: int, seq_len: int | None = None) -> ModelConfig:
+    """Resolve ``[model]`` when ``model.init_from`` names weights whose shape is ``source``.
+
+    The shape is the directory's. Every explicit shape key of ``section`` and, unless it
+    is left at the default, every shape field of ``section.flavor`` must equal it (a
+    ConfigError lists each mismatch, named ``model.<key>`` and as ``source_keys`` names it
+    in ``where``); ``TRAINING_ONLY_KEYS`` override it. ``vocab_size`` is the data tokenizer's
+    and may be below the embedding's rows (published vocabularies are often padded); the
+    model keeps the directory's rows. ``seq_len`` raises ``max_seq_len`` as for a flavor."""
+    from trainforge.errors import ConfigError
+
+    # The section's own default (model/section.py imports this module, so not imported from there).
+    default_flavor = next(f.default for f in dataclasses.fields(section) if f.name == "flavor")
+    shape_keys = [k for k in OVERRIDES if k not in TRAINING_ONLY_KEYS]
+    wanted: dict[str, tuple[object, str]] = {}  # field -> (value, where it was asked for)
+    if section.flavor != default_flavor:
+        flavor = FLAVORS[section.flavor]
+        wanted = {k: (getattr(flavor, k), f"model.flavor = {section.flavor!r} has {k} = {getattr(flavor, k)!r}")
+                  for k in shape_keys}
+    for k in shape_keys:
+        v = getattr(section, k)
+        if v is not None:
+            wanted[k] = (v, f"model.{k} = {v!r}")
+    mismatches = [f"{why} but {where} has {source_keys.get(k, k)} {getattr(source, k)!r}"
+                  for k, (v, why) in wanted.items() if v != getattr(source, k)]
+    if mismatches:
+        raise ConfigError("model.init_from: the model shape asked for does not match the weights: "
+                          + "; ".join(mismatches) + f". Remove those [model] keys (and leave model.flavor at "
+                          f"{default_flavor!r}, or name a flavor of that shape): with model.init_from the shape "
+                          "comes from the directory")
+    if vocab_size > source.vocab_size:
+        raise ConfigError(f"model.init_from: the data's tokenizer has {vocab_size} tokens but {where} has "
+                          f"{source_keys.get('vocab_size', 'vocab_size')} {source.vocab_size} (embedding rows): "
+                          "tokenise the data with the directory's tokenizer.json (trainforge prepare --tokenizer)")
+    changes = {k: getattr(section, k) for k in TRAINING_ONLY_KEYS if getattr(section, k) is not None}
+    if seq_len is not None and seq_len > source.max_seq_len:
+        changes["max_seq_len"] = seq_len
+    return dataclasses.replace(source, **changes)

@@ -223,7 +223,8 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         raise CheckpointError(f"config.json holds a {type(d).__name__}, not a JSON object of Llama settings")
     model_type = d.get("model_type", "llama")
     if model_type != "llama":
-        raise CheckpointError(f"config.json key 'model_type' is {model_type!r}; only 'llama' checkpoints convert")
+        raise CheckpointError(f"config.json key 'model_type' is {model_type!r}; only 'llama' checkpoints convert "
+                              "here ('deepseek_v3' ones through model/hf_deepseek.py)")
     for key in ("attention_bias", "mlp_bias"):
         if d.get(key, False):
             raise CheckpointError(f"config.json key {key!r} is true; trainforge models have no linear biases")

@@ -308,7 +308,7 @@ def rows_from_hf(cfg: ModelConfig, key: str, t: torch.Tensor, hf_config: dict[st
 MODEL_TYPE = "deepseek_v3"
 
 # ModelConfig field <- config.json key, for the fields a ConfigError from ModelConfig may name.
-_FIELD_TO_HF = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+FIELD_TO_HF = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                 "n_kv_heads": "num_attention_heads", "vocab_size": "vocab_size", "ffn_hidden_dim": "intermediate_size",
                 "max_seq_len": "max_position_embeddings", "n_routed_experts": "n_routed_experts",
                 "n_shared_experts": "n_shared_experts", "n_activated_experts": "num_experts_per_tok",
@@ -439,7 +439,7 @@ def model_config_from_hf(d: dict[str, Any], mtp_weights: bool = True) -> ModelCo
         return ModelConfig(**values)
     except TrainforgeError as e:  # named by ModelConfig's fields: rename them to config.json's keys
         msg = str(e)
-        for ours, theirs in _FIELD_TO_HF.items():
+        for ours, theirs in FIELD_TO_HF.items():
             msg = msg.replace(f"config key 'model.{ours}'", f"config.json key '{theirs}'")
             msg = msg.replace(f"config key '{ours}'", f"config.json key '{theirs}'")
             msg = msg.replace(f"model.{ours}", f"'{theirs}'")

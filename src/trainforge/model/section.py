@@ -1,9 +1,11 @@
 """``[model]``: which model shape to train (a named flavor, optionally overridden).
-``model_config_from_section`` (``config.py`` beside it) turns it into a ``ModelConfig``."""
+``model_config_from_section`` (``config.py`` beside it) turns it into a ``ModelConfig``, or
+``model_config_from_init`` when ``init_from`` names weights to start from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from trainforge.config_base import _f, _require
@@ -13,7 +15,15 @@ from trainforge.config_base import _f, _require
 class ModelSection:
     flavor: str = _f("tiny", "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
                                         "mixture of experts: moe-debug, moe-tiny, moe-small; DeepSeek-V3 (latent "
-                                        "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b")
+                                        "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b. With model.init_from, "
+                                        "left at tiny the shape is the directory's; another flavor must match it")
+    init_from: str | None = _f(None, "start from these weights (fine-tuning): a Hugging Face directory (config.json "
+                                     "+ *.safetensors; Llama or DeepSeek-V3) or a trainforge checkpoint or run "
+                                     "directory (its newest checkpoint). Only the weights are taken: the optimizer, "
+                                     "step and LR schedule start fresh (--resume continues a run instead). The shape "
+                                     "comes from the directory (model.* shape keys and a non-default flavor must "
+                                     "match it) and so does the tokenizer: data.path must be tokenised with its "
+                                     "tokenizer.json; unset, the built-in corpus is prepared with it")
     dim: int | None = _f(None, "override the flavor's hidden size")
     n_layers: int | None = _f(None, "override the flavor's number of transformer blocks")
     n_heads: int | None = _f(None, "override the flavor's number of query heads")
@@ -64,4 +74,9 @@ class ModelSection:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"):
             v = getattr(self, name)
             _require(v is None or v > 0, f"model.{name}", v, "a positive integer")
+        if self.init_from is not None:
+            _require(self.init_from != "", "model.init_from", self.init_from, "a directory path, or leave unset")
+            _require(Path(self.init_from).is_dir(), "model.init_from", self.init_from,
+                     "an existing directory (a Hugging Face model directory or a trainforge checkpoint/run "
+                     "directory); check the path")
         _require(self.mtp_depth is None or self.mtp_depth >= 0, "model.mtp_depth", self.mtp_depth, "an integer >= 0")

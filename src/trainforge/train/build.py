@@ -95,14 +95,19 @@ class ModelStack:
 
 def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device: torch.device,
                       policy: PrecisionPolicy, compressor: Any, pp_layout: Any, loss_fn: LossFn,
-                      log: logging.Logger | None, model_loss: Any = None) -> ModelStack:
+                      log: logging.Logger | None, model_loss: Any = None,
+                      init_weights: dict[str, torch.Tensor] | None = None) -> ModelStack:
     """Every rank builds the full model from the same seed, then keeps its part, so
     sharded/split results equal the single-process model's. ``loss_fn``: the mean loss of
     the unpipelined model (the trainer's ``_loss``); ``model_loss``: the loss component of a
     model with extra training heads (``MTPLoss``; None: plain cross-entropy), whose
-    ``stage_loss`` is the pipeline's loss on the last stage."""
+    ``stage_loss`` is the pipeline's loss on the last stage. ``init_weights``: a full state dict
+    (``model.init_from``) that replaces the seeded init before precision and parallelism, so
+    every layout shards or splits those weights as it would its own."""
     tcfg = cfg.training
     full_model = build_model(model_config, device, seed=tcfg.seed)
+    if init_weights is not None:
+        full_model.load_state_dict(init_weights, strict=True)  # copies onto the device; shapes checked by name
     # Precision first (parallel/apply.py's step 0): casts, fp32 master copy, autocast rule wrappers.
     sharded = data_parallel_kind(dims) in ("fsdp", "hsdp")
     runtime = apply_precision(full_model, policy, sharded=sharded)

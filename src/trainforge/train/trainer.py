@@ -27,6 +27,7 @@ from trainforge.data.pipeline import build_loader, open_data
 from trainforge.errors import CheckpointError
 from trainforge.log import get_logger
 from trainforge.model import model_config_from_section
+from trainforge.model.config import model_config_from_init
 from trainforge.model.preflight import check_writable_dir
 from trainforge.monitor import Monitor
 from trainforge.monitor.jsonl import JsonlSink
@@ -41,6 +42,7 @@ from trainforge.train.build import build_model_stack, check_run, pick_device, se
 from trainforge.train.chunked_loss import chunked_cross_entropy, hidden_states
 from trainforge.train.component import Callback, Components, Rollback, Stop, StopKind, Window
 from trainforge.train.features import build_components, build_loss
+from trainforge.train.init_from import check_tokenizer, load_init_weights, open_init_source
 from trainforge.train.lr_schedule import build_scheduler
 from trainforge.train.metrics import ConsoleReporter, validation_message
 from trainforge.train.mfu import PeakFlops
@@ -63,6 +65,7 @@ class Trainer:
     one at ``from_step``; later ones are then moved to ``checkpoints/superseded/``); the
     continued run reproduces an uninterrupted one bit for bit (same device and thread
     count). A corrupt newest checkpoint is refused unless ``checkpoint.fallback``.
+    ``model.init_from`` starts a fresh run from a directory's weights (``init_from.py``).
     Nothing is written to ``run_dir`` until data, model and checkpoint all loaded."""
 
     def __init__(self, cfg: Config, run_dir: str | Path, resume: bool = False,
@@ -93,11 +96,21 @@ class Trainer:
         check_writable_dir(self.run_dir, "run directory")
         seed_everything(tcfg.seed)
 
+        # model.init_from: shape and tokenizer from that directory (train/init_from.py); weights below.
+        init = open_init_source(cfg.model.init_from) if cfg.model.init_from else None
         # Local shards are memory-mapped; a URL or data.cache.dir reads through the tiered cache.
-        self.data = open_data(cfg.data, self.dist.rank, self.dist.world_size, log=self.log.warning)
-        self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
+        self.data = open_data(cfg.data, self.dist.rank, self.dist.world_size, log=self.log.warning,
+                              tokenizer=init.tokenizer if init is not None else None)
+        if init is None:
+            self.model_config = model_config_from_section(cfg.model, self.data.vocab_size, tcfg.seq_len)
+        else:
+            check_tokenizer(init, cfg.data.path, self.data.tokenizer_path, self.log.warning if self.is_main else None)
+            self.model_config = model_config_from_init(cfg.model, init.model_config, init.where, init.key_names,
+                                                       self.data.vocab_size, tcfg.seq_len)
         # Before anything is allocated and before the first collective, identically on every rank.
         policy, pp_layout = check_run(cfg, self.model_config, self.dims, self.device, self.log if self.is_main else None)
+        # Read on every rank (a damaged file fails everywhere, before any collective); a resume loads its own.
+        init_weights = load_init_weights(init) if init is not None and not candidates else None
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
         # A model with extra training heads brings its own loss (a component too; None: plain cross-entropy).
         self.model_loss = build_loss(tcfg, self.model_config)
@@ -106,7 +119,9 @@ class Trainer:
                                            self.device, tcfg.seed, log=self.log.info if self.is_main else None)
         stack = build_model_stack(cfg, self.model_config, self.dims, self.mesh, self.device, policy, self.compressor,
                                   pp_layout, lambda inputs, targets: self._loss(inputs, targets),
-                                  self.log if self.is_main else None, model_loss=self.model_loss)
+                                  self.log if self.is_main else None, model_loss=self.model_loss,
+                                  init_weights=init_weights)
+        del init_weights
         self.mp, self.model, self.model_parts, self.opt_parts = stack.mp, stack.model, stack.model_parts, stack.opt_parts
         self.pipeline, self.pp_predicted, self.layout = stack.pipeline, stack.pp_predicted, stack.layout
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
@@ -163,7 +178,8 @@ class Trainer:
                                self.optimizers, self.device, self.dims, self.dist, step_fn=lambda: self.step,
                                opt_parts=self.opt_parts)
         self.components.add(MonitorComponent(self.metrics))  # built last: its probes start with the run
-        self.log.info(f"model {cfg.model.flavor}: {self.model_config.describe_params()}, vocab {self.data.vocab_size}; "
+        model_name = f"from {init.path}" if init is not None else cfg.model.flavor
+        self.log.info(f"model {model_name}: {self.model_config.describe_params()}, vocab {self.data.vocab_size}; "
                       f"data {self.data.path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
                       f"layout {self.dims} ({data_parallel_kind(self.dims)})")
 
