@@ -171,3 +171,46 @@ def test_bad_arguments_are_refused_before_anything_is_written(trained_run, tmp_p
     assert (out / "keep.txt").read_text() == "mine"
     export(trained_run, out, force=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("flavor", ["moe-debug", "dsv3-debug"])
+def test_quantised_moe_and_latent_attention_exports_are_trainforge_quantize(tmp_path, flavor):
+    """Routed experts (per-expert HF Linears) and latent attention (rope rows interleaved
+    in the HF layout) export quantised; loading the directory gives exactly `trainforge
+    quantize`'s model, and compressed-tensors decompresses the HF-ordered rows to the same
+    numbers as our rows permuted."""
+    import dataclasses
+
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    from tests.infer.helpers import sharpen
+    from trainforge.infer.quantize import QuantExperts
+    from trainforge.model import FLAVORS, build_model
+    from trainforge.train import checkpoint as ckpt
+
+    cfg = dataclasses.replace(FLAVORS[flavor], max_seq_len=64)
+    ck = ckpt.save_checkpoint(tmp_path / "checkpoints", 1, sharpen(build_model(cfg, seed=0)).eval(), {}, {},
+                              dataclasses.asdict(cfg), None, keep_last=1)
+    r = export(ck, tmp_path / "hf", quantize="int4", group_size=16)
+    loaded = load_model(r.path)
+    reference = load_model(ck).model
+    quantize_model(reference, "int4", 16, pack=False)
+    kinds = (QuantLinear, QuantExperts)
+    ours = {n: m for n, m in loaded.model.named_modules() if isinstance(m, kinds)}
+    theirs = {n: m for n, m in reference.named_modules() if isinstance(m, kinds)}
+    assert set(ours) == set(theirs) and loaded.quantization["experts"]
+    for n, m in ours.items():
+        a, b = m.dequantize(), theirs[n].dequantize()
+        assert all(torch.equal(x, y) for x, y in zip(*((a, b) if isinstance(a, tuple) else ((a,), (b,))))), n
+    x = torch.randint(0, cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(x), reference(x))
+    qc = QuantizationConfig.model_validate(json.loads((r.path / "config.json").read_text())["quantization_config"])
+    (scheme,) = qc.config_groups.values()
+    with safe_open(str(r.path / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    prefix = "model.layers.1.mlp.experts.3.down_proj"
+    mine = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == prefix}
+    dense = BaseCompressor.get_value_from_registry(qc.format).decompress(mine, scheme)["weight"]
+    assert torch.equal(dense, ours["layers.1.feed_forward.experts"].dequantize()[1][3])

@@ -17,6 +17,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -147,46 +148,64 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
         hf_sd.pop("lm_head.weight", None)
     target = DTYPES[dtype]
 
-    quantized: dict[str, str] = {}  # HF prefix -> our layer name
+    quantized: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}  # HF prefix -> its stored form, on demand
+    layer_names: list[str] = []
     ignored: list[str] = []
     if quantize:
         if not hasattr(layout, "key_map"):
             raise CheckpointError(f"{checkpoint}: quantised export of this model family is not supported yet; "
                                   "export float weights (leave out --quantize)")
         names = [n for n in linear_names(model) if not (cfg.tie_embeddings and n == "output")]
+        kmap = layout.key_map(cfg)
+        # Routed experts: each expert's w1/w2/w3 is a Linear in the HF layout (per-expert keys),
+        # quantised on the grid QuantExperts uses (rows stacked: the same codes per expert).
+        emap = layout.expert_key_map(cfg) if cfg.is_moe and hasattr(layout, "expert_key_map") else {}
+        inputs = {n: sd[f"{n}.weight"].shape[1] for n in names}
+        inputs.update({k: sd[k].shape[2] for k in emap})
         if quantize == "int4":
-            bad = {n: sd[f"{n}.weight"].shape[1] for n in names if sd[f"{n}.weight"].shape[1] % group_size}
+            bad = {n: d for n, d in inputs.items() if d % group_size}
             if bad:
                 dims = sorted(set(bad.values()))
-                fits = [g for g in (8, 16, 32, 64, 128, 256) if all(d % g == 0 for d in dims)]
+                fits = [g for g in (8, 16, 32, 64, 128, 256) if all(d % g == 0 for d in inputs.values())]
                 raise CheckpointError(f"--group_size {group_size} does not divide the input dim of "
                                       f"{len(bad)} layers (e.g. {next(iter(bad))}: {next(iter(bad.values()))}); "
                                       + (f"use one of {fits}" if fits else "use a group size dividing " + str(dims)))
-        kmap = layout.key_map(cfg)
-        quantized = {kmap[f"{n}.weight"][: -len(".weight")]: n for n in names}
+
+        def linear(name: str) -> Callable[[], dict[str, torch.Tensor]]:
+            def run() -> dict[str, torch.Tensor]:
+                qsd, _ = quantize_state_dict({f"{name}.weight": sd[f"{name}.weight"]}, [name], quantize, group_size)
+                # Row permutations (rope rows of latent attention); a 1-D per-row tensor (int8
+                # scales) goes through as a column.
+                return {s: layout.rows_to_hf(cfg, f"{name}.weight", t if t.dim() > 1 else t[:, None]).reshape(t.shape)
+                        for s in ("weight", "scales", "zeros") if (t := qsd.get(f"{name}.{s}")) is not None}
+            return run
+
+        def expert(w: torch.Tensor) -> Callable[[], dict[str, torch.Tensor]]:
+            def run() -> dict[str, torch.Tensor]:
+                qsd, _ = quantize_state_dict({"e.weight": w}, ["e"], quantize, group_size)
+                return {s: qsd[f"e.{s}"] for s in ("weight", "scales", "zeros") if f"e.{s}" in qsd}
+            return run
+
+        quantized = {kmap[f"{n}.weight"][: -len(".weight")]: linear(n) for n in names}
+        layer_names = list(names)
+        for stacked, keys in emap.items():
+            quantized.update({k[: -len(".weight")]: expert(hf_sd[k]) for k in keys})
+            layer_names.append(stacked)
         for key in list(hf_sd):
             module = key.rsplit(".", 1)[0]
             if hf_sd[key].dim() == 2 and key.endswith(".weight") and module not in quantized \
-                    and "embed_tokens" not in key and ".mlp.experts." not in key:
+                    and "embed_tokens" not in key:
                 ignored.append(module)
         if cfg.tie_embeddings:
             ignored.append("lm_head")  # tied to the float embedding
-
-    def layer_tensors(name: str) -> dict[str, torch.Tensor]:
-        """One layer's compressed-tensors tensors, quantised on demand (one layer in memory)."""
-        qsd, _ = quantize_state_dict({f"{name}.weight": sd[f"{name}.weight"]}, [name], quantize, group_size)
-        # The permutations are of rows: a 1-D per-row tensor (int8 scales) goes through as a column.
-        stored = {s: layout.rows_to_hf(cfg, f"{name}.weight", t if t.dim() > 1 else t[:, None]).reshape(t.shape)
-                  for s in ("weight", "scales", "zeros") if (t := qsd.get(f"{name}.{s}")) is not None}
-        return ct.to_ct(quantize, stored)
 
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def produce_quantized(prefix: str, suffix: str, last: bool):
         def run() -> torch.Tensor:
-            if prefix not in cache:
+            if prefix not in cache:  # one layer's tensors in memory at a time
                 cache.clear()
-                cache[prefix] = layer_tensors(quantized[prefix])
+                cache[prefix] = ct.to_ct(quantize, quantized[prefix]())
             t = cache[prefix][suffix]
             if last:
                 cache.pop(prefix)
@@ -215,8 +234,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     if eos_ids:
         config["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]
     if quantize:
-        ignore = sorted(set(ignored)) + ([r"re:.*mlp\.experts\..*"] if cfg.is_moe else [])
-        config["quantization_config"] = ct.quantization_config(quantize, group_size, ignore)
+        config["quantization_config"] = ct.quantization_config(quantize, group_size, sorted(set(ignored)))
     generation = {"_from_model_config": True}
     if eos_ids:
         generation["eos_token_id"] = config["eos_token_id"]
@@ -228,7 +246,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
         if tok.is_file():
             _tokenizer_files(tmp, tok, eos_ids, cfg.max_seq_len)
     return ExportResult(out_dir, [out_dir / f.name for f in files], len(entries), sum(e.nbytes for e in entries),
-                        sorted(quantized.values()), sorted(set(ignored)))
+                        sorted(layer_names), sorted(set(ignored)))
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:

@@ -221,30 +221,52 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
     layout = layout or hf_llama
     mode, group_size = ct.read_quantization_config(hf_config["quantization_config"], f"{where}")
     inverse = {theirs: ours for ours, theirs in layout.key_map(cfg).items()}
+    expert_keys = layout.expert_key_map(cfg) if cfg.is_moe and hasattr(layout, "expert_key_map") else {}
+    expert_of = {k: (stacked, e) for stacked, keys in expert_keys.items() for e, k in enumerate(keys)}
     sd = dict(sd)
     stored: dict[str, torch.Tensor] = {}
-    layers = []
+    layers: list[str] = []
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # our stacked key -> expert -> stored form
     for prefix in ct.ct_prefixes(list(sd)):
-        if f"{prefix}.weight" not in inverse:
-            raise CheckpointError(f"{where}: quantised module {prefix} is not a linear layer trainforge quantises "
-                                  "(quantised experts, routers and kv_b_proj are not read); keep it float")
+        key = f"{prefix}.weight"
+        if key not in inverse and key not in expert_of:
+            raise CheckpointError(f"{where}: quantised module {prefix} is not a layer trainforge quantises "
+                                  "(routers and kv_b_proj stay float); keep it float")
         mine = {s: sd.pop(f"{prefix}.{s}") for s in ("weight", "weight_packed", "weight_scale", "weight_zero_point",
                                                        "weight_shape") if f"{prefix}.{s}" in sd}
         t = ct.from_ct(mode, mine, f"{where}: {prefix}")
         if mode == "int4" and t["weight"].shape[1] * 2 // t["scales"].shape[1] != group_size:
             raise CheckpointError(f"{where}: {prefix} has {t['scales'].shape[1]} groups per row, not the "
                                   f"group_size {group_size} of quantization_config")
-        ours = inverse[f"{prefix}.weight"]
         n, k = t["weight"].shape[0], t["weight"].shape[1] * (2 if mode == "int4" else 1)
-        sd[f"{prefix}.weight"] = torch.empty(n, k, device="meta")
+        sd[key] = torch.empty(n, k, device="meta")  # the family's renaming and stacking run on it
+        if key in expert_of:
+            stacked, e = expert_of[key]
+            experts.setdefault(stacked, {})[e] = t
+            continue
+        ours = inverse[key]
         name = ours[: -len(".weight")]
         # Row permutations (a 1-D per-row tensor, int8's scales, goes through as a column).
         stored.update({f"{name}.{s}": layout.rows_from_hf(cfg, ours, v if v.dim() > 1 else v[:, None], hf_config)
                        .reshape(v.shape) for s, v in t.items()})
         layers.append(name)
-    if not layers:
+    modules: dict[str, set[str]] = {}
+    for stacked, per in experts.items():
+        if len(per) != len(expert_keys[stacked]):
+            raise CheckpointError(f"{where}: {len(per)} of the {len(expert_keys[stacked])} experts behind {stacked} "
+                                  "are quantised; trainforge reads all of a layer's experts quantised, or none")
+        module, proj = stacked.rsplit(".", 1)
+        for s in per[0]:
+            buf = s if s == "weight" else f"{proj}_{s}"  # QuantExperts' buffer names
+            stored[f"{module}.{proj if s == 'weight' else buf}"] = torch.stack([per[e][s] for e in range(len(per))])
+        modules.setdefault(module, set()).add(proj)
+    partial = [m for m, projs in modules.items() if projs != {"w1", "w2", "w3"}]
+    if partial:
+        raise CheckpointError(f"{where}: experts {partial[0]} have only {sorted(modules[partial[0]])} quantised; "
+                              "trainforge reads w1, w2 and w3 (gate, down, up) quantised together")
+    if not layers and not modules:
         raise CheckpointError(f"{where}: quantization_config is set but no tensor is quantised (no *.weight_scale)")
-    info: dict[str, Any] = {"mode": mode, "layers": layers, "experts": [], "skipped": {},
+    info: dict[str, Any] = {"mode": mode, "layers": layers, "experts": sorted(modules), "skipped": {},
                             "format": ct.QUANT_METHOD}
     if mode == "int4":
         info["group_size"] = group_size

@@ -288,6 +288,11 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
     return dict(_key_table(cfg))
 
 
+def expert_key_map(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our stacked expert key (``...experts.w1``) -> its per-expert HF weight keys, expert order."""
+    return dict(_expert_table(cfg))
+
+
 def rows_to_hf(cfg: ModelConfig, key: str, t: torch.Tensor, rope_interleave: bool = True) -> torch.Tensor:
     """A tensor indexed by the rows of our weight ``key`` (its quantised codes, scales, zero
     points) in HF's row order: the query and ``wkv_a`` rope rows back to interleaved. Rows are

@@ -277,6 +277,11 @@ def key_map(cfg: ModelConfig) -> dict[str, str]:
     return dict(_key_table(cfg, family(cfg)))
 
 
+def expert_key_map(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our stacked expert key (``...experts.w1``) -> its per-expert HF weight keys, expert order."""
+    return dict(_expert_table(cfg, family(cfg)))
+
+
 def rows_to_hf(cfg: ModelConfig, key: str, t: torch.Tensor) -> torch.Tensor:
     """Rows of our weight ``key`` in HF's order: both classes use our half-split rotary layout."""
     return t
