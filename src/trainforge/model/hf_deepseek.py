@@ -38,7 +38,7 @@ permutation.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -171,6 +171,13 @@ def _unfuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     """transformers' in-memory layout (``DeepseekV3ForCausalLM.state_dict()``: per block
     ``mlp.experts.gate_up_proj`` (E, 2·inter, dim) and ``mlp.experts.down_proj`` (E, dim,
     inter)) as the per-expert keys of the files; other dicts as they are."""
+    return unfuse_experts(sd)
+
+
+def unfuse_experts(sd: dict[str, torch.Tensor], names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                   prefix_of: Callable[[str], str] = lambda p: p) -> dict[str, torch.Tensor]:
+    """Fused ``...mlp.experts.gate_up_proj`` / ``down_proj`` as per-expert ``{prefix_of(p)}{e}.{name}.weight``
+    keys (``names``: gate, up, down); a dict without fused experts as it is. Shared with ``hf_moe``."""
     fused = [k for k in sd if k.endswith("mlp.experts.gate_up_proj")]
     if not fused:
         return sd
@@ -182,10 +189,30 @@ def _unfuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
             raise CheckpointError(f"Hugging Face state dict: {k} of shape {tuple(gate_up.shape)} needs "
                                   f"{prefix}down_proj beside it and an even dim 1 (gate and up stacked)")
         gate, up = gate_up.chunk(2, dim=1)
+        out = prefix_of(prefix)
         for e in range(gate_up.shape[0]):
-            sd[f"{prefix}{e}.gate_proj.weight"], sd[f"{prefix}{e}.up_proj.weight"] = gate[e], up[e]
-            sd[f"{prefix}{e}.down_proj.weight"] = down[e]
+            sd[f"{out}{e}.{names[0]}.weight"], sd[f"{out}{e}.{names[1]}.weight"] = gate[e], up[e]
+            sd[f"{out}{e}.{names[2]}.weight"] = down[e]
     return sd
+
+
+def stack_experts_and_tie(out: dict[str, torch.Tensor], sd: dict[str, torch.Tensor],
+                          experts: list[tuple[str, list[str]]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``out`` (our names) plus the stacked experts (a copy) and the tied output projection,
+    refusing experts of differing shapes and an untied ``lm_head`` under tie_word_embeddings.
+    Shared with ``hf_moe``."""
+    for o, hs in experts:
+        shapes = {tuple(sd[h].shape) for h in hs}
+        if len(shapes) != 1:
+            raise CheckpointError(f"Hugging Face state dict: the experts {hs[0]} .. {hs[-1]} differ in shape "
+                                  f"({sorted(shapes)})")
+        out[o] = torch.stack([sd[h] for h in hs])
+    if cfg.tie_embeddings:
+        if "lm_head.weight" in sd and not _same(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
+            raise CheckpointError("Hugging Face state dict has lm_head.weight different from "
+                                  "model.embed_tokens.weight, but config.json has tie_word_embeddings = true")
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
 
 
 def _rope_permute(cfg: ModelConfig, key: str, w: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
@@ -217,18 +244,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_inter
             f"{cfg.n_dense_layers}, num_nextn_predict_layers={cfg.mtp_depth}, q_lora_rank="
             f"{cfg.q_lora_rank or None}): missing keys {_listing(missing)}, unexpected keys {_listing(unexpected)}")
     index = deinterleave(cfg.qk_rope_head_dim) if rope_interleave else None
-    out = {o: _rope_permute(cfg, o, sd[h], index) for o, h in table if h in sd}
-    for o, hs in experts:
-        shapes = {tuple(sd[h].shape) for h in hs}
-        if len(shapes) != 1:
-            raise CheckpointError(f"Hugging Face state dict: the experts {hs[0]} .. {hs[-1]} differ in shape "
-                                  f"({sorted(shapes)})")
-        out[o] = torch.stack([sd[h] for h in hs])
-    if cfg.tie_embeddings:
-        if "lm_head.weight" in sd and not _same(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
-            raise CheckpointError("Hugging Face state dict has lm_head.weight different from "
-                                  "model.embed_tokens.weight, but config.json has tie_word_embeddings = true")
-        out["output.weight"] = out["tok_embeddings.weight"]
+    out = stack_experts_and_tie({o: _rope_permute(cfg, o, sd[h], index) for o, h in table if h in sd}, sd, experts,
+                                cfg)
     _check_shapes(out, cfg, {o: h for o, h in table} | {o: f"{hs[0]} .. {hs[-1]} (stacked)" for o, hs in experts})
     # trainforge's MTP modules use the main embedding and head: a stored copy must be exactly that.
     for h, o in copies.items():
@@ -261,7 +278,15 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_interle
     must be cloned before ``safetensors.torch.save_file`` (``save_hf_dir`` does). Raises
     ``CheckpointError`` naming missing or unexpected keys."""
     table, experts = _key_table(cfg), _expert_table(cfg)
-    expected = {o for o, _ in table} | {o for o, _ in experts}
+    check_our_keys(sd, {o for o, _ in table} | {o for o, _ in experts}, cfg)
+    index = torch.argsort(deinterleave(cfg.qk_rope_head_dim)) if rope_interleave else None
+    out = {h: _rope_permute(cfg, o, sd[o], index) for o, h in table if o in sd}
+    return add_experts_and_copies(out, sd, experts, cfg)
+
+
+def check_our_keys(sd: dict[str, torch.Tensor], expected: set[str], cfg: ModelConfig) -> None:
+    """``CheckpointError`` naming the keys of our state dict ``sd`` missing from or beyond
+    ``expected`` (a tied output projection may be absent). Shared with ``hf_moe``."""
     missing = sorted(expected - sd.keys())
     if cfg.tie_embeddings and "output.weight" in missing:
         missing.remove("output.weight")
@@ -269,8 +294,13 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_interle
     if missing or unexpected:
         raise CheckpointError(f"trainforge state dict does not match the model config: missing keys "
                               f"{_listing(missing)}, unexpected keys {_listing(unexpected)}")
-    index = torch.argsort(deinterleave(cfg.qk_rope_head_dim)) if rope_interleave else None
-    out = {h: _rope_permute(cfg, o, sd[o], index) for o, h in table if o in sd}
+
+
+def add_experts_and_copies(out: dict[str, torch.Tensor], sd: dict[str, torch.Tensor],
+                           experts: list[tuple[str, list[str]]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``out`` (HF names) plus each expert's weights (views into our stacked tensors), the tied
+    head, and per MTP depth the main embedding and head as that layer's copies (the same
+    objects). Shared with ``hf_moe``: both layouts write experts and MTP layers alike."""
     for o, hs in experts:
         out.update({h: sd[o][e] for e, h in enumerate(hs)})
     if cfg.tie_embeddings:

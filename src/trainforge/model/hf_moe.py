@@ -39,7 +39,8 @@ from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
 # The DeepSeek-V3 layout's MoE and MTP names are glm4_moe's too; its checks are shared.
 from trainforge.model.hf_deepseek import (_DENSE, _EXPERTS, _MOE, _MTP, _MTP_SHARED, _NORMS, _check_shapes,
-                                          _listing, _num, _same, compressed_tensors)
+                                          _listing, _num, _same, add_experts_and_copies, check_our_keys,
+                                          compressed_tensors, stack_experts_and_tie, unfuse_experts)
 from trainforge.model.hf import _rope_theta
 
 GLM4_MOE, MIXTRAL = "glm4_moe", "mixtral"
@@ -128,25 +129,12 @@ def _empty_shared(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 def _unfuse(sd: dict[str, torch.Tensor], fam: str) -> dict[str, torch.Tensor]:
     """transformers' in-memory layout (``mlp.experts.gate_up_proj`` / ``down_proj``, Mixtral's
     router as ``mlp.gate``) as the files' per-expert keys; a files' dict as it is."""
-    fused = [k for k in sd if k.endswith("mlp.experts.gate_up_proj")]
-    if not fused:
+    if not any(k.endswith("mlp.experts.gate_up_proj") for k in sd):
         return sd
-    sd = dict(sd)
-    gate, up, down = ("w1", "w3", "w2") if fam == MIXTRAL else ("gate_proj", "up_proj", "down_proj")
-    for k in fused:
-        prefix = k[:-len("gate_up_proj")]
-        gate_up, dn = sd.pop(k), sd.pop(prefix + "down_proj", None)
-        if dn is None or gate_up.dim() != 3 or gate_up.shape[1] % 2:
-            raise CheckpointError(f"Hugging Face state dict: {k} of shape {tuple(gate_up.shape)} needs "
-                                  f"{prefix}down_proj beside it and an even dim 1 (gate and up stacked)")
-        out = prefix.replace(".mlp.", ".block_sparse_moe.") if fam == MIXTRAL else prefix
-        g, u = gate_up.chunk(2, dim=1)
-        for e in range(gate_up.shape[0]):
-            sd[f"{out}{e}.{gate}.weight"], sd[f"{out}{e}.{up}.weight"] = g[e], u[e]
-            sd[f"{out}{e}.{down}.weight"] = dn[e]
-    if fam == MIXTRAL:
-        sd = {k.replace(".mlp.gate.", ".block_sparse_moe.gate."): v for k, v in sd.items()}
-    return sd
+    if fam != MIXTRAL:
+        return unfuse_experts(sd)
+    sd = unfuse_experts(sd, ("w1", "w3", "w2"), lambda p: p.replace(".mlp.", ".block_sparse_moe."))
+    return {k.replace(".mlp.gate.", ".block_sparse_moe.gate."): v for k, v in sd.items()}
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -173,22 +161,11 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     if nonempty:
         raise CheckpointError(f"Hugging Face state dict: {nonempty[0]} has shape {tuple(sd[nonempty[0]].shape)}, "
                               "but config.json has n_shared_experts = 0 (zero-width shared experts)")
-    out = {o: sd[h] for o, h in table if h in sd}
-    for o, hs in experts:
-        shapes = {tuple(sd[h].shape) for h in hs}
-        if len(shapes) != 1:
-            raise CheckpointError(f"Hugging Face state dict: the experts {hs[0]} .. {hs[-1]} differ in shape "
-                                  f"({sorted(shapes)})")
-        out[o] = torch.stack([sd[h] for h in hs])
+    out = stack_experts_and_tie({o: sd[h] for o, h in table if h in sd}, sd, experts, cfg)
     if fam == MIXTRAL:  # no selection bias in Mixtral: ours is zero
         for layer, ours, _ in _blocks(cfg):
             if cfg.is_moe_layer(layer):
                 out[ours + _BIAS] = torch.zeros(cfg.n_routed_experts, device=out["tok_embeddings.weight"].device)
-    if cfg.tie_embeddings:
-        if "lm_head.weight" in sd and not _same(sd["lm_head.weight"], sd["model.embed_tokens.weight"]):
-            raise CheckpointError("Hugging Face state dict has lm_head.weight different from "
-                                  "model.embed_tokens.weight, but config.json has tie_word_embeddings = true")
-        out["output.weight"] = out["tok_embeddings.weight"]
     _check_shapes(out, cfg, {o: h for o, h in table} | {o: f"{hs[0]} .. {hs[-1]} (stacked)" for o, hs in experts})
     for h, o in copies.items():  # our MTP modules use the main embedding and head
         if h in sd and not _same(sd[h], out[o]):
@@ -207,31 +184,16 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     fam = family(cfg)
     table, experts = _key_table(cfg, fam), _expert_table(cfg, fam)
     biases = [ours + _BIAS for layer, ours, _ in _blocks(cfg) if fam == MIXTRAL and cfg.is_moe_layer(layer)]
-    expected = {o for o, _ in table} | {o for o, _ in experts} | set(biases)
-    missing = sorted(expected - sd.keys())
-    if cfg.tie_embeddings and "output.weight" in missing:
-        missing.remove("output.weight")
-    unexpected = sorted(sd.keys() - expected)
-    if missing or unexpected:
-        raise CheckpointError(f"trainforge state dict does not match the model config: missing keys "
-                              f"{_listing(missing)}, unexpected keys {_listing(unexpected)}")
+    check_our_keys(sd, {o for o, _ in table} | {o for o, _ in experts} | set(biases), cfg)
     biased = [k for k in biases if bool(sd[k].any())]
     if biased:
         raise CheckpointError(f"{biased[0]} is nonzero (trained with model.bias_update_rate > 0): "
                               "MixtralForCausalLM has no selection bias, so its experts would differ; train "
                               "with model.bias_update_rate = 0, or use score_func = 'sigmoid' (Glm4MoeForCausalLM)")
     out = {h: sd[o] for o, h in table if o in sd}
-    for o, hs in experts:
-        out.update({h: sd[o][e] for e, h in enumerate(hs)})
     ref = sd["tok_embeddings.weight"]
     out.update({k: ref.new_empty(shape) for k, shape in _empty_shared(cfg).items()})
-    if cfg.tie_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    n = cfg.n_layers
-    main = {"tok_embeddings.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
-    for d in range(cfg.mtp_depth):
-        out.update({f"model.layers.{n + d}.{h}": out[main[o]] for o, h in _MTP_SHARED})
-    return out
+    return add_experts_and_copies(out, sd, experts, cfg)
 
 
 # -- config.json ----------------------------------------------------------------------------------
