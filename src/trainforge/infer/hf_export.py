@@ -136,7 +136,9 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     out_dir = Path(out_dir)
     quantize = None if quantize == "none" else quantize
     _check_args(out_dir, dtype, quantize, group_size, force)
-    loaded = load_model(checkpoint)
+    # Mapped: each weight is read from disk when it is written out, so the export's own
+    # memory is about one converted tensor and a model larger than RAM goes through.
+    loaded = load_model(checkpoint, mapped=True)
     if loaded.quantization:
         raise CheckpointError(f"{checkpoint} is quantised ({loaded.quantization['mode']}); export the float "
                               "checkpoint it was made from, with --quantize")

@@ -34,6 +34,7 @@ from trainforge.model.rope import model_rope_tables
 from trainforge.model.moe import routers
 from trainforge.model.preflight import check_inference
 from trainforge.safe_unpickle import error_detail
+from trainforge.storage.safetensors_stream import map_safetensors
 
 # The KV pool a caller will allocate, in token slots, given the model's config.
 KVSlots = Callable[[ModelConfig], int]
@@ -50,12 +51,17 @@ class LoadedModel:
     path: Path
 
 
-def _read_safetensors(files: list[Path], device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """All tensors of ``files`` on ``device`` (pinned staging on CUDA) and the first file's metadata."""
+def _read_safetensors(files: list[Path], device: torch.device, mapped: bool = False
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """All tensors of ``files`` on ``device`` (pinned staging on CUDA) and the first file's
+    metadata. ``mapped`` (CPU): views of the files' pages, read when touched (``map_safetensors``)."""
     tensors: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for i, f in enumerate(files):
         try:
+            if mapped and device.type == "cpu":
+                tensors.update(map_safetensors(f))
+                continue
             if i == 0:
                 with safe_open(str(f), framework="pt") as fh:
                     metadata = fh.metadata() or {}
@@ -121,20 +127,26 @@ def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tor
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None) -> LoadedModel:
+               dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None,
+               mapped: bool = False) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
     directory (newest checkpoint), or a Hugging Face Llama or DeepSeek-V3 directory. ``dtype`` is the float
     dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file.
 
     Before any weight is read, the shape is validated and the memory of the weights, the
     rotary tables and the caller's KV pool (``kv_slots(cfg)`` token slots, in ``dtype``)
-    is checked against what ``device`` has (``model/preflight.py``)."""
+    is checked against what ``device`` has (``model/preflight.py``).
+
+    ``mapped`` (CPU, a one-pass reader such as ``trainforge export``): the weights are views
+    of the files' pages, read from disk when touched and reclaimable by the kernel after, so a
+    model larger than RAM can be read through; the memory check is then skipped."""
     path = Path(path)
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
+    mapped = mapped and device.type == "cpu"
     if is_hf_dir(path):
-        return _load_hf(path, device, dtype, kv_slots)
-    return _load_trainforge(path, device, dtype, kv_slots)
+        return _load_hf(path, device, dtype, kv_slots, mapped)
+    return _load_trainforge(path, device, dtype, kv_slots, mapped)
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -173,17 +185,19 @@ def trainforge_model_config(path: Path) -> tuple[Path, dict[str, Any], ModelConf
     return ck, meta, cfg
 
 
-def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
+def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
+                     mapped: bool = False) -> LoadedModel:
     from trainforge.data.tokenizer import eos_id, load_tokenizer
     from trainforge.storage import checkpoint_format as ckpt
 
     ck, meta, cfg = trainforge_model_config(path)
-    _preflight(cfg, device, dtype, kv_slots, meta.get("quantization"), "model_config.max_seq_len", str(ck))
+    if not mapped:
+        _preflight(cfg, device, dtype, kv_slots, meta.get("quantization"), "model_config.max_seq_len", str(ck))
     weights = ck / ckpt.MODEL_FILE
     if not weights.is_file():
         raise CheckpointError(f"{weights} is missing (a multi-process checkpoint? load it with `trainforge train "
                               f"--resume` on 1 process and let it save, or use a single-process checkpoint)")
-    sd, _ = _read_safetensors([weights], device)
+    sd, _ = _read_safetensors([weights], device, mapped)
     quantization = meta.get("quantization")
     model = _materialise(cfg, sd, device, dtype, quantization, str(weights))
     tok, eos = None, ()
@@ -306,17 +320,19 @@ def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]
     return hf_config, cfg, files
 
 
-def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
+def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
+             mapped: bool = False) -> LoadedModel:
     config_file = path / "config.json"
     hf_config, cfg, files = hf_model_config(path)
     deepseek, moe = hf_deepseek.is_deepseek_v3(hf_config), hf_moe.is_hf_moe(hf_config)
-    _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
+    if not mapped:
+        _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
     if not files:
         found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         raise CheckpointError(f"{path}: no *.safetensors weights" + (f" (found {found}: pickle formats are not "
                               "loaded; convert them with transformers' save_pretrained(safe_serialization=True))"
                               if found else ""))
-    sd, _ = _read_safetensors(files, device)
+    sd, _ = _read_safetensors(files, device, mapped)
     quantization, stored = None, {}
     if hf_config.get("quantization_config") is not None:
         layout = hf_deepseek if deepseek else hf_moe if moe else None
