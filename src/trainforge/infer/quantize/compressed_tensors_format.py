@@ -82,36 +82,36 @@ def read_quantization_config(qc: Any, where: str) -> tuple[str, int | None]:
 
 
 # -- 4-bit packing: eight codes per int32, code k at bits 4k (little-endian words) ------------
+# Byte b of the words holds codes 2b (low nibble) and 2b + 1 (high): trainforge's packed byte
+# with its nibbles swapped (ours has the even code high), so packing is a byte-wise swap and a
+# reinterpretation, no per-code work.
+
+def _swap(b: torch.Tensor) -> torch.Tensor:
+    return (b << 4) | (b >> 4)  # uint8: the shifts drop the other nibble
+
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """(R, C) unsigned codes in [0, 15] -> (R, ceil(C/8)) int32, zero-padded. int32 shifts wrap
-    like the words' bit pattern, so code 7's top bit lands in the sign bit as it should."""
+    """(R, C) unsigned codes in [0, 15] -> (R, ceil(C/8)) int32, zero-padded."""
     r, c = codes.shape
-    codes = torch.nn.functional.pad(codes.to(torch.int32), (0, -c % 8)).view(r, -1, 8)
-    out = torch.zeros(codes.shape[:-1], dtype=torch.int32)
-    for i in range(8):
-        out |= codes[..., i] << (4 * i)
-    return out
+    codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, -c % 8))
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous().view(torch.int32)
 
 
 def _unpack_nibbles(words: torch.Tensor, cols: int) -> torch.Tensor:
     """(R, W) int32 -> (R, cols) int32 unsigned codes."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
-    codes = (words.to(torch.int32)[..., None] >> shifts) & 15
-    return codes.reshape(words.shape[0], -1)[:, :cols]
+    b = words.contiguous().view(torch.uint8)
+    return torch.stack((b & 15, b >> 4), dim=-1).reshape(words.shape[0], -1)[:, :cols].to(torch.int32)
 
 
 def pack_int4_codes(packed_uint8: torch.Tensor) -> torch.Tensor:
-    """trainforge's (N, K/2) uint8 (even k in the high nibble) -> compressed-tensors' (N, K/8) int32."""
-    from trainforge.infer.quantize.int4 import unpack_int4
-
-    return _pack_nibbles(unpack_int4(packed_uint8))
+    """trainforge's (N, K/2) uint8 (even k in the high nibble) -> compressed-tensors' (N, ceil(K/8)) int32."""
+    p = torch.nn.functional.pad(packed_uint8, (0, -packed_uint8.shape[1] % 4))
+    return _swap(p).contiguous().view(torch.int32)
 
 
 def unpack_int4_codes(words: torch.Tensor, k: int) -> torch.Tensor:
     """compressed-tensors' (N, ceil(K/8)) int32 -> trainforge's (N, K/2) uint8."""
-    q = _unpack_nibbles(words, k).to(torch.uint8)
-    return (q[:, 0::2] << 4) | q[:, 1::2]
+    return _swap(words.contiguous().view(torch.uint8))[:, : k // 2].contiguous()
 
 
 # -- one module's tensors ---------------------------------------------------------------------

@@ -54,11 +54,11 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     if k % group_size or k % 2:
         raise ValueError(f"int4: in_features {k} is not a multiple of group_size {group_size}")
     g = w.detach().float().reshape(n, k // group_size, group_size)
-    lo = g.amin(dim=-1, keepdim=True).clamp(max=0.0)
-    hi = g.amax(dim=-1, keepdim=True).clamp(min=0.0)
-    scales = (hi - lo).clamp(min=1e-6) / 15.0
-    zp = torch.round(-lo / scales).clamp(0, 15)  # unsigned zero point: the code that stands for 0.0
-    q = (torch.round(g / scales) + zp).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
+    lo, hi = lo.clamp_(max=0.0), hi.clamp_(min=0.0)
+    scales = (hi - lo).clamp_(min=1e-6) / 15.0
+    zp = torch.round(-lo / scales).clamp_(0, 15)  # unsigned zero point: the code that stands for 0.0
+    q = torch.div(g, scales).round_().add_(zp).clamp_(0, 15).to(torch.uint8).reshape(n, k)
     packed = (q[:, 0::2] << 4) | q[:, 1::2]
     return packed, scales.reshape(n, -1), (zp - 8).to(torch.int8).reshape(n, -1)
 
