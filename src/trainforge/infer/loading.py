@@ -16,6 +16,7 @@ overlaps the read of the next; the weights then stay resident on the device.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,11 +80,29 @@ def _read_safetensors(files: list[Path], device: torch.device, mapped: bool = Fa
     return tensors, metadata
 
 
+@contextlib.contextmanager
+def _no_init():
+    """Module constructors without their random init, for a model built on the meta device to
+    be loaded by assignment: ``nn.Embedding``'s ``normal_`` on meta runs torch's Python
+    reference kernel, whose first call imports ``torch._dynamo`` (2-4 s of every start,
+    measured with ``python -X importtime``), for values that are replaced."""
+    names = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "zeros_", "ones_", "constant_")
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
 def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  quantization: dict[str, Any] | None, what: str) -> Transformer:
     from trainforge.infer.quantize import swap_quantized_linears
 
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = Transformer(cfg)
     if quantization:
         try:

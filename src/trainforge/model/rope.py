@@ -21,7 +21,13 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 def model_rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables ``Transformer`` keeps: ``rope_tables`` over the head dim for standard
     attention; over ``qk_rope_head_dim`` for latent attention, with YaRN when
-    ``rope_factor`` > 1 (``yarn.py``)."""
+    ``rope_factor`` > 1 (``yarn.py``). On the meta device (a model built to be loaded by
+    assignment), shapes only: computing there runs torch's Python reference kernels, whose first
+    call imports ``torch._dynamo`` (2-4 s of every ``generate``/``serve``/``export`` start,
+    measured), for tables the loader recomputes on the real device anyway."""
+    if (torch.device(device) if device is not None else torch.get_default_device()).type == "meta":
+        d = cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        return torch.empty(cfg.max_seq_len, d, device="meta"), torch.empty(cfg.max_seq_len, d, device="meta")
     if not cfg.is_mla:
         return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=device)
     if cfg.rope_factor <= 1:
