@@ -8,9 +8,16 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainforge.config import load_config
 from trainforge.data.prepare import PrepareOptions, default_data_dir, prepare
+
+# Under pytest-xdist (`make test` runs the single-process tests on one worker per core) each
+# worker and the processes it starts use one thread: two 2-thread workers on 2 cores collapse.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 DEBUG_TRAIN = ["--model.flavor", "debug", "--training.batch_size", "8", "--training.seq_len", "64",
                "--training.log_interval", "5", "--training.warmup_steps", "5", "--training.val_batches", "4",
