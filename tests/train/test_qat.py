@@ -153,6 +153,8 @@ def test_config_errors_name_the_key(small_data):
     for dims, match in [(SimpleNamespace(tp=2, pp=1), "parallel.tp"), (SimpleNamespace(tp=1, pp=2), "parallel.pp")]:
         with pytest.raises(ConfigError, match=match):
             check_qat(qcfg, dims, dense)
+    with pytest.raises(ConfigError, match="parallel.compile"):
+        check_qat(qcfg, SimpleNamespace(tp=1, pp=1), dense, compile=True)
     with pytest.raises(ConfigError, match="MoE"):
         check_qat(qcfg, SimpleNamespace(tp=1, pp=1), SimpleNamespace(is_moe=True))
     check_qat(qcfg, SimpleNamespace(tp=1, pp=1), dense)

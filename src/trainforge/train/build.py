@@ -66,7 +66,7 @@ def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log:
         pp_layout = check_pipeline_layout(model_config, dims, cfg.parallel, tcfg.batch_size)
     check_chunked_loss(tcfg.loss_chunk_tokens, dims)
     check_mtp_layout(tcfg, model_config, dims)
-    check_qat(cfg.qat, dims, model_config)
+    check_qat(cfg.qat, dims, model_config, compile=cfg.parallel.compile)
     warning = check_compression(cfg.compression, dims, data_parallel_kind(dims))
     if warning and log is not None:
         log.warning(warning)

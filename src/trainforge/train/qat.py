@@ -24,8 +24,8 @@ still holds, so ``linear_names`` finds the same layers at export. The swap happe
 the module's own call, after FSDP2's pre-forward hook of the enclosing block has
 all-gathered the parameters, so the fake quantiser always sees whole weight rows (both
 grids are per row or per row-group anyway, so a row shard would give the same values);
-DDP never shards. Tensor parallelism (column/row shards of one matrix) and pipeline stages
-are refused by ``check_qat`` (untested here), as are MoE models: the routed experts are a
+DDP never shards. Tensor parallelism (column/row shards of one matrix), pipeline stages
+and ``parallel.compile`` are refused by ``check_qat`` (untested here), as are MoE models: the routed experts are a
 grouped GEMM in ``GroupedExperts.forward``, which a forward swap cannot reach without a
 second definition of its math, and leaving them float would make the served (quantised)
 experts differ from the trained ones.
@@ -130,10 +130,16 @@ def qat_active(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def check_qat(qcfg: Any, dims: Any, model_config: Any) -> None:
+def check_qat(qcfg: Any, dims: Any, model_config: Any, compile: bool = False) -> None:
     """Refuse, naming the key, what QAT does not serve (before anything is allocated)."""
     if not qcfg.enabled:
         return
+    if compile:
+        # The swap happens mid-run (at start_step); a block compiled before it would keep
+        # running the graph it traced without fake quantisation, unless dynamo's guards see it.
+        raise ConfigError(f"config key 'qat.scheme' = {qcfg.scheme!r}: QAT with parallel.compile = true is not "
+                          "supported (fake quantisation is switched on mid-run, under a graph compiled before); "
+                          "set parallel.compile = false")
     if dims.tp > 1:
         raise ConfigError(f"config key 'qat.scheme' = {qcfg.scheme!r}: QAT with tensor parallelism "
                           f"(parallel.tp = {dims.tp}) is not supported (a column/row shard of a matrix does not "
