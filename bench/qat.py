@@ -73,7 +73,10 @@ def paired_throughput(t: Trainer, group_size: int, k: int, pairs: int) -> dict:
     model = t.raw_model
 
     def sample(on: bool) -> float:
-        (apply_qat if on else lambda m, *_: remove_qat(m))(model, "int4", group_size)
+        if on:
+            apply_qat(model, "int4", group_size)
+        else:
+            remove_qat(model)
         t0 = time.perf_counter()
         for _ in range(k):
             t.train_step()
