@@ -179,10 +179,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (quantised layers keep their own)")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4"],
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="quantise a float checkpoint's linear layers (and MoE experts) at load time (see "
-                        "`trainforge quantize` for the offline step)")
-    p.add_argument("--group_size", type=int, default=128, help="int4 group size (32, 64, 128 or 256 on CPU)")
+                        "`trainforge quantize` for the offline step); auto = the grid a QAT checkpoint was "
+                        "trained for ([qat]), else none")
+    p.add_argument("--group_size", type=int, default=None,
+                   help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
     p.add_argument("--quant_kernel", default=None,
                    help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, reference), or "
                         "'measure' (time them here once, cached); default: the order measured for the device")
@@ -236,14 +238,23 @@ def _load_drafter(a, spec, target):
 def _load_for_engine(a, kv_slots=None):
     from trainforge.infer.loading import load_model
     from trainforge.infer.quantize import quantize_model
+    from trainforge.infer.quantize.qat_meta import qat_scheme_of, resolve_quantize
+    from trainforge.log import get_logger
 
+    # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
+    try:
+        mode, group_size, note = resolve_quantize(a.quantize, a.group_size, qat_scheme_of(a.checkpoint))
+    except ValueError as e:
+        raise TrainforgeError(str(e)) from None
+    if note:
+        get_logger().warning(note)
     # kv_slots(cfg): the engine's KV pool in token slots, for the preflight before any weight is read.
     loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots)
-    if a.quantize != "none":
+    if mode != "none":
         if loaded.quantization:
-            raise TrainforgeError(f"--quantize {a.quantize}: {a.checkpoint} is already quantised "
+            raise TrainforgeError(f"--quantize {mode}: {a.checkpoint} is already quantised "
                                   f"({loaded.quantization['mode']})")
-        quantize_model(loaded.model, a.quantize, a.group_size, pack=False)
+        quantize_model(loaded.model, mode, group_size, pack=False)
     from trainforge.infer.prepare import prepare_model
 
     # The inference swaps (fusion, quantised kernels) happen here, before the engine is built.
@@ -334,10 +345,17 @@ def _quantize(argv: list[str]) -> int:
                    help="float trainforge checkpoint / run directory, or a Hugging Face directory")
     p.add_argument("--output", required=True, help="new directory for the quantised checkpoint")
     p.add_argument("--mode", required=True, choices=["int8", "int4"])
-    p.add_argument("--group_size", type=int, default=128, help="int4 group size (32, 64, 128 or 256 on CPU)")
+    p.add_argument("--group_size", type=int, default=None,
+                   help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
     a = p.parse_args(argv)
     if Path(a.output).exists():
         raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
+    from trainforge.infer.quantize.qat_meta import qat_scheme_of, resolve_quantize
+
+    try:  # a QAT checkpoint: only the grid it was trained for
+        a.mode, a.group_size, _ = resolve_quantize(a.mode, a.group_size, qat_scheme_of(a.checkpoint), "--mode")
+    except ValueError as e:
+        raise TrainforgeError(str(e)) from None
     loaded = load_model(a.checkpoint)
     if loaded.quantization:
         raise TrainforgeError(f"{a.checkpoint} is already quantised ({loaded.quantization['mode']})")

@@ -10,7 +10,7 @@ components below it must not: ``[tool.importlinter]`` in pyproject.toml).
 
 Where each section lives: ``[model]`` model/section.py; ``[data]`` data/section.py;
 ``[training]``, ``[optimizer]``, ``[checkpoint]`` train/section.py; ``[adaptive_lr]``,
-``[early_stop]``, ``[bad_steps]`` train/control_section.py; ``[parallel]``,
+``[early_stop]``, ``[bad_steps]`` train/control_section.py; ``[qat]`` train/qat_section.py; ``[parallel]``,
 ``[distributed]`` parallel/section.py; ``[sample]`` infer/section.py; ``[compression]``,
 ``[precision]``, ``[monitor]`` in their packages' section.py.
 """
@@ -35,12 +35,13 @@ from trainforge.monitor.section import MonitorSection
 from trainforge.parallel.section import DistributedSection, ParallelSection
 from trainforge.precision.section import PrecisionSection
 from trainforge.train.control_section import AdaptiveLRSection, BadStepsSection, EarlyStopSection
+from trainforge.train.qat_section import QATSection
 from trainforge.train.section import CheckpointSection, OptimizerSection, TrainingSection
 
 __all__ = ["AdaptiveLRSection", "AugmentSection", "BadStepsSection", "CacheSection", "CheckpointSection",
            "CompressionSection", "Config", "DataSection", "DistributedSection", "EarlyStopSection", "ModelSection",
-           "MonitorSection", "OptimizerSection", "ParallelSection", "PrecisionSection", "SampleSection",
-           "TrainingSection", "config_from_dict", "config_help", "config_to_dict", "config_to_toml", "load_config",
+           "MonitorSection", "OptimizerSection", "ParallelSection", "PrecisionSection", "QATSection",
+           "SampleSection", "TrainingSection", "config_from_dict", "config_help", "config_to_dict", "config_to_toml", "load_config",
            "parse_overrides", "read_toml_file"]
 
 
@@ -60,6 +61,7 @@ class Config:
     early_stop: EarlyStopSection = field(default_factory=EarlyStopSection)
     bad_steps: BadStepsSection = field(default_factory=BadStepsSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
+    qat: QATSection = field(default_factory=QATSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
@@ -67,6 +69,11 @@ class Config:
         if self.parallel.pp > 1 and any(t.get("name") == "seq_curriculum" for t in self.data.augment.transforms):
             raise ConfigError("config key 'data.augment.transforms': seq_curriculum changes the sequence length, "
                               "which pipeline parallelism (parallel.pp > 1) fixes; remove it or use pp = 1")
+        if self.qat.enabled and self.qat.start_step >= self.training.steps:
+            raise ConfigError(f"config key 'qat.start_step' = {self.qat.start_step} is not allowed: it must be "
+                              f"below training.steps ({self.training.steps}), or no step trains with fake "
+                              "quantisation; lower qat.start_step (e.g. to 70% of training.steps) or raise "
+                              "training.steps")
         return self
 
 

@@ -31,6 +31,7 @@ from trainforge.precision.policy import PrecisionPolicy, build_policy
 from trainforge.train.chunked_loss import check_chunked_loss
 from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout, compile_note
 from trainforge.train.mtp_loss import check_mtp_layout
+from trainforge.train.qat import check_qat
 from trainforge.train.step_layout import LocalStep, LossFn, PipelineStep, StepLayout, pipeline_loss
 
 
@@ -65,6 +66,7 @@ def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log:
         pp_layout = check_pipeline_layout(model_config, dims, cfg.parallel, tcfg.batch_size)
     check_chunked_loss(tcfg.loss_chunk_tokens, dims)
     check_mtp_layout(tcfg, model_config, dims)
+    check_qat(cfg.qat, dims, model_config, compile=cfg.parallel.compile)
     warning = check_compression(cfg.compression, dims, data_parallel_kind(dims))
     if warning and log is not None:
         log.warning(warning)

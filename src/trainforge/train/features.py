@@ -21,15 +21,21 @@ def build_loss(tcfg: Any, model_config: Any) -> Any:
 
 
 def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predicted: list[float] | None,
-                     log: Any, model_config: Any = None, model_loss: Any = None) -> list[Component]:
+                     log: Any, model_config: Any = None, model_loss: Any = None,
+                     model_parts: list[Any] | None = None) -> list[Component]:
     """``mp``: the run's ``TrainerPrecision``; ``compressor``: the gradient compressor or
     None; ``pp_predicted``: the pipeline split's planned stage seconds (None unpipelined);
     ``log``: a warning function on rank 0, None elsewhere; ``model_config``: the resolved
-    ``ModelConfig`` (``cfg.model`` is only a flavor and overrides)."""
+    ``ModelConfig`` (``cfg.model`` is only a flavor and overrides); ``model_parts``: the
+    modules this rank trains (QAT swaps their linears' forward)."""
     from trainforge.train.mixed_precision import PrecisionComponent
 
     tcfg, par = cfg.training, cfg.parallel
     out: list[Component] = [PrecisionComponent(mp)]
+    if cfg.qat.enabled and model_parts is not None:
+        from trainforge.train.qat import QATComponent
+
+        out.append(QATComponent(cfg.qat, model_parts, log=log))
     if isinstance(model_loss, Component):
         out.append(model_loss)
     if model_config is not None and model_config.is_moe:

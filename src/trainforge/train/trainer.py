@@ -131,7 +131,7 @@ class Trainer:
         # Callbacks first: their evaluation records merge before the features' (as they always did).
         self.components = Components([*(callbacks or []), *build_components(
             cfg, self.run_dir, self.mp, self.compressor, self.pp_predicted, self.log.warning if self.is_main else None,
-            model_config=self.model_config, model_loss=self.model_loss)])
+            model_config=self.model_config, model_loss=self.model_loss, model_parts=self.model_parts)])
         self.stop: Stop | None = None
         self._rollback_request: Rollback | None = None
         # Train batches are assembled (and on CUDA staged to the device) ahead of use, in the
