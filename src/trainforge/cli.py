@@ -379,6 +379,8 @@ def _quantize(argv: list[str]) -> int:
 
 def _export(argv: list[str]) -> int:
     from trainforge.infer.hf_export import DTYPES, export
+    from trainforge.infer.quantize.qat_meta import qat_scheme_of, resolve_quantize
+    from trainforge.log import get_logger
 
     p = argparse.ArgumentParser(prog="trainforge export",
                                 description="Write a checkpoint as a Hugging Face directory that transformers, vLLM "
@@ -402,12 +404,20 @@ def _export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.max_shard_gb <= 0:
         raise TrainforgeError(f"--max_shard_gb {a.max_shard_gb}: must be > 0")
+    # A QAT run exports on the grid it was trained for (its dequantised weights are then the
+    # fake-quantised training weights, bit for bit); another grid is refused, none warns.
+    try:
+        recorded = qat_scheme_of(a.checkpoint)
+        mode, group_size, note = resolve_quantize(a.quantize or "auto", a.group_size, recorded)
+    except ValueError as e:
+        raise TrainforgeError(str(e)) from None
+    if note:
+        get_logger().warning(note)
     t0 = time.perf_counter()
-    r = export(a.checkpoint, a.output, dtype=a.dtype, quantize=a.quantize,
-               group_size=a.group_size if a.group_size is not None else 128, force=a.force,
-               max_shard_bytes=int(a.max_shard_gb * 2**30))
+    r = export(a.checkpoint, a.output, dtype=a.dtype, quantize=mode, group_size=group_size, force=a.force,
+               max_shard_bytes=int(a.max_shard_gb * 2**30), skip_indivisible=recorded is not None)
     dt = time.perf_counter() - t0
-    what = f", {len(r.quantized)} linear layers {a.quantize}" if r.quantized else ""
+    what = f", {len(r.quantized)} layers {mode}" if r.quantized else ""
     print(f"wrote {r.path}: {r.tensors} tensors, {r.bytes / 2**20:.1f} MiB in {len(r.files)} file(s){what}; "
           f"{dt:.1f} s")
     return 0

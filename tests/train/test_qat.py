@@ -17,6 +17,7 @@ from trainforge.errors import ConfigError, TrainforgeError
 from trainforge.infer.quantize import Int4Linear, Int8Linear, linear_names
 from trainforge.infer.quantize.int4 import dequantize_int4, quantize_int4
 from trainforge.infer.quantize.int8 import dequantize_int8, quantize_int8
+from trainforge.infer.loading import load_model
 from trainforge.infer.quantize.qat_meta import qat_scheme_of, resolve_quantize
 from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train import checkpoint as ckpt
@@ -115,6 +116,17 @@ def test_qat_checkpoint_is_served_on_its_grid_bit_for_bit(tmp_path, small_data):
             _load_for_engine(SimpleNamespace(**{**vars(args), "quantize": quantize, "group_size": group}))
     plain = _load_for_engine(SimpleNamespace(**{**vars(args), "quantize": "none"}))
     assert not any(isinstance(m, (Int4Linear, Int8Linear)) for m in plain.model.modules())
+
+    # `trainforge export` picks the trained grid too: the compressed-tensors directory holds
+    # exactly the fake-quantised training weights, and the layers QAT kept float stay float.
+    from trainforge.cli import main as cli_main
+
+    assert cli_main(["export", "--checkpoint", str(run_dir), "--output", str(tmp_path / "hf")]) == 0
+    exported = load_model(tmp_path / "hf").model
+    for n in quantised:
+        trained = FakeQuant.apply(model.get_submodule(n).weight.detach(), "int4", 32)
+        assert torch.equal(exported.get_submodule(n).dequantize(), trained), n
+    assert all(type(exported.get_submodule(n)) is nn.Linear for n in skipped)
 
 
 def test_resume_across_start_step_is_bit_identical(tmp_path, small_data):

@@ -116,7 +116,8 @@ def _tokenizer_files(tmp: Path, tok_file: Path, eos_ids: tuple[int, ...], max_le
 
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", quantize: str | None = None,
-           group_size: int = 128, force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> ExportResult:
+           group_size: int = 128, force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
+           skip_indivisible: bool = False) -> ExportResult:
     """A trainforge checkpoint (or run directory: its newest checkpoint, or a Hugging Face
     directory) written as a Hugging Face directory at ``out_dir``: ``config.json``,
     ``generation_config.json``, the weights (``model.safetensors``, or shards + index above
@@ -125,6 +126,10 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     weights in the compressed-tensors format (``quantize/compressed_tensors_format.py``), on the grid of
     ``trainforge quantize``; embeddings, norms, routers, routed experts and latent attention's
     ``wkv_b`` stay float (listed in ``quantization_config.ignore``), as does a tied output head.
+
+    An int4 ``group_size`` that does not divide a layer's input dim is an error, or with
+    ``skip_indivisible`` leaves that layer float (as ``trainforge quantize`` and QAT do; the
+    CLI sets it when the grid is a QAT run's, whose training kept those layers float).
 
     Every argument is checked before anything is read; the directory appears complete or not
     at all (``--force`` replaces an existing one only once the new one is written). Tensors
@@ -166,7 +171,11 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
         inputs.update({k: sd[k].shape[2] for k in emap})
         if quantize == "int4":
             bad = {n: d for n, d in inputs.items() if d % group_size}
-            if bad:
+            if bad and skip_indivisible:  # as trainforge quantize and QAT leave them: float
+                names = [n for n in names if n not in bad]
+                gone = {k.rsplit(".", 1)[0] for k in emap if k in bad}
+                emap = {k: v for k, v in emap.items() if k.rsplit(".", 1)[0] not in gone}
+            elif bad:
                 dims = sorted(set(bad.values()))
                 fits = [g for g in (8, 16, 32, 64, 128, 256) if all(d % g == 0 for d in inputs.values())]
                 raise CheckpointError(f"--group_size {group_size} does not divide the input dim of "
