@@ -25,9 +25,13 @@ prometheus:
 	bash .ci/fetch_prometheus.sh
 
 # lint-imports first: a broken layering contract ([tool.importlinter] in pyproject.toml) fails in a second.
+# The single-process tests run on one pytest-xdist worker per core (one thread each, tests/conftest.py),
+# whole files per worker so module fixtures are built once; the multi-process ones (marked slow) then
+# run one at a time, each already using every core.
 test: install prometheus
 	$(BIN)/lint-imports --no-cache --no-logo
-	$(BIN)/python -m pytest -q --durations=40
+	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" --durations=20
+	$(BIN)/python -m pytest -q -m slow --durations=40
 
 bench: install
 	$(BIN)/python bench/train_throughput.py
