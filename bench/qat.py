@@ -1,6 +1,6 @@
 """Quantisation-aware training against post-training int4, at the same training cost.
 
-    python -m bench.qat --flavor tiny --steps 300 --qat_share 0.25 --group_size 32 --threads 2
+    python -m bench.qat --flavor tiny --steps 600 --qat_share 0.25 --group_size 32 256 --threads 1
 
 One baseline run (fp32, ``--steps`` steps on the built-in corpus) checkpoints at
 ``start_step = steps x (1 - qat_share)``; the QAT run resumes that checkpoint with
@@ -98,7 +98,8 @@ def main() -> None:
     p.add_argument("--flavor", default="tiny")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--qat_share", type=float, default=0.25, help="share of the steps trained with QAT (the last)")
-    p.add_argument("--group_size", type=int, default=32, help="the QAT run's int4 group size")
+    p.add_argument("--group_size", type=int, nargs="+", default=[32],
+                   help="int4 group size(s): one QAT tail each, from the same baseline")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -118,43 +119,48 @@ def main() -> None:
         base.fit()
         base.close()
         base_s = time.perf_counter() - t0
-        # The QAT run continues the baseline's own checkpoint at start_step: same first steps, same tail.
+        # Each QAT run continues the baseline's own checkpoint at start_step: same first steps, same tail.
         ck = f"step_{start:07d}"
-        (root / "qat" / "checkpoints").mkdir(parents=True)
-        shutil.copytree(root / "base" / "checkpoints" / ck, root / "qat" / "checkpoints" / ck)
-        qcfg = load_config(None, [*overrides(a, a.steps, start), "--qat.scheme", "int4",
-                                  "--qat.group_size", str(a.group_size), "--qat.start_step", str(start)])
-        qat = Trainer(qcfg, root / "qat", resume=True, progress=False)
-        t0 = time.perf_counter()
-        qat.fit()
-        qat.close()
-        qat_s = time.perf_counter() - t0
         val = base.val_set
-        ppl = {"fp32": perplexity(base.raw_model, val),
-               "ptq_int4_g32": quantised_ppl(base.raw_model, val, 32),
-               "ptq_int4_g64": quantised_ppl(base.raw_model, val, 64),
-               f"qat_int4_g{a.group_size}": quantised_ppl(qat.raw_model, val, a.group_size)}
-        qat_float = copy.deepcopy(qat.raw_model)
-        remove_qat(qat_float)
-        ppl["qat_run_float_weights"] = perplexity(qat_float, val)
-        ptq = ppl[f"ptq_int4_g{a.group_size}"]
-        gap = ptq - ppl["fp32"]
-        recovered = (ptq - ppl[f"qat_int4_g{a.group_size}"]) / gap if gap > 0 else float("nan")
-        speed = paired_throughput(qat, a.group_size, a.pair_steps, a.pairs)
+        ppl = {"fp32": perplexity(base.raw_model, val)}
+        for g in sorted({32, 64, *a.group_size}):
+            ppl[f"ptq_int4_g{g}"] = quantised_ppl(base.raw_model, val, g)
+        gaps, recovered, qat_s, speed = {}, {}, {}, {}
+        for g in a.group_size:
+            run = root / f"qat{g}"
+            (run / "checkpoints").mkdir(parents=True)
+            shutil.copytree(root / "base" / "checkpoints" / ck, run / "checkpoints" / ck)
+            qcfg = load_config(None, [*overrides(a, a.steps, start), "--qat.scheme", "int4",
+                                      "--qat.group_size", str(g), "--qat.start_step", str(start)])
+            qat = Trainer(qcfg, run, resume=True, progress=False)
+            t0 = time.perf_counter()
+            qat.fit()
+            qat.close()
+            qat_s[g] = time.perf_counter() - t0
+            ppl[f"qat_int4_g{g}"] = quantised_ppl(qat.raw_model, val, g)
+            qat_float = copy.deepcopy(qat.raw_model)
+            remove_qat(qat_float)
+            ppl[f"qat_g{g}_run_float_weights"] = perplexity(qat_float, val)
+            ptq = ppl[f"ptq_int4_g{g}"]
+            gaps[g] = ptq - ppl["fp32"]
+            recovered[g] = (ptq - ppl[f"qat_int4_g{g}"]) / gaps[g] if gaps[g] > 0 else float("nan")
+            speed[g] = paired_throughput(qat, g, a.pair_steps, a.pairs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     out = {"flavor": a.flavor, "steps": a.steps, "start_step": start, "qat_steps": a.steps - start,
-           "group_size": a.group_size, "batch": a.batch, "seq_len": a.seq_len, "lr": a.lr, "threads": a.threads,
-           "val_tokens": a.val_batches * a.batch * a.seq_len, "perplexity": ppl, "int4_gap": gap,
+           "group_sizes": a.group_size, "batch": a.batch, "seq_len": a.seq_len, "lr": a.lr, "threads": a.threads,
+           "val_tokens": a.val_batches * a.batch * a.seq_len, "perplexity": ppl, "int4_gap": gaps,
            "recovered_share": recovered, "baseline_train_s": base_s, "qat_tail_train_s": qat_s,
            "throughput": speed, "total_s": time.perf_counter() - t_all}
     for name, v in ppl.items():
-        print(f"{name:>24}  ppl {v:8.3f}")
-    print(f"int4 g{a.group_size} gap {gap:.3f}; QAT recovers {recovered:.1%} of it "
-          f"({a.steps - start} of {a.steps} steps with QAT)")
-    print(f"train step tokens/s: QAT {speed['qat_tok_s']:.0f}, plain {speed['plain_tok_s']:.0f}, paired ratio "
-          f"{speed['ratio_median']:.3f} [{speed['ratio_min']:.3f}, {speed['ratio_max']:.3f}]; "
-          f"total {out['total_s']:.0f} s")
+        print(f"{name:>28}  ppl {v:8.3f}")
+    for g in a.group_size:
+        print(f"int4 g{g} gap {gaps[g]:.3f}; QAT recovers {recovered[g]:.1%} of it "
+              f"({a.steps - start} of {a.steps} steps with QAT)")
+        sp = speed[g]
+        print(f"  train step tokens/s: QAT {sp['qat_tok_s']:.0f}, plain {sp['plain_tok_s']:.0f}, paired ratio "
+              f"{sp['ratio_median']:.3f} [{sp['ratio_min']:.3f}, {sp['ratio_max']:.3f}]")
+    print(f"total {out['total_s']:.0f} s")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
 
