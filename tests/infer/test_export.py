@@ -214,3 +214,20 @@ def test_quantised_moe_and_latent_attention_exports_are_trainforge_quantize(tmp_
     mine = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == prefix}
     dense = BaseCompressor.get_value_from_registry(qc.format).decompress(mine, scheme)["weight"]
     assert torch.equal(dense, ours["layers.1.feed_forward.experts"].dequantize()[1][3])
+
+
+def test_a_damaged_checkpoint_writes_nothing(trained_run, tmp_path):
+    """The sha256 check runs beside the conversion; a mismatch still commits nothing."""
+    import shutil
+
+    from trainforge.storage.checkpoint_format import CorruptCheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    for weights in run.glob("checkpoints/*/model.safetensors"):
+        raw = bytearray(weights.read_bytes())
+        raw[-3] ^= 0xFF  # inside the last tensor's bytes: the header still parses
+        weights.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="sha256"):
+        export(run, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))

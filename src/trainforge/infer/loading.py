@@ -147,7 +147,7 @@ def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tor
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None,
-               mapped: bool = False) -> LoadedModel:
+               mapped: bool = False, verify: bool = True) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
     directory (newest checkpoint), or a Hugging Face Llama or DeepSeek-V3 directory. ``dtype`` is the float
     dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file.
@@ -158,14 +158,17 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
 
     ``mapped`` (CPU, a one-pass reader such as ``trainforge export``): the weights are views
     of the files' pages, read from disk when touched and reclaimable by the kernel after, so a
-    model larger than RAM can be read through; the memory check is then skipped."""
+    model larger than RAM can be read through; the memory check is then skipped. ``verify=False``
+    skips the sha256 check of a trainforge checkpoint's files, for a caller that checks them
+    itself (``trainforge export`` hashes them beside the conversion and commits nothing on a
+    mismatch)."""
     path = Path(path)
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
     mapped = mapped and device.type == "cpu"
     if is_hf_dir(path):
         return _load_hf(path, device, dtype, kv_slots, mapped)
-    return _load_trainforge(path, device, dtype, kv_slots, mapped)
+    return _load_trainforge(path, device, dtype, kv_slots, mapped, verify)
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -185,14 +188,15 @@ def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_sl
                     positions_key=positions_key, where=where, quantized_bytes=qbytes, error=CheckpointError)
 
 
-def trainforge_model_config(path: Path) -> tuple[Path, dict[str, Any], ModelConfig]:
+def trainforge_model_config(path: Path, verify: bool = False) -> tuple[Path, dict[str, Any], ModelConfig]:
     """(checkpoint directory, its meta.json, its ModelConfig) of a checkpoint or run directory
-    (the newest complete checkpoint); no weight is read. Raises ``CheckpointError`` naming the file."""
+    (the newest complete checkpoint); no weight is read unless ``verify`` (every file's sha256
+    checked against meta.json). Raises ``CheckpointError`` naming the file."""
     from trainforge.storage import checkpoint_format as ckpt
     from trainforge.storage.checkpoint_dirs import resolve_checkpoint
 
     ck = resolve_checkpoint(path)
-    meta = ckpt.read_meta(ck)
+    meta = ckpt.read_meta(ck, verify=verify)
     try:
         cfg = ModelConfig(**meta["model_config"])
     except TypeError as e:
@@ -205,11 +209,11 @@ def trainforge_model_config(path: Path) -> tuple[Path, dict[str, Any], ModelConf
 
 
 def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
-                     mapped: bool = False) -> LoadedModel:
+                     mapped: bool = False, verify: bool = True) -> LoadedModel:
     from trainforge.data.tokenizer import eos_id, load_tokenizer
     from trainforge.storage import checkpoint_format as ckpt
 
-    ck, meta, cfg = trainforge_model_config(path)
+    ck, meta, cfg = trainforge_model_config(path, verify=verify)
     if not mapped:
         _preflight(cfg, device, dtype, kv_slots, meta.get("quantization"), "model_config.max_seq_len", str(ck))
     weights = ck / ckpt.MODEL_FILE
