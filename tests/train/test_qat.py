@@ -156,7 +156,7 @@ def test_config_errors_name_the_key(small_data):
                        (["--qat.scheme", "int4", "--qat.group_size", "33"], "qat.group_size"),
                        (["--qat.scheme", "int4", "--qat.start_step", "-1"], "qat.start_step"),
                        (["--qat.scheme", "int8", "--qat.start_step", "300"], "qat.start_step"),  # = training.steps
-                       (["--qat.scheme", "int8", "--qat.activations", "int8"], "qat.activations")]:
+                       (["--qat.scheme", "int4", "--qat.activations", "int8"], "qat.activations")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             debug_config(small_data, *extra)
     debug_config(small_data, "--qat.scheme", "int4", "--qat.start_step", "299")  # the last step alone: fine
@@ -177,7 +177,8 @@ def test_int4_layers_the_group_does_not_divide_are_listed_and_stay_float():
 
     model = build_model(FLAVORS["debug"], seed=0)
     warnings: list[str] = []
-    comp = QATComponent(SimpleNamespace(scheme="int4", group_size=32, start_step=5), [model], log=warnings.append)
+    qcfg = SimpleNamespace(scheme="int4", group_size=32, start_step=5, activations="none")
+    comp = QATComponent(qcfg, [model], log=warnings.append)
     assert not comp.active and not qat_active(model)  # start_step 5: off at step 0
     assert len(warnings) == 1 and "layers.0.feed_forward.w2: in_features 176" in warnings[0]
     comp._sync(5)
@@ -198,3 +199,30 @@ def test_resolve_quantize_prefers_the_recorded_grid():
     with pytest.raises(ValueError, match="--quantize int4 --group_size 32"):
         resolve_quantize("int4", 128, rec)
     assert resolve_quantize("int8", None, {"mode": "int8", "start_step": 0, "qat_steps": 3}) == ("int8", 128, None)
+
+
+def test_int8_activation_fake_quant_is_the_served_int8_kernel():
+    """W8A8 QAT: the training forward (weights on the int8 grid, inputs quantised as fbgemm's
+    dynamic linear does) equals the served Int8Linear on its default CPU kernel; without the
+    activation part it would not (the check can fail); the gradient reaches the weight."""
+    from trainforge.train.qat import fake_quantize_activations
+
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 64, bias=False)
+    x = torch.randn(5, 128) * 3
+    served = Int8Linear.quantize(lin.weight.detach(), kernel="fbgemm")
+    served.pack("fbgemm")
+    assert served.kernel_name == "fbgemm"
+    apply_qat(lin, "int8", activations="int8")
+    y = lin(x)
+    want = served(x)
+    assert (y - want).abs().max() < 1e-4 * want.abs().max()
+    remove_qat(lin)
+    apply_qat(lin, "int8")
+    assert (lin(x) - want).abs().max() > 100 * (y - want).abs().max()  # weights-only differs: the check bites
+    remove_qat(lin)
+    apply_qat(lin, "int8", activations="int8")
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    xq = fake_quantize_activations(x)
+    assert xq.unique().numel() <= 128  # 7 bits

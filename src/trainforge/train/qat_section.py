@@ -26,7 +26,8 @@ class QATSection:
     start_step: int = _f(0, "fake quantisation is on from this step on (0 = the whole run): QAT over the last "
                             "part of a run, or a fine-tune resumed from a float checkpoint")
     activations: Literal["none", "int8"] = _f(
-        "none", "activation fake quantisation; none = weights only (int8 is refused for now: see train/qat.py)")
+        "none", "with scheme = int8: also fake-quantise each linear's input as the CPU int8 kernel (fbgemm's "
+                "dynamic linear) quantises it when serving: per tensor, 7-bit, asymmetric (W8A8); none = weights only")
 
     @property
     def enabled(self) -> bool:
@@ -39,7 +40,7 @@ class QATSection:
                      "an even integer >= 2 (32, 64, 128 or 256 for the CPU int4 kernel)")
         _require(self.start_step >= 0, "qat.start_step", self.start_step,
                  "an integer >= 0 (the first step trained with fake-quantised weights; 0 = from the start)")
-        _require(self.activations == "none", "qat.activations", self.activations,
-                 "none: int8 activation fake quantisation is not implemented (the CPU int8 kernel, fbgemm, "
-                 "quantises activations per tensor to 7 bits with its own rounding, which a simulation would "
-                 "have to match bit for bit); use activations = none (weight-only QAT)")
+        _require(self.activations in ("none", "int8"), "qat.activations", self.activations, "none or int8")
+        _require(self.activations == "none" or self.scheme == "int8", "qat.activations", self.activations,
+                 "none with scheme int4 (the int4 kernels keep activations in bf16; int8 activations go with "
+                 "scheme = int8, the W8A8 kernel)")

@@ -38,6 +38,8 @@ def qat_scheme_of(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     try:
         mode, start, step = str(qat["scheme"]), int(qat.get("start_step", 0)), int(meta["step"])
         out: dict[str, Any] = {"mode": mode, "start_step": start, "qat_steps": step - start}
+        if qat.get("activations", "none") != "none":
+            out["activations"] = str(qat["activations"])
         if mode == "int4":
             out["group_size"] = int(qat["group_size"])
     except (KeyError, TypeError, ValueError) as e:
