@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import save_file
 
 from trainforge.errors import CheckpointError
 from trainforge.model import hf, hf_deepseek, hf_moe
@@ -29,6 +28,8 @@ from trainforge.storage.atomic import atomic_directory
 from trainforge.storage.safetensors_stream import Entry, write_sharded
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 
 
 def hf_layout(cfg: ModelConfig):
@@ -39,10 +40,10 @@ def hf_layout(cfg: ModelConfig):
 
 def save_hf_dir(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: ModelConfig,
                 tokenizer_path: Path | None = None, eos_ids: tuple[int, ...] = ()) -> Path:
-    """Write ``state_dict`` (our ``Transformer``'s, float) as a Hugging Face directory at
-    ``out_dir`` (refuses an existing path). A tensor stored under two names (tied embeddings,
-    the MTP layer's copies of the embedding and head) is written once per name, each its own copy,
-    as safetensors refuses aliases; ``from_pretrained`` re-ties them."""
+    """Write ``state_dict`` (our ``Transformer``'s, float, each tensor in its own dtype) as a
+    Hugging Face directory at ``out_dir`` (refuses an existing path): ``export``'s files, from
+    a model in memory. A tensor stored under two names (tied embeddings, the MTP layer's copies
+    of the embedding and head) is written once per name; ``from_pretrained`` re-ties them."""
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists; choose a new directory")
@@ -52,25 +53,33 @@ def save_hf_dir(out_dir: str | Path, state_dict: dict[str, torch.Tensor], cfg: M
         tensors.pop("lm_head.weight", None)
     dtypes = {v.dtype for v in tensors.values() if v.is_floating_point()} - {torch.float32}
     config = layout.to_hf_config_dict(cfg, dtype=_DTYPES.get(next(iter(dtypes)), "float32") if dtypes else "float32")
-    if eos_ids:
-        config["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]
-    seen: set[int] = set()
-    files: dict[str, torch.Tensor] = {}
-    for k, v in tensors.items():
-        # Views into one storage (stacked experts, the MTP copies) must become separate tensors.
-        ptr, whole = v.untyped_storage().data_ptr(), v.untyped_storage().nbytes() == v.numel() * v.element_size()
-        files[k] = v.contiguous().clone() if ptr in seen or not (whole and v.is_contiguous()) else v
-        seen.add(ptr)
-    with atomic_directory(out_dir) as tmp:
-        save_file(files, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
+    entries = [Entry(k, tuple(v.shape), v.dtype, lambda v=v: v) for k, v in tensors.items()]
+    _write_dir(out_dir, entries, config, eos_ids, tokenizer_path, cfg.max_seq_len)
     return out_dir
 
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-MAX_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
+def _write_dir(out_dir: Path, entries: list[Entry], config: dict, eos_ids: tuple[int, ...], tok_file: Path | None,
+               max_len: int, replace: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
+               before_commit: Callable[[], None] | None = None) -> list[Path]:
+    """The directory's files, written atomically: the weights (``write_sharded``), then
+    ``before_commit()`` (raising removes everything), ``config.json`` (``eos_token_id`` set),
+    ``generation_config.json`` and the tokenizer files. Returns the weight files."""
+    if eos_ids:
+        config["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]
+    generation = {"_from_model_config": True}
+    if eos_ids:
+        generation["eos_token_id"] = config["eos_token_id"]
+    with atomic_directory(out_dir, replace=replace) as tmp:
+        files = write_sharded(tmp, entries, max_shard_bytes, metadata={"format": "pt"})
+        if before_commit is not None:
+            before_commit()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        if tok_file is not None and tok_file.is_file():
+            _tokenizer_files(tmp, tok_file, eos_ids, max_len)
+    return [out_dir / f.name for f in files]
+
+
 # Kept float (and fp32) by the dtype cast: the selection bias of DeepSeek-V3's router is an
 # fp32 tensor in the released checkpoints, and top-k over near-tied scores flips in bf16.
 _KEEP_FP32 = ("e_score_correction_bias",)
@@ -230,7 +239,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
         for stacked, keys in emap.items():
             quantized.update({k[: -len(".weight")]: expert(hf_sd[k]) for k in keys})
             layer_names.append(stacked)
-        for key in list(hf_sd):
+        for key in hf_sd:
             module = key.rsplit(".", 1)[0]
             if hf_sd[key].dim() == 2 and key.endswith(".weight") and module not in quantized \
                     and "embed_tokens" not in key:
@@ -267,27 +276,14 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
         to = t.dtype if not t.is_floating_point() or key.endswith(_KEEP_FP32) else target
         entries.append(Entry(key, tuple(t.shape), to, produce_float(t, to)))
 
-    store_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[target]
-    config = layout.to_hf_config_dict(cfg, dtype=store_dtype)
-    eos_ids = loaded.eos_ids
-    if eos_ids:
-        config["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else eos_ids[0]
+    config = layout.to_hf_config_dict(cfg, dtype=_DTYPES[target])
     if quantize:
         config["quantization_config"] = ct.quantization_config(quantize, group_size, sorted(set(ignored)))
-    generation = {"_from_model_config": True}
-    if eos_ids:
-        generation["eos_token_id"] = config["eos_token_id"]
-    tok = loaded.path / "tokenizer.json"
-    with atomic_directory(out_dir, replace=force) as tmp:
-        files = write_sharded(tmp, entries, max_shard_bytes, metadata={"format": "pt"})
-        if check is not None:
-            check.result()  # raises CorruptCheckpointError: the temporary directory is removed
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        if tok.is_file():
-            _tokenizer_files(tmp, tok, eos_ids, cfg.max_seq_len)
-    return ExportResult(out_dir, [out_dir / f.name for f in files], len(entries), sum(e.nbytes for e in entries),
-                        sorted(layer_names), sorted(set(ignored)))
+    files = _write_dir(out_dir, entries, config, loaded.eos_ids, loaded.path / "tokenizer.json", cfg.max_seq_len,
+                       replace=force, max_shard_bytes=max_shard_bytes,
+                       before_commit=check.result if check is not None else None)  # CorruptCheckpointError
+    return ExportResult(out_dir, files, len(entries), sum(e.nbytes for e in entries), sorted(layer_names),
+                        sorted(set(ignored)))
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
