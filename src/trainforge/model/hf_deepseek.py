@@ -233,16 +233,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_inter
     table, experts = _key_table(cfg), _expert_table(cfg)
     n = cfg.n_layers
     copies = {f"model.layers.{n + d}.{h}": o for d in range(cfg.mtp_depth) for o, h in _MTP_SHARED}
-    expected = {h for _, h in table} | {h for _, hs in experts for h in hs}
-    missing = sorted(expected - sd.keys())
-    if cfg.tie_embeddings and "lm_head.weight" in missing:
-        missing.remove("lm_head.weight")
-    unexpected = sorted(sd.keys() - expected - copies.keys())
-    if missing or unexpected:
-        raise CheckpointError(
-            f"Hugging Face state dict does not match config.json (num_hidden_layers={n}, first_k_dense_replace="
-            f"{cfg.n_dense_layers}, num_nextn_predict_layers={cfg.mtp_depth}, q_lora_rank="
-            f"{cfg.q_lora_rank or None}): missing keys {_listing(missing)}, unexpected keys {_listing(unexpected)}")
+    check_hf_keys(sd, {h for _, h in table} | {h for _, hs in experts for h in hs}, copies.keys(), cfg,
+                  f"q_lora_rank={cfg.q_lora_rank or None}")
     index = deinterleave(cfg.qk_rope_head_dim) if rope_interleave else None
     out = stack_experts_and_tie({o: _rope_permute(cfg, o, sd[h], index) for o, h in table if h in sd}, sd, experts,
                                 cfg)
@@ -282,6 +274,23 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_interle
     index = torch.argsort(deinterleave(cfg.qk_rope_head_dim)) if rope_interleave else None
     out = {h: _rope_permute(cfg, o, sd[o], index) for o, h in table if o in sd}
     return add_experts_and_copies(out, sd, experts, cfg)
+
+
+def check_hf_keys(sd: dict[str, torch.Tensor], expected: set[str], extra: Any, cfg: ModelConfig,
+                  describe: str = "") -> None:
+    """``CheckpointError`` naming the keys of the HF state dict ``sd`` missing from ``expected``
+    or beyond it and ``extra`` (keys allowed but not required); a tied ``lm_head`` may be
+    absent. ``describe``: more config.json values for the message. Shared with ``hf_moe``."""
+    missing = sorted(expected - sd.keys())
+    if cfg.tie_embeddings and "lm_head.weight" in missing:
+        missing.remove("lm_head.weight")
+    unexpected = sorted(sd.keys() - expected - set(extra))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"Hugging Face state dict does not match config.json (num_hidden_layers={cfg.n_layers}, "
+            f"first_k_dense_replace={cfg.n_dense_layers}, num_nextn_predict_layers={cfg.mtp_depth}"
+            f"{', ' + describe if describe else ''}): missing keys {_listing(missing)}, unexpected keys "
+            f"{_listing(unexpected)}")
 
 
 def check_our_keys(sd: dict[str, torch.Tensor], expected: set[str], cfg: ModelConfig) -> None:

@@ -39,7 +39,7 @@ from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
 # The DeepSeek-V3 layout's MoE and MTP names are glm4_moe's too; its checks are shared.
 from trainforge.model.hf_deepseek import (_DENSE, _EXPERTS, _MOE, _MTP, _MTP_SHARED, _NORMS, _check_shapes,
-                                          _listing, _num, _same, add_experts_and_copies, check_our_keys,
+                                          _num, _same, add_experts_and_copies, check_hf_keys, check_our_keys,
                                           compressed_tensors, stack_experts_and_tie, unfuse_experts)
 from trainforge.model.hf import _rope_theta
 
@@ -147,16 +147,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     table, experts, empty = _key_table(cfg, fam), _expert_table(cfg, fam), _empty_shared(cfg)
     n = cfg.n_layers
     copies = {f"model.layers.{n + d}.{h}": o for d in range(cfg.mtp_depth) for o, h in _MTP_SHARED}
-    expected = {h for _, h in table} | {h for _, hs in experts for h in hs}
-    missing = sorted(expected - sd.keys())
-    if cfg.tie_embeddings and "lm_head.weight" in missing:
-        missing.remove("lm_head.weight")
-    unexpected = sorted(sd.keys() - expected - copies.keys() - empty.keys())
-    if missing or unexpected:
-        raise CheckpointError(
-            f"Hugging Face state dict does not match config.json (num_hidden_layers={n}, first_k_dense_replace="
-            f"{cfg.n_dense_layers}, num_nextn_predict_layers={cfg.mtp_depth}): missing keys {_listing(missing)}, "
-            f"unexpected keys {_listing(unexpected)}")
+    check_hf_keys(sd, {h for _, h in table} | {h for _, hs in experts for h in hs}, copies.keys() | empty.keys(),
+                  cfg)
     nonempty = [k for k, shape in empty.items() if k in sd and tuple(sd[k].shape) != shape]
     if nonempty:
         raise CheckpointError(f"Hugging Face state dict: {nonempty[0]} has shape {tuple(sd[nonempty[0]].shape)}, "
