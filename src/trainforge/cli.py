@@ -235,19 +235,29 @@ def _load_drafter(a, spec, target):
     return DraftModelDrafter(draft.model)
 
 
-def _load_for_engine(a, kv_slots=None):
-    from trainforge.infer.loading import load_model
-    from trainforge.infer.quantize import quantize_model
+def _trained_grid(checkpoint: str, requested: str, group_size: int | None, what: str = "--quantize"):
+    """(mode, group_size, the QAT scheme recorded in ``checkpoint`` or None) for a quantisation
+    request (``qat_meta.resolve_quantize``): a QAT checkpoint's grid wins, another grid is
+    refused naming the fix, ``none`` on one is warned about."""
     from trainforge.infer.quantize.qat_meta import qat_scheme_of, resolve_quantize
     from trainforge.log import get_logger
 
-    # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
+    recorded = qat_scheme_of(checkpoint)
     try:
-        mode, group_size, note = resolve_quantize(a.quantize, a.group_size, qat_scheme_of(a.checkpoint))
+        mode, group_size, note = resolve_quantize(requested, group_size, recorded, what)
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
     if note:
         get_logger().warning(note)
+    return mode, group_size, recorded
+
+
+def _load_for_engine(a, kv_slots=None):
+    from trainforge.infer.loading import load_model
+    from trainforge.infer.quantize import quantize_model
+
+    # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
+    mode, group_size, _ = _trained_grid(a.checkpoint, a.quantize, a.group_size)
     # kv_slots(cfg): the engine's KV pool in token slots, for the preflight before any weight is read.
     loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots)
     if mode != "none":
@@ -350,12 +360,7 @@ def _quantize(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if Path(a.output).exists():
         raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
-    from trainforge.infer.quantize.qat_meta import qat_scheme_of, resolve_quantize
-
-    try:  # a QAT checkpoint: only the grid it was trained for
-        a.mode, a.group_size, _ = resolve_quantize(a.mode, a.group_size, qat_scheme_of(a.checkpoint), "--mode")
-    except ValueError as e:
-        raise TrainforgeError(str(e)) from None
+    a.mode, a.group_size, _ = _trained_grid(a.checkpoint, a.mode, a.group_size, "--mode")  # a QAT run: its grid
     loaded = load_model(a.checkpoint)
     if loaded.quantization:
         raise TrainforgeError(f"{a.checkpoint} is already quantised ({loaded.quantization['mode']})")
@@ -379,8 +384,6 @@ def _quantize(argv: list[str]) -> int:
 
 def _export(argv: list[str]) -> int:
     from trainforge.infer.hf_export import DTYPES, export
-    from trainforge.infer.quantize.qat_meta import qat_scheme_of, resolve_quantize
-    from trainforge.log import get_logger
 
     p = argparse.ArgumentParser(prog="trainforge export",
                                 description="Write a checkpoint as a Hugging Face directory that transformers, vLLM "
@@ -405,14 +408,8 @@ def _export(argv: list[str]) -> int:
     if a.max_shard_gb <= 0:
         raise TrainforgeError(f"--max_shard_gb {a.max_shard_gb}: must be > 0")
     # A QAT run exports on the grid it was trained for (its dequantised weights are then the
-    # fake-quantised training weights, bit for bit); another grid is refused, none warns.
-    try:
-        recorded = qat_scheme_of(a.checkpoint)
-        mode, group_size, note = resolve_quantize(a.quantize or "auto", a.group_size, recorded)
-    except ValueError as e:
-        raise TrainforgeError(str(e)) from None
-    if note:
-        get_logger().warning(note)
+    # fake-quantised training weights, bit for bit).
+    mode, group_size, recorded = _trained_grid(a.checkpoint, a.quantize or "auto", a.group_size)
     t0 = time.perf_counter()
     r = export(a.checkpoint, a.output, dtype=a.dtype, quantize=mode, group_size=group_size, force=a.force,
                max_shard_bytes=int(a.max_shard_gb * 2**30), skip_indivisible=recorded is not None)

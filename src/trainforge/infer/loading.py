@@ -28,13 +28,15 @@ from safetensors.torch import load_file
 
 from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
+from trainforge.model import hf as hf_llama
 from trainforge.model import hf_deepseek, hf_moe
-from trainforge.model.hf import from_hf_state_dict, model_config_from_hf
+from trainforge.model.hf import model_config_from_hf
 from trainforge.model.llama import Transformer
 from trainforge.model.rope import model_rope_tables
 from trainforge.model.moe import routers
 from trainforge.model.preflight import check_inference
 from trainforge.safe_unpickle import error_detail
+from trainforge.storage.checkpoint_dirs import is_hf_dir
 from trainforge.storage.safetensors_stream import map_safetensors
 
 # The KV pool a caller will allocate, in token slots, given the model's config.
@@ -149,7 +151,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None,
                mapped: bool = False, verify: bool = True) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
-    directory (newest checkpoint), or a Hugging Face Llama or DeepSeek-V3 directory. ``dtype`` is the float
+    directory (newest checkpoint), or a Hugging Face directory (Llama, DeepSeek-V3, Glm4Moe, Mixtral;
+    float or compressed-tensors int8/int4). ``dtype`` is the float
     dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file.
 
     Before any weight is read, the shape is validated and the memory of the weights, the
@@ -169,11 +172,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     if is_hf_dir(path):
         return _load_hf(path, device, dtype, kv_slots, mapped)
     return _load_trainforge(path, device, dtype, kv_slots, mapped, verify)
-
-
-def is_hf_dir(path: Path) -> bool:
-    """Whether ``load_model`` reads ``path`` as a Hugging Face directory (else as trainforge's)."""
-    return (path / "config.json").is_file() and not (path / "meta.json").is_file()
 
 
 def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
@@ -252,10 +250,9 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
     placeholder ``P.weight`` of the right shape for every quantised module so the family's
     renaming applies unchanged; the quantization info ``swap_quantized_linears`` takes; each
     quantised layer's stored form under our names, rows back in our order)."""
+    from trainforge.infer.quantize import QuantExperts
     from trainforge.infer.quantize import compressed_tensors_format as ct
-    from trainforge.model import hf as hf_llama
 
-    layout = layout or hf_llama
     mode, group_size = ct.read_quantization_config(hf_config["quantization_config"], f"{where}")
     inverse = {theirs: ours for ours, theirs in layout.key_map(cfg).items()}
     expert_keys = layout.expert_key_map(cfg) if cfg.is_moe and hasattr(layout, "expert_key_map") else {}
@@ -294,8 +291,7 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
                                   "are quantised; trainforge reads all of a layer's experts quantised, or none")
         module, proj = stacked.rsplit(".", 1)
         for s in per[0]:
-            buf = s if s == "weight" else f"{proj}_{s}"  # QuantExperts' buffer names
-            stored[f"{module}.{proj if s == 'weight' else buf}"] = torch.stack([per[e][s] for e in range(len(per))])
+            stored[f"{module}.{QuantExperts.buffer_name(proj, s)}"] = torch.stack([per[e][s] for e in range(len(per))])
         modules.setdefault(module, set()).add(proj)
     partial = [m for m, projs in modules.items() if projs != {"w1", "w2", "w3"}]
     if partial:
@@ -312,7 +308,7 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
 
 def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]]:
     """(config.json dict, its ModelConfig, the *.safetensors files) of a Hugging Face directory
-    (Llama, or DeepSeek-V3 by ``model_type``); only tensor names are read. Raises
+    (Llama, DeepSeek-V3, Glm4Moe or Mixtral by ``model_type``); only tensor names are read. Raises
     ``CheckpointError`` naming the file or config.json key."""
     config_file = path / "config.json"
     try:
@@ -356,17 +352,15 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
                               "loaded; convert them with transformers' save_pretrained(safe_serialization=True))"
                               if found else ""))
     sd, _ = _read_safetensors(files, device, mapped)
+    layout = hf_deepseek if deepseek else hf_moe if moe else hf_llama
     quantization, stored = None, {}
     if hf_config.get("quantization_config") is not None:
-        layout = hf_deepseek if deepseek else hf_moe if moe else None
         sd, quantization, stored = _split_compressed(sd, cfg, hf_config, layout, str(config_file))
     try:
         if deepseek:
             sd = hf_deepseek.from_hf_state_dict(sd, cfg, rope_interleave=bool(hf_config.get("rope_interleave", True)))
-        elif moe:
-            sd = hf_moe.from_hf_state_dict(sd, cfg)
         else:
-            sd = from_hf_state_dict(sd, cfg)
+            sd = layout.from_hf_state_dict(sd, cfg)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     sd.update(stored)  # the quantised layers' stored form replaces their placeholders

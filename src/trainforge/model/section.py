@@ -18,12 +18,13 @@ class ModelSection:
                                         "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b. With model.init_from, "
                                         "left at tiny the shape is the directory's; another flavor must match it")
     init_from: str | None = _f(None, "start from these weights (fine-tuning): a Hugging Face directory (config.json "
-                                     "+ *.safetensors; Llama or DeepSeek-V3) or a trainforge checkpoint or run "
-                                     "directory (its newest checkpoint). Only the weights are taken: the optimizer, "
-                                     "step and LR schedule start fresh (--resume continues a run instead). The shape "
-                                     "comes from the directory (model.* shape keys and a non-default flavor must "
-                                     "match it) and so does the tokenizer: data.path must be tokenised with its "
-                                     "tokenizer.json; unset, the built-in corpus is prepared with it")
+                                     "+ *.safetensors; Llama, DeepSeek-V3, Glm4Moe or Mixtral) or a trainforge "
+                                     "checkpoint or run directory (its newest checkpoint). Only the weights are "
+                                     "taken: the optimizer, step and LR schedule start fresh (--resume continues a "
+                                     "run instead). The shape comes from the directory (model.* shape keys and a "
+                                     "non-default flavor must match it) and so does the tokenizer: data.path must be "
+                                     "tokenised with its tokenizer.json; unset, the built-in corpus is prepared with "
+                                     "it")
     dim: int | None = _f(None, "override the flavor's hidden size")
     n_layers: int | None = _f(None, "override the flavor's number of transformer blocks")
     n_heads: int | None = _f(None, "override the flavor's number of query heads")

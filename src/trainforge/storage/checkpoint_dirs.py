@@ -111,6 +111,12 @@ def steps_text(ckpts: list[Path]) -> str:
     return ", ".join(str(checkpoint_step(d)) for d in ckpts) or "none"
 
 
+def is_hf_dir(path: Path) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (``config.json``, no ``meta.json``)
+    rather than a trainforge checkpoint: how ``load_model`` and the QAT grid lookup tell them apart."""
+    return (path / "config.json").is_file() and not (path / META).is_file()
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint directory, a ``checkpoints/`` directory or a run directory;
     return the newest complete checkpoint directory (incomplete ones are skipped with a

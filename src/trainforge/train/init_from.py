@@ -1,9 +1,9 @@
 """``model.init_from``: start a run from published or earlier weights (fine-tuning).
 
 The directory is a Hugging Face one (``config.json`` + ``*.safetensors``, sharded or not;
-Llama or DeepSeek-V3, as ``infer/loading.py`` reads them) or a trainforge checkpoint or
-run directory (its newest checkpoint). It decides three things, in the order the trainer
-needs them, each before any collective and before anything is written to the run directory:
+Llama, DeepSeek-V3, Glm4Moe or Mixtral, as ``infer/loading.py`` reads them) or a trainforge
+checkpoint or run directory (its newest checkpoint). It decides three things, in the order the
+trainer needs them, each before any collective and before anything is written to the run directory:
 
 1. ``open_init_source``: the model shape and the tokenizer (config.json / meta.json only).
 2. ``check_tokenizer``: the training data was tokenised with that tokenizer.
@@ -49,7 +49,8 @@ class InitSource:
 def open_init_source(path: str | Path) -> InitSource:
     """Shape and tokenizer of ``path``; no weight is read. Raises ``CheckpointError`` naming
     the file (unsupported family, unreadable config.json or meta.json)."""
-    from trainforge.infer.loading import hf_model_config, is_hf_dir, trainforge_model_config
+    from trainforge.infer.loading import hf_model_config, trainforge_model_config
+    from trainforge.storage.checkpoint_dirs import is_hf_dir
 
     path = Path(path)
     if not path.is_dir():
@@ -67,8 +68,8 @@ def open_init_source(path: str | Path) -> InitSource:
             kind = "trainforge"
     except CheckpointError as e:
         raise CheckpointError(f"model.init_from: {e}; it must be a Hugging Face directory "
-                              "(config.json + *.safetensors) of a Llama or DeepSeek-V3 model, or a trainforge "
-                              "checkpoint or run directory") from None
+                              "(config.json + *.safetensors) of a Llama, DeepSeek-V3, Glm4Moe or Mixtral model, "
+                              "or a trainforge checkpoint or run directory") from None
     tok = weights / "tokenizer.json"
     return InitSource(path, weights, kind, cfg, tok if tok.is_file() else None, keys)
 

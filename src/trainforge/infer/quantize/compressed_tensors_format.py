@@ -163,8 +163,7 @@ def from_ct(mode: str, t: dict[str, torch.Tensor], where: str) -> dict[str, torc
             "zeros": zeros.to(torch.int8)}
 
 
-def ct_prefixes(keys: list[str]) -> dict[str, str]:
-    """HF module prefix -> mode, for every quantised module among ``keys`` (a ``weight_scale``
-    beside a ``weight_packed``: int4; beside an int8 ``weight``: int8, decided by the caller)."""
-    return {k[: -len(".weight_scale")]: ("int4" if f"{k[: -len('.weight_scale')]}.weight_packed" in keys else "int8")
-            for k in keys if k.endswith(".weight_scale")}
+def ct_prefixes(keys: list[str]) -> list[str]:
+    """The HF module prefixes of the quantised modules among ``keys`` (those with a
+    ``weight_scale``; the scheme is ``quantization_config``'s)."""
+    return [k[: -len(".weight_scale")] for k in keys if k.endswith(".weight_scale")]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.errors import CheckpointError
-from trainforge.storage.checkpoint_dirs import resolve_checkpoint
+from trainforge.storage.checkpoint_dirs import is_hf_dir, resolve_checkpoint
 from trainforge.storage.checkpoint_format import META, read_meta
 
 DEFAULT_GROUP_SIZE = 128  # quantize's and --quantize's default
@@ -26,8 +26,8 @@ def qat_scheme_of(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     saw the grid), a quantised checkpoint, or a Hugging Face directory. ``checkpoint_dir``:
     a checkpoint, ``checkpoints/`` or run directory (the newest checkpoint, as ``load_model``)."""
     path = Path(checkpoint_dir)
-    if (path / "config.json").is_file() and not (path / META).is_file():
-        return None  # a Hugging Face directory
+    if is_hf_dir(path):
+        return None
     ck = resolve_checkpoint(path)
     meta = read_meta(ck, verify=False)  # loading verifies the files; only the config is read here
     if meta.get("quantization"):
