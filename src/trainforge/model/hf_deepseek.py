@@ -267,7 +267,8 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_interle
     weights (views into our stacked tensors), rotary rows permuted back to the interleaved layout,
     and per MTP depth the released layer ``model.layers.{n_layers + d}`` with ``embed_tokens`` and
     ``shared_head.head`` as the main model's tensors (the same objects). Tensors that share memory
-    must be cloned before ``safetensors.torch.save_file`` (``save_hf_dir`` does). Raises
+    must be cloned for ``safetensors.torch.save_file``; trainforge writes each name's bytes itself
+    (``storage/safetensors_stream.py``). Raises
     ``CheckpointError`` naming missing or unexpected keys."""
     table, experts = _key_table(cfg), _expert_table(cfg)
     check_our_keys(sd, {o for o, _ in table} | {o for o, _ in experts}, cfg)

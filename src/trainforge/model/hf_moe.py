@@ -170,7 +170,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
     """Our ``Transformer`` state dict -> the files' layout of ``Glm4MoeForCausalLM`` (sigmoid
     routing) or ``MixtralForCausalLM`` (softmax): per-expert weights (views into our stacked
     tensors), MTP depth d as ``model.layers.{n_layers + d}`` with the main embedding and head as
-    its copies (the same objects; ``save_hf_dir`` clones shared tensors). Raises
+    its copies (the same objects; the streaming writer writes each name's bytes). Raises
     ``CheckpointError`` naming missing or unexpected keys, a config neither class expresses
     (``family``), or a softmax router with a nonzero selection bias (Mixtral has none)."""
     fam = family(cfg)
