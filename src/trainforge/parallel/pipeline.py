@@ -63,28 +63,26 @@ import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 
 from trainforge.errors import ConfigError
 
+if TYPE_CHECKING:
+    from trainforge.parallel.pipeline_stage import TimedStage
+
+# Schedule name -> torch.distributed.pipelining class name. By name: importing pipelining
+# imports torch._dynamo (~1 s per process), which runs without a pipeline never need.
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 V_SCHEDULES = frozenset({"zbv", "dualpipev"})
 MULTI_STAGE_SCHEDULES = frozenset({"interleaved-1f1b"}) | V_SCHEDULES
@@ -281,58 +279,6 @@ class _Timer:
         return dict(self.cpu_seconds)
 
 
-class _TimedStage(PipelineStage):
-    """A PipelineStage whose compute calls are timed under its stage index.
-
-    ``call_kwargs``: keyword arguments of every call of the stage's module (the last
-    stage of an MTP model: ``return_hidden=True``); torch 2.13 calls it in
-    ``forward_maybe_with_nosync`` and, for shape inference, ``_compute_outputs``.
-    ``probe_loss``: the loss the one-off shape inference runs on the last stage's
-    placeholder outputs instead of the schedule's (which may record metrics)."""
-
-    def __init__(self, *args, timer: _Timer, call_kwargs: dict | None = None,
-                 probe_loss: Callable | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._timer = timer
-        self.call_kwargs = dict(call_kwargs or {})
-        self._probe_loss = probe_loss
-
-    def forward_maybe_with_nosync(self, *args, **kwargs):
-        return super().forward_maybe_with_nosync(*args, **self.call_kwargs, **kwargs)
-
-    def _compute_outputs(self, *args, module: nn.Module, **kwargs):
-        return super()._compute_outputs(*args, module=module, **self.call_kwargs, **kwargs)
-
-    def _backward_metadata_inference(self, *args, loss_fn: Callable | None = None, **kwargs):
-        """Shape inference of the gradients: only their shapes are learnt, so a loss
-        without side effects (``probe_loss``) serves as well as the real one."""
-        if loss_fn is not None and self._probe_loss is not None:
-            loss_fn = self._probe_loss
-        return super()._backward_metadata_inference(*args, loss_fn=loss_fn, **kwargs)
-
-    def forward_one_chunk(self, *args, **kwargs):
-        return self._timer.run(self.stage_index, super().forward_one_chunk, *args, **kwargs)
-
-    def backward_one_chunk(self, *args, **kwargs):
-        return self._timer.run(self.stage_index, super().backward_one_chunk, *args, **kwargs)
-
-    def backward_weight_one_chunk(self, *args, **kwargs):
-        return self._timer.run(self.stage_index, super().backward_weight_one_chunk, *args, **kwargs)
-
-    def _forward_metadata_inference(self, *args, **kwargs):
-        """torch runs the stage's forward once more on the first step, on placeholder
-        tensors, to learn its output shapes; what that forward writes into buffers (a MoE
-        router's token counts) is put back, so the step counts only its real micro-batches."""
-        saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
-        try:
-            return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            with torch.no_grad():
-                for b, value in saved:
-                    if not torch.equal(b, value):  # untouched ones keep their version: backward may need them
-                        b.copy_(value)
-
-
 @dataclass(frozen=True)
 class PipelineStepStats:
     """One rank's view of its last step. ``stage_compute_s`` maps stage index to the wall
@@ -360,7 +306,7 @@ class Pipeline:
     """Runs one training step through the pipeline schedule. Holds this rank's stage
     modules (give ``pipeline.stage_modules``' parameters to the optimizer)."""
 
-    def __init__(self, schedule, stages: list[_TimedStage], stage_modules: list[nn.Module],
+    def __init__(self, schedule, stages: list[TimedStage], stage_modules: list[nn.Module],
                  timer: _Timer, schedule_name: str, microbatches: int, batch_size: int | None):
         self.schedule = schedule
         self.stages = stages
@@ -450,14 +396,18 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
     device = torch.device(device)
     timer = _Timer(device)
     stage_ids = stage_ids_for_rank(pp_rank, pp_size, schedule, num_stages)
-    stages = [_TimedStage(m, sid, num_stages, device, group=group, timer=timer,
+    import torch.distributed.pipelining as pipelining
+
+    from trainforge.parallel.pipeline_stage import TimedStage
+
+    stages = [TimedStage(m, sid, num_stages, device, group=group, timer=timer,
                           **(_mtp_last_stage() if sid == num_stages - 1 and len(getattr(m, "mtp", ())) else {}))
               for m, sid in zip(stage_modules, stage_ids)]
 
     def timed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return timer.run(num_stages - 1, loss_fn, output, target) / microbatches
 
-    cls = SCHEDULES[schedule]
+    cls = getattr(pipelining, SCHEDULES[schedule])
     sched = cls(stages[0] if v == 1 else stages, microbatches, loss_fn=timed_loss, scale_grads=False)
     return Pipeline(sched, stages, list(stage_modules), timer, schedule, microbatches, batch_size)
 
