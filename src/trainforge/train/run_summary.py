@@ -30,7 +30,9 @@ def layout_text(dims: ParallelDims, device_type: str) -> str:
              }.get(kind, [])
     parts += [f"{name} {n}" for name, n in (("TP", dims.tp), ("PP", dims.pp), ("EP", dims.ep)) if n > 1]
     axes = " x ".join(f"{axis} {getattr(dims, axis)}" for axis in AXES)
-    return f"{', '.join(parts)}: {dims.world_size} ranks ({axes}, {device_type})"
+    # The rank count, unless the one data-parallel part already gives it.
+    ranks = "" if len(parts) == 1 and kind != "none" else f": {dims.world_size} ranks"
+    return f"{', '.join(parts)}{ranks} ({axes}, {device_type})"
 
 
 def batch_text(tcfg: Any, dp: int, tokens_per_step: int) -> str:

@@ -109,7 +109,6 @@ class Trainer:
                                                        self.data.vocab_size, tcfg.seq_len)
         # Before anything is allocated and before the first collective, identically on every rank.
         policy, pp_layout = check_run(cfg, self.model_config, self.dims, self.device, self.log if self.is_main else None)
-        self.policy = policy
         # Read on every rank (a damaged file fails everywhere, before any collective); a resume loads its own.
         init_weights = load_init_weights(init) if init is not None and not candidates else None
         self.mesh = self.dims.build_mesh(self.device.type)  # the first collective
@@ -183,7 +182,7 @@ class Trainer:
         self.components.add(MonitorComponent(self.metrics))  # built last: its probes start with the run
         if self.is_main:
             model_name = f"from {init.path}" if init is not None else cfg.model.flavor
-            data_label = f"{self.data.path}" if cfg.data.path else f"built-in corpus (Python stdlib) at {self.data.path}"
+            data_label = str(self.data.path) if cfg.data.path else f"built-in corpus (Python stdlib), {self.data.path}"
             for line in startup_summary(
                     model_name=model_name, params_text=self.model_config.describe_params(),
                     vocab_size=self.data.vocab_size, dims=self.dims, device_type=self.device.type,
