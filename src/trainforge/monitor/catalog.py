@@ -163,7 +163,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _s("tokens_per_s", "tokens_per_second", "gauge", "tokens/s", "framework",
        "training throughput over the logging window, whole job (wall clock, device synchronised)"),
     _s("mfu", "mfu_ratio", "gauge", "ratio", "framework",
-       "model FLOPs utilisation: achieved FLOP/s / (measured matmul peak x devices)"),
+       "model FLOPs utilisation: achieved FLOP/s / mfu_peak_flops, at most 1 (train/mfu.py)"),
+    _s("mfu_peak_flops", "mfu_peak_flops_per_second", "gauge", "FLOP/s", "framework",
+       "the job's peak MFU is measured against: per device x devices; a published dense figure for known "
+       "CUDA devices, else the best of short matmul probes, raised when a logging window beats it (the "
+       "record's mfu_peak_source says which)"),
     _s("wire_bytes_per_step", "wire_bytes_per_step", "gauge", "bytes", "framework",
        "gradient bytes this rank sent per step on the data-parallel replicate axis (compression hooks; 0 for "
        "a single process)", const_labels=(("axis", "dp_replicate"),),
@@ -324,10 +328,12 @@ CATALOG: tuple[MetricSpec, ...] = (
 MEASURED_KEYS = frozenset({"step_s", "forward_s", "backward_s", "optimizer_s", "data_wait_s", "collective_s",
                            "cpu_util", "cpu_seconds", "host_cpu_util", "rss_bytes", "io_read_bytes", "gpu_util",
                            "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes", "pcie_bytes_per_s", "top_ops",
-                           "monitor_s", "optimizer_skipped_steps"})
+                           "monitor_s", "optimizer_skipped_steps", "mfu_peak_flops", "mfu_peak_source"})
 
 # Record keys that are bookkeeping, not measurements.
-IGNORED_KEYS = frozenset({"checkpoint", "decided_at_step", "predicted_stop_step", "mem_peak_bytes"})
+# mfu_peak_source: a short text ("published: NVIDIA H200 bf16 dense"), not a number.
+IGNORED_KEYS = frozenset({"checkpoint", "decided_at_step", "predicted_stop_step", "mem_peak_bytes",
+                          "mfu_peak_source"})
 
 _EXACT = {s.key: s for s in CATALOG if not s.pattern}
 _PATTERNS = [(re.compile(s.key + "$"), s) for s in CATALOG if s.pattern]

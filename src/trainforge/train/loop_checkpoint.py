@@ -61,9 +61,20 @@ def save(loop: Any) -> Path:
             del state["rng"]  # per rank, under rng/
             path = ckpt.finalize_checkpoint(root, tmp, loop.step, state, *args)
         dist.barrier()
-    loop.metrics.write({"step": loop.step, "checkpoint": str(path),
-                        "checkpoint_save_s": round(time.perf_counter() - t0, 4)})
+    seconds = time.perf_counter() - t0
+    loop.metrics.write({"step": loop.step, "checkpoint": str(path), "checkpoint_save_s": round(seconds, 4)})
+    if loop.is_main:  # written only once the directory is committed (renamed into place): it is there to resume
+        loop.log.info(f"checkpoint step {loop.step} saved: {path} ({_size_text(path)}, {seconds:.2f} s)")
     return path
+
+
+def _size_text(path: Path) -> str:
+    """``12.3 MB``: every file under ``path`` (a few dozen stat calls, even for DCP shards)."""
+    total = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if total >= scale:
+            return f"{total / scale:.1f} {unit}"
+    return f"{total} B"
 
 
 def load(loop: Any, path: Path, rollback: bool = False) -> None:

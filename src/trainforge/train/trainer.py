@@ -31,7 +31,6 @@ from trainforge.model.config import model_config_from_init
 from trainforge.model.preflight import check_writable_dir
 from trainforge.monitor import Monitor
 from trainforge.monitor.jsonl import JsonlSink
-from trainforge.parallel.data_parallel import data_parallel_kind
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
 from trainforge.parallel.tensor_parallel import cross_entropy_loss
@@ -48,6 +47,7 @@ from trainforge.train.metrics import ConsoleReporter, validation_message
 from trainforge.train.mfu import PeakFlops
 from trainforge.train.monitor_component import MonitorComponent
 from trainforge.train.optimizer import build_optimizer
+from trainforge.train.run_summary import startup_summary
 from trainforge.train.stop_signals import StopSignals
 from trainforge.train.step_stats import CommShareProbe, window_resources
 
@@ -145,8 +145,10 @@ class Trainer:
         self.val_set = [val_stream.next() for _ in range(min(tcfg.val_batches, val_stream.batches_per_epoch))]
         self.tokens_per_step = tcfg.batch_size * tcfg.seq_len * tcfg.grad_accum_steps * self.dims.dp
         self.flops_per_token = self.model_config.flops_per_token(tcfg.seq_len)
-        # MFU is per device: achieved FLOP/s of the job over (peak of one device x devices).
-        self.peak_flops = PeakFlops(self.device, self.dims.world_size)
+        # MFU is per device: achieved FLOP/s of the job over (peak of one device x devices), at the
+        # compute dtype's peak (a published figure for known GPUs, else the best of short probes).
+        self.peak_flops = PeakFlops(self.device, self.dims.world_size, dtype=policy.compute_dtype,
+                                    log=self.log.info if self.is_main else None)
         self.comm_probe = CommShareProbe(self.device)
         # Memory per dtype on the next train_step (fit sets it for the last step of each
         # logging window; set it yourself when calling train_step directly).
@@ -178,10 +180,16 @@ class Trainer:
                                self.optimizers, self.device, self.dims, self.dist, step_fn=lambda: self.step,
                                opt_parts=self.opt_parts)
         self.components.add(MonitorComponent(self.metrics))  # built last: its probes start with the run
-        model_name = f"from {init.path}" if init is not None else cfg.model.flavor
-        self.log.info(f"model {model_name}: {self.model_config.describe_params()}, vocab {self.data.vocab_size}; "
-                      f"data {self.data.path} ({self.data.num_tokens('train'):,} train tokens); device {self.device}; "
-                      f"layout {self.dims} ({data_parallel_kind(self.dims)})")
+        if self.is_main:
+            model_name = f"from {init.path}" if init is not None else cfg.model.flavor
+            data_label = str(self.data.path) if cfg.data.path else f"built-in corpus (Python stdlib), {self.data.path}"
+            for line in startup_summary(
+                    model_name=model_name, params_text=self.model_config.describe_params(),
+                    vocab_size=self.data.vocab_size, dims=self.dims, device_type=self.device.type,
+                    precision_preset=cfg.precision.policy, precision_text=policy.describe(), data_label=data_label,
+                    train_tokens=self.data.num_tokens("train"), tcfg=tcfg, tokens_per_step=self.tokens_per_step,
+                    start_step=self.step, peak_text=self.peak_flops.describe()):
+                self.log.info(line)
 
     # -- control -------------------------------------------------------------------
 
@@ -384,7 +392,8 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - window_start
         tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
-        mfu = self.peak_flops.mfu(tps * self.flops_per_token)
+        mfu = self.peak_flops.mfu(tps * self.flops_per_token, step=self.step)  # may raise the peak: record after
+        peak = self.peak_flops.record()  # mfu_peak_flops, mfu_peak_source
         window = Window([p[0] for p in pending], losses, norms,
                         window_resources(self.device, self.dims.world_size, self.comm_probe))
         window.stats.update(self.train_batches.window_stats())  # this rank's data pipeline: I/O wait, cache tiers
@@ -392,7 +401,7 @@ class Trainer:
         self.components.on_log(self, window)
         for i, ((step, step_lr, _, _), loss_v, norm_v) in enumerate(zip(pending, losses, norms)):
             record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
-                      "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **window.stats,
+                      "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **peak, **window.stats,
                       **{k: v[i] for k, v in window.per_step.items()}}
             self.metrics.write(record)
         reporter.step(self.step, record)
