@@ -328,12 +328,14 @@ CATALOG: tuple[MetricSpec, ...] = (
 MEASURED_KEYS = frozenset({"step_s", "forward_s", "backward_s", "optimizer_s", "data_wait_s", "collective_s",
                            "cpu_util", "cpu_seconds", "host_cpu_util", "rss_bytes", "io_read_bytes", "gpu_util",
                            "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes", "pcie_bytes_per_s", "top_ops",
-                           "monitor_s", "optimizer_skipped_steps", "mfu_peak_flops", "mfu_peak_source"})
+                           "monitor_s", "optimizer_skipped_steps", "mfu_peak_flops", "mfu_peak_source",
+                           "time_unix_s"})
 
 # Record keys that are bookkeeping, not measurements.
-# mfu_peak_source: a short text ("published: NVIDIA H200 bf16 dense"), not a number.
+# mfu_peak_source: a short text ("published: NVIDIA H200 bf16 dense"), not a number;
+# time_unix_s: the wall clock of a record (Prometheus stamps its own samples).
 IGNORED_KEYS = frozenset({"checkpoint", "decided_at_step", "predicted_stop_step", "mem_peak_bytes",
-                          "mfu_peak_source"})
+                          "mfu_peak_source", "time_unix_s"})
 
 _EXACT = {s.key: s for s in CATALOG if not s.pattern}
 _PATTERNS = [(re.compile(s.key + "$"), s) for s in CATALOG if s.pattern]

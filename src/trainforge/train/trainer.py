@@ -297,7 +297,7 @@ class Trainer:
         extra, reason = self.components.on_evaluation(self, self.step, val, self.dims.world_size)
         if reason is not None:
             self.request(Stop(reason, StopKind.EARLY_STOP))
-        return {"step": self.step, "val_loss": val, **extra}
+        return {"step": self.step, "time_unix_s": time.time(), "val_loss": val, **extra}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -391,6 +391,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - window_start
+        now = time.time()
         tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
         mfu = self.peak_flops.mfu(tps * self.flops_per_token, step=self.step)  # may raise the peak: record after
         peak = self.peak_flops.record()  # mfu_peak_flops, mfu_peak_source
@@ -400,7 +401,8 @@ class Trainer:
         window.stats.update(self.layout.window_stats())
         self.components.on_log(self, window)
         for i, ((step, step_lr, _, _), loss_v, norm_v) in enumerate(zip(pending, losses, norms)):
-            record = {"step": step, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
+            # time_unix_s: the wall clock at the window's end (the report's --x time axis).
+            record = {"step": step, "time_unix_s": now, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
                       "tokens": step * self.tokens_per_step, "tokens_per_s": tps, "mfu": mfu, **peak, **window.stats,
                       **{k: v[i] for k, v in window.per_step.items()}}
             self.metrics.write(record)
