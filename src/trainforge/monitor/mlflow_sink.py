@@ -1,0 +1,88 @@
+"""``MlflowSink``: the trainer's records and the run's config to MLflow.
+
+Rank 0 only (the monitor builds it where it writes metrics.jsonl). Through an
+``MlflowClient`` bound to ``monitor.mlflow_tracking_uri`` (empty: MLflow's default, the
+``MLFLOW_TRACKING_URI`` environment variable, else ``sqlite:///mlflow.db`` in the working
+directory), not the fluent ``mlflow.log_*`` API, whose active run is process-wide state.
+
+Each record is one ``log_batch`` of metrics at the record's step. The config goes in
+as params (``section.key``); a value longer than MLflow's limit is cut there, so the
+whole ``config.toml`` is logged as an artifact too. A run resumed from a checkpoint
+continues the MLflow run whose id the first attempt stored in ``RUN_DIR/trackers.json``
+(params are immutable in MLflow: the resumed run's config is the new artifact).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from trainforge.log import get_logger
+from trainforge.monitor.section import MonitorSection
+from trainforge.monitor.tracker_run import CONFIG_FILE, record_metrics, run_name, store_id, stored_id
+
+TRACKER = "mlflow"
+MAX_BATCH_METRICS = 1000  # MLflow's log_batch limits
+MAX_BATCH_PARAMS = 100
+
+
+def metric_key(name: str) -> str:
+    """MLflow accepts letters, digits, ``_ - . : /`` and spaces in a metric name."""
+    return re.sub(r"[^\w\-.:/ ]", "_", name)
+
+
+class MlflowSink:
+    def __init__(self, section: MonitorSection, run_dir: Path, params: dict[str, Any], resumed: bool):
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(section.mlflow_tracking_uri or None)
+        previous = stored_id(run_dir, TRACKER) if resumed else None
+        self.run_id = None
+        if previous is not None:
+            try:
+                self.run_id = self.client.get_run(previous).info.run_id
+                self.client.update_run(self.run_id, status="RUNNING")
+            except MlflowException:
+                get_logger().warning(f"MLflow run {previous} (from {run_dir / 'trackers.json'}) is not in "
+                                     f"{self.client.tracking_uri}; the resumed run starts a new one")
+                self.run_id = None
+        if self.run_id is None:
+            exp = self.client.get_experiment_by_name(section.mlflow_experiment)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(section.mlflow_experiment)
+            run = self.client.create_run(exp_id, run_name=run_name(section.run_name, run_dir),
+                                         tags={"trainforge.run_dir": str(run_dir.resolve())})
+            self.run_id = run.info.run_id
+            self._log_params(params)
+        if (run_dir / CONFIG_FILE).is_file():
+            self.client.log_artifact(self.run_id, str(run_dir / CONFIG_FILE))
+        store_id(run_dir, TRACKER, self.run_id)
+        get_logger().info(f"MLflow run {self.run_id} at {self.client.tracking_uri}")
+
+    def _log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        try:
+            from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH as limit
+        except ImportError:
+            limit = 500  # the oldest MLflow's limit
+        items = [Param(k, str(v)[:limit]) for k, v in params.items()]
+        for i in range(0, len(items), MAX_BATCH_PARAMS):
+            self.client.log_batch(self.run_id, params=items[i:i + MAX_BATCH_PARAMS])
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        values = {metric_key(k): v for k, v in record_metrics(record)}
+        items = [Metric(k, v, now_ms, step) for k, v in values.items()]
+        for i in range(0, len(items), MAX_BATCH_METRICS):
+            self.client.log_batch(self.run_id, metrics=items[i:i + MAX_BATCH_METRICS])
+
+    def flush(self) -> None:
+        pass  # every log_batch is written when it returns
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)

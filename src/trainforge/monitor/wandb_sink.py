@@ -1,0 +1,46 @@
+"""``WandbSink``: the trainer's records and the run's config to Weights & Biases.
+
+Rank 0 only (the monitor builds it where it writes metrics.jsonl). Each record is one
+``run.log(metrics, step=record's step)``: the validation record of a step merges into
+the training record's row. ``wandb.init`` runs when the monitor is built, before the
+first step; a run resumed from a checkpoint continues the W&B run whose id the first
+attempt stored in ``RUN_DIR/trackers.json`` (``resume="allow"``). W&B's local files go
+to ``RUN_DIR/wandb`` unless ``WANDB_DIR`` says otherwise, so ``wandb sync RUN_DIR/wandb/
+offline-run-*`` uploads an offline run later.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from trainforge.monitor.section import MonitorSection
+from trainforge.monitor.tracker_run import record_metrics, run_name, store_id, stored_id
+
+TRACKER = "wandb"
+
+
+class WandbSink:
+    def __init__(self, section: MonitorSection, run_dir: Path, params: dict[str, Any], resumed: bool):
+        import wandb
+
+        previous = stored_id(run_dir, TRACKER) if resumed else None
+        self.run = wandb.init(
+            project=section.wandb_project, entity=section.wandb_entity or None,
+            name=run_name(section.run_name, run_dir), config=params,
+            id=previous, resume="allow" if previous else None,
+            mode=section.wandb_mode or None,  # None: WANDB_MODE, else W&B's default (online)
+            dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+        store_id(run_dir, TRACKER, self.run.id)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        metrics = dict(record_metrics(record))
+        if metrics:
+            self.run.log(metrics, step=step)
+
+    def flush(self) -> None:
+        pass  # the W&B service process writes as it receives
+
+    def close(self) -> None:
+        self.run.finish()  # waits for the service process: nothing logged is lost, no process left
