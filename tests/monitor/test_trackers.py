@@ -230,3 +230,25 @@ def test_missing_tracker_package_fails_at_config_validation(monkeypatch):
 def test_bad_wandb_mode_names_the_key():
     with pytest.raises(ConfigError, match="monitor.wandb_mode"):
         load_config(None, ["--monitor.wandb_mode", "offlin"])
+
+
+def test_only_rank_0_opens_tracker_runs(tmp_path, monkeypatch):
+    """Ranks other than 0 get no metrics.jsonl path from the trainer, and no tracker run."""
+    import torch
+    from torch import nn
+
+    from trainforge.monitor.monitor import Monitor
+    from trainforge.monitor.section import MonitorSection
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    section = MonitorSection(wandb=True, mlflow=True, mlflow_tracking_uri=f"sqlite:///{tmp_path / 'm.db'}")
+    model = nn.Linear(2, 2)
+    dims = SimpleNamespace(world_size=2, pp=1, dp_replicate=2, dp_shard=1, tp=1)
+    m = Monitor(section, None, [model], [torch.optim.SGD(model.parameters(), lr=0.1)], torch.device("cpu"), dims,
+                SimpleNamespace(rank=1, local_rank=1), step_fn=lambda: 1)
+    opened = list(m.trackers)
+    m.write({"step": 1, "loss": 1.0})
+    m.close()
+    assert opened == [] and list(tmp_path.iterdir()) == []
