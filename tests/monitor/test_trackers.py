@@ -252,3 +252,11 @@ def test_only_rank_0_opens_tracker_runs(tmp_path, monkeypatch):
     m.write({"step": 1, "loss": 1.0})
     m.close()
     assert opened == [] and list(tmp_path.iterdir()) == []
+
+
+def test_unusable_mlflow_uri_fails_before_training_naming_the_key(small_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = debug_config(small_data, "--monitor.mlflow", "true", "--monitor.mlflow_tracking_uri", "nosuch://x")
+    with pytest.raises(ConfigError, match=r"monitor\.mlflow_tracking_uri.*nosuch://x"):
+        Trainer(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or read_jsonl(tmp_path / "run" / "metrics.jsonl") == []

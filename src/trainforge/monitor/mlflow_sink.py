@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainforge.errors import ConfigError
 from trainforge.log import get_logger
 from trainforge.monitor.section import MonitorSection
 from trainforge.monitor.tracker_run import CONFIG_FILE, record_metrics, run_name, store_id, stored_id
@@ -35,6 +36,18 @@ def metric_key(name: str) -> str:
 
 class MlflowSink:
     def __init__(self, section: MonitorSection, run_dir: Path, params: dict[str, Any], resumed: bool):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._open(section, run_dir, params, resumed)
+        except MlflowException as e:  # a bad URI, an unreachable server: before any step
+            uri = section.mlflow_tracking_uri or "MLflow's default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"config key 'monitor.mlflow_tracking_uri' = {uri}: MLflow could not start a run "
+                              f"({first}); give a reachable server (http://host:5000) or a local store "
+                              "(sqlite:///mlflow.db)") from None
+
+    def _open(self, section: MonitorSection, run_dir: Path, params: dict[str, Any], resumed: bool) -> None:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from trainforge.errors import ConfigError
 from trainforge.monitor.section import MonitorSection
 from trainforge.monitor.tracker_run import record_metrics, run_name, store_id, stored_id
 
@@ -26,12 +27,17 @@ class WandbSink:
         import wandb
 
         previous = stored_id(run_dir, TRACKER) if resumed else None
-        self.run = wandb.init(
-            project=section.wandb_project, entity=section.wandb_entity or None,
-            name=run_name(section.run_name, run_dir), config=params,
-            id=previous, resume="allow" if previous else None,
-            mode=section.wandb_mode or None,  # None: WANDB_MODE, else W&B's default (online)
-            dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+        try:
+            self.run = wandb.init(
+                project=section.wandb_project, entity=section.wandb_entity or None,
+                name=run_name(section.run_name, run_dir), config=params,
+                id=previous, resume="allow" if previous else None,
+                mode=section.wandb_mode or None,  # None: WANDB_MODE, else W&B's default (online)
+                dir=None if os.environ.get("WANDB_DIR") else str(run_dir))
+        except wandb.errors.Error as e:  # no login, no network, an unknown entity: before any step
+            raise ConfigError(f"config key 'monitor.wandb' = true: W&B could not start a run ({e}); run "
+                              "`wandb login`, or set monitor.wandb_mode = \"offline\" and `wandb sync` "
+                              "later") from None
         store_id(run_dir, TRACKER, self.run.id)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
