@@ -5,7 +5,11 @@ Rank 0 only (the monitor builds it where it writes metrics.jsonl). Through an
 ``MLFLOW_TRACKING_URI`` environment variable, else ``sqlite:///mlflow.db`` in the working
 directory), not the fluent ``mlflow.log_*`` API, whose active run is process-wide state.
 
-Each record is one ``log_batch`` of metrics at the record's step. The config goes in
+Each record is one ``log_batch`` of metrics at the record's step, queued
+(``synchronous=False``: a batch costs about 50 ms on the default sqlite store, which the
+training loop would wait for at every record) and waited for at ``flush`` (every
+checkpoint) and ``close``; a batch that failed is a warning there, not a failed run,
+since metrics.jsonl holds every record. The config goes in
 as params (``section.key``); a value longer than MLflow's limit is cut there, so the
 whole ``config.toml`` is logged as an artifact too. A run resumed from a checkpoint
 continues the MLflow run whose id the first attempt stored in ``RUN_DIR/trackers.json``
@@ -27,6 +31,7 @@ from trainforge.monitor.tracker_run import CONFIG_FILE, record_metrics, run_name
 TRACKER = "mlflow"
 MAX_BATCH_METRICS = 1000  # MLflow's log_batch limits
 MAX_BATCH_PARAMS = 100
+MAX_PENDING = 256  # queued batches before log() waits for them
 
 
 def metric_key(name: str) -> str:
@@ -52,6 +57,7 @@ class MlflowSink:
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(section.mlflow_tracking_uri or None)
+        self._pending: list = []  # mlflow RunOperations of queued log_batch calls
         previous = stored_id(run_dir, TRACKER) if resumed else None
         self.run_id = None
         if previous is not None:
@@ -92,10 +98,22 @@ class MlflowSink:
         values = {metric_key(k): v for k, v in record_metrics(record)}
         items = [Metric(k, v, now_ms, step) for k, v in values.items()]
         for i in range(0, len(items), MAX_BATCH_METRICS):
-            self.client.log_batch(self.run_id, metrics=items[i:i + MAX_BATCH_METRICS])
+            self._pending.append(self.client.log_batch(self.run_id, metrics=items[i:i + MAX_BATCH_METRICS],
+                                                       synchronous=False))
+        if len(self._pending) > MAX_PENDING:
+            self.flush()
 
     def flush(self) -> None:
-        pass  # every log_batch is written when it returns
+        from mlflow.exceptions import MlflowException
+
+        pending, self._pending = self._pending, []
+        for op in pending:
+            try:
+                op.wait()
+            except MlflowException as e:
+                get_logger().warning(f"MLflow run {self.run_id}: a metrics batch was not logged ({e}); "
+                                     "metrics.jsonl has every record")
 
     def close(self) -> None:
+        self.flush()
         self.client.set_terminated(self.run_id)

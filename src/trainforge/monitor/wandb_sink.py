@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.errors import ConfigError
+from trainforge.log import get_logger
 from trainforge.monitor.section import MonitorSection
 from trainforge.monitor.tracker_run import record_metrics, run_name, store_id, stored_id
 
@@ -39,6 +40,7 @@ class WandbSink:
                               "`wandb login`, or set monitor.wandb_mode = \"offline\" and `wandb sync` "
                               "later") from None
         store_id(run_dir, TRACKER, self.run.id)
+        get_logger().info(f"W&B run {self.run.id}: {self.run.url or self.run.dir}")  # url is None offline
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         metrics = dict(record_metrics(record))
