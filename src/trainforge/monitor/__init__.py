@@ -1,5 +1,5 @@
 """Training monitor: a registry of typed metrics fed by the trainer's records, hooks
-that measure inside a step, and sinks (JSONL, Prometheus, TensorBoard); plus the run
+that measure inside a step, and sinks (JSONL, Prometheus, TensorBoard, W&B, MLflow); plus the run
 report (``report.py``) and the Grafana dashboard generator (``dashboard.py``).
 
 ``catalog.py`` is the table of metrics; ``docs/metrics.md`` is generated from it.

@@ -11,7 +11,8 @@ same values, and a record key a later branch adds is exported without touching t
 package (as ``trainforge_record_value`` until ``catalog.py`` documents it).
 
 Every rank has a monitor (records are built on every rank): rank 0 writes the run
-directory's files (metrics.jsonl, tensorboard/); each rank serves its own Prometheus
+directory's files (metrics.jsonl, tensorboard/) and alone logs to the experiment trackers
+(W&B, MLflow: the records themselves, ``tracker_run.py``); each rank serves its own Prometheus
 endpoint on ``prometheus_port + LOCAL_RANK``, with a ``rank`` label on every sample.
 """
 
@@ -30,6 +31,7 @@ from trainforge.monitor.registry import Registry
 from trainforge.monitor.section import MonitorSection
 from trainforge.monitor.sinks import PrometheusSink, TensorBoardSink
 from trainforge.monitor.system import SystemSampler
+from trainforge.monitor.tracker_run import config_params
 
 AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -59,7 +61,9 @@ class Monitor:
         self._window_stats: dict[str, Any] = {}
         self._write_s = 0.0
         self.prometheus = None
+        self.trackers: list = []
         if not section.enabled:
+            self._open_trackers(jsonl_path)
             return
         if section.prometheus_port or section.pushgateway_url:  # first: a busy port fails before any hook
             port = section.prometheus_port + dist.local_rank if section.prometheus_port else 0
@@ -67,10 +71,24 @@ class Monitor:
                                              section.pushgateway_job)
             self.sinks.append(self.prometheus)
         if section.tensorboard and jsonl_path is not None:
-            self.sinks.append(TensorBoardSink(tensorboard_dir or jsonl_path.parent / "tensorboard"))
+            self.sinks.append(TensorBoardSink(tensorboard_dir or jsonl_path.parent / "tensorboard",
+                                              config_params(jsonl_path.parent)))
         self.probe = StepProbe(model_parts, optimizers, device, step_fn, section.interval_steps,
                                section.activation_stats, section.profile_every, section.top_ops, opt_parts)
         self.system = SystemSampler(device)
+        self._open_trackers(jsonl_path)
+
+    def _open_trackers(self, jsonl_path: Path | None) -> None:
+        """Last (a tracker that fails to open leaves no endpoint bound): the trackers take
+        the records as metrics.jsonl holds them, monitored or not, on rank 0."""
+        if jsonl_path is None:
+            return
+        try:
+            _trackers(self.section, jsonl_path.parent, self.start_step > 0, self.trackers)
+        except BaseException:
+            for sink in (*self.sinks, *self.trackers):
+                sink.close()
+            raise
 
     # -- the sink interface the trainer uses ------------------------------------------
 
@@ -78,6 +96,8 @@ class Monitor:
         if self.probe is None:
             if self.jsonl is not None:
                 self.jsonl.write(record)
+            for tracker in self.trackers:
+                tracker.log(int(record.get("step", self.step_fn())), record)
             return
         t0 = time.perf_counter()
         self.probe.mark_other_work()  # logging, validation, checkpointing: not data wait
@@ -97,6 +117,8 @@ class Monitor:
         step = int(record.get("step", self.step_fn()))
         for sink in self.sinks:
             sink.emit(step, samples)
+        for tracker in self.trackers:
+            tracker.log(step, record)
         self._write_s += (t1 - t0) + (time.perf_counter() - t2)
 
     def self_seconds(self) -> float:
@@ -106,7 +128,7 @@ class Monitor:
     def flush(self) -> None:
         if self.jsonl is not None:
             self.jsonl.flush()
-        for sink in self.sinks:
+        for sink in (*self.sinks, *self.trackers):
             sink.flush()
 
     def close(self) -> None:
@@ -116,9 +138,9 @@ class Monitor:
             self.probe.close()
         if self.section.linger_s and self.prometheus is not None and self.prometheus.address is not None:
             time.sleep(self.section.linger_s)
-        for sink in self.sinks:
+        for sink in (*self.sinks, *self.trackers):
             sink.close()
-        self.sinks = []
+        self.sinks, self.trackers = [], []
         if self.jsonl is not None:
             self.jsonl.close()
 
@@ -156,3 +178,20 @@ class Monitor:
         if self.pp == 1:
             out["bubble_fraction"] = 0.0
         return out
+
+
+def _trackers(section: MonitorSection, run_dir: Path, resumed: bool, out: list) -> None:
+    """Append to ``out`` the experiment-tracker sinks the section turns on (``log(step,
+    record)``, ``flush``, ``close``), opened now: before the first step, so a bad login or
+    URI fails before any training."""
+    if not (section.wandb or section.mlflow):
+        return
+    params = config_params(run_dir)
+    if section.wandb:
+        from trainforge.monitor.wandb_sink import WandbSink
+
+        out.append(WandbSink(section, run_dir, params, resumed))
+    if section.mlflow:
+        from trainforge.monitor.mlflow_sink import MlflowSink
+
+        out.append(MlflowSink(section, run_dir, params, resumed))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from trainforge.config_base import _f, _require
+from trainforge.errors import ConfigError
 
 
 @dataclass
@@ -30,6 +33,20 @@ class MonitorSection:
     pushgateway_job: str = _f("trainforge", "job label of the Pushgateway push")
     linger_s: float = _f(0.0, "keep the metrics endpoint up this many seconds after training ends, so a "
                               "scraper sees the final values")
+    wandb: bool = _f(False, "also log every record and the config to Weights & Biases, rank 0 only (pip install "
+                            "'trainforge[wandb]')")
+    wandb_project: str = _f("trainforge", "W&B project of the run")
+    wandb_entity: str = _f("", "W&B entity (user or team); empty = W&B's default (WANDB_ENTITY, your login)")
+    wandb_mode: Literal["", "online", "offline", "disabled"] = _f(
+        "", "W&B mode: online, offline (local files only, `wandb sync` later) or disabled; empty = W&B's "
+            "own default (WANDB_MODE, else online)")
+    mlflow: bool = _f(False, "also log every record and the config to MLflow, rank 0 only (pip install "
+                             "'trainforge[mlflow]')")
+    mlflow_tracking_uri: str = _f("", "MLflow tracking URI, e.g. http://host:5000 or sqlite:///mlflow.db; empty = "
+                                      "MLflow's default (MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the "
+                                      "working directory)")
+    mlflow_experiment: str = _f("trainforge", "MLflow experiment of the run (created when missing)")
+    run_name: str = _f("", "name of the run in W&B and MLflow; empty = the run directory's name")
 
     def validate(self) -> None:
         _require(0 <= self.prometheus_port <= 65535, "monitor.prometheus_port", self.prometheus_port,
@@ -46,3 +63,12 @@ class MonitorSection:
                  "a non-empty job name")
         _require(math.isfinite(self.linger_s) and self.linger_s >= 0, "monitor.linger_s", self.linger_s,
                  "a number of seconds >= 0")
+        _require(not self.wandb or self.wandb_project.strip() != "", "monitor.wandb_project", self.wandb_project,
+                 "a non-empty W&B project name")
+        _require(not self.mlflow or self.mlflow_experiment.strip() != "", "monitor.mlflow_experiment",
+                 self.mlflow_experiment, "a non-empty MLflow experiment name")
+        # Checked here, not when the sink opens: a missing tracker fails before data and model load.
+        for key, module, extra in (("wandb", "wandb", "wandb"), ("mlflow", "mlflow", "mlflow")):
+            if getattr(self, key) and importlib.util.find_spec(module) is None:
+                raise ConfigError(f"config key 'monitor.{key}' = true needs the {module} package: pip install "
+                                  f"'trainforge[{extra}]', or set it to false")

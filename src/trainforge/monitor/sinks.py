@@ -4,7 +4,8 @@
   each scrape (a custom collector, so a scrape sees exactly what the registry holds),
   bound to ``monitor.prometheus_host`` (127.0.0.1 by default); one port per rank
   (``prometheus_port + LOCAL_RANK``); at close, an optional push to a Pushgateway.
-- ``TensorBoardSink``: one scalar per changed sample per record, at the record's step.
+- ``TensorBoardSink``: one scalar per changed sample per record, at the record's step;
+  the run's config as hparams; validation loss beside training loss on one chart.
 
 A sink implements ``emit(step, samples)``, ``flush()`` and ``close()``.
 """
@@ -111,15 +112,39 @@ class PrometheusSink:
 
 class TensorBoardSink:
     """Tags are ``level/name`` plus the labels other than rank, e.g.
-    ``model/trainforge_gradient_group_norm/group=layers.0``."""
+    ``model/trainforge_gradient_group_norm/group=layers.0``.
 
-    def __init__(self, log_dir: Path):
+    TensorBoard draws one chart per tag, one line per run. So the validation loss is
+    written twice: under its own tag, and under the training loss's tag in the ``val``
+    sub-run (``tensorboard/val``), which puts train and validation loss on one chart
+    (the way Keras writes ``train`` and ``validation`` runs).
+
+    ``hparams`` (the run's config, ``section.key``) go to the HParams dashboard when the
+    writer opens, with the training and validation loss as its metrics: the dashboard
+    shows their last values, so a crashed run still lists its config. Written into this
+    writer's own run through ``torch.utils.tensorboard.summary.hparams`` rather than
+    ``SummaryWriter.add_hparams``, which opens a new sub-run per call."""
+
+    def __init__(self, log_dir: Path, hparams: dict | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard.summary import hparams as hparams_summary
         except ImportError:
             raise ConfigError("config key 'monitor.tensorboard' = true needs the tensorboard package: "
                               "pip install 'trainforge[tensorboard]', or set it to false") from None
+        from trainforge.monitor.catalog import lookup
+
         self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.val_writer = SummaryWriter(log_dir=str(Path(log_dir) / VAL_RUN))
+        train_spec, val_spec = lookup("loss")[0], lookup("val_loss")[0]
+        self.loss_tag = f"{train_spec.level}/{train_spec.name}"
+        self.val_loss_name = val_spec.name
+        self._session_end = None
+        if hparams:
+            metrics = {self.loss_tag: 0.0, f"{val_spec.level}/{val_spec.name}": 0.0}  # names only: values are the scalars
+            exp, start, self._session_end = hparams_summary(_hparam_values(hparams), metrics)
+            for summary in (exp, start):
+                self.writer.file_writer.add_summary(summary)
 
     @staticmethod
     def tag(s: Sample) -> str:
@@ -130,12 +155,26 @@ class TensorBoardSink:
     def emit(self, step: int, samples: list[Sample]) -> None:
         for s in samples:
             self.writer.add_scalar(self.tag(s), s.value, global_step=step)
+            if s.name == self.val_loss_name:
+                self.val_writer.add_scalar(self.loss_tag, s.value, global_step=step)
 
     def flush(self) -> None:
         self.writer.flush()
+        self.val_writer.flush()
 
     def close(self) -> None:
+        if self._session_end is not None:
+            self.writer.file_writer.add_summary(self._session_end)  # status: finished
         self.writer.close()
+        self.val_writer.close()
+
+
+VAL_RUN = "val"
+
+
+def _hparam_values(params: dict) -> dict:
+    """The hparams plugin takes numbers, strings and booleans."""
+    return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in params.items()}
 
 
 def _ephemeral_range() -> tuple[int, int]:
