@@ -22,7 +22,8 @@ from trainforge.storage.atomic import atomic_write_text
 # CONFIG_FILE; the monitor cannot import train/).
 CONFIG_FILE = "config.toml"
 IDS_FILE = "trackers.json"
-SKIPPED_KEYS = frozenset({"step"})  # the x axis, not a series
+# step: the x axis, not a series; time_unix_s: every tracker stamps its own wall clock.
+SKIPPED_KEYS = frozenset({"step", "time_unix_s"})
 
 
 def _number(v: Any) -> float | None:
