@@ -152,6 +152,8 @@ def test_time_axis_is_training_seconds_since_the_first_step(tmp_path):
     assert "x: training time in seconds since the first step" in page
     slow = write_run(tmp_path / "slow", train_records(tokens_per_s=0.1))  # 1000 s a step: minutes
     assert "x: training time in minutes" in write_report(slow, x="time").read_text()
+    fresh = write_run(tmp_path / "fresh", [{"step": 0, "val_loss": 5.5}])  # killed before its first logged step
+    assert build_plots(load_runs([fresh]), x="time")[0][0].lines[0].xs == [0.0]
     bare = write_run(tmp_path / "bare", [{"step": s, "loss": 1.0} for s in (1, 2)])
     with pytest.raises(TrainforgeError, match="bare/metrics.jsonl has neither tokens_per_s nor step_s"):
         build_plots(load_runs([bare]), x="time")

@@ -24,6 +24,7 @@ import bisect
 import html
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,11 +50,15 @@ class Run:
     config: dict[str, str] | None
     elapsed_s: dict[int, float] | None
 
-    @property
+    @cached_property
     def train(self) -> list[dict[str, Any]]:
         return [r for r in self.records if "loss" in r and "step" in r]
 
-    @property
+    @cached_property
+    def timed_steps(self) -> list[int]:
+        return sorted(self.elapsed_s or ())
+
+    @cached_property
     def val(self) -> list[dict[str, Any]]:
         return [r for r in self.records if "val_loss" in r and "step" in r]
 
@@ -110,8 +115,9 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[Run]:
             records = read_jsonl(p / "metrics.jsonl")
         except ValueError as e:
             raise TrainforgeError(f"{p / 'metrics.jsonl'} is not valid JSONL: {e}") from None
-        train = [r for r in records if "loss" in r and "step" in r]
-        runs.append(Run(name, p, records, read_config(p / "config.toml"), _elapsed_s(train)))
+        run = Run(name, p, records, read_config(p / "config.toml"), None)
+        run.elapsed_s = _elapsed_s(run.train)
+        runs.append(run)
     return runs
 
 
@@ -124,10 +130,12 @@ def _num(v: Any) -> bool:
 def _x(run: Run, step: int, x: str) -> float:
     if x == "step":
         return step
-    assert run.elapsed_s is not None  # checked by build_plots
-    steps = sorted(run.elapsed_s)
-    i = bisect.bisect_right(steps, step)  # a validation record: the time of the last step done by then
-    return run.elapsed_s[steps[i - 1]] if i else 0.0
+    if not run.elapsed_s:  # no training record yet (validation at step 0 only)
+        return 0.0
+    if step in run.elapsed_s:
+        return run.elapsed_s[step]
+    i = bisect.bisect_right(run.timed_steps, step)  # a validation record: the time of the last step done by then
+    return run.elapsed_s[run.timed_steps[i - 1]] if i else 0.0
 
 
 def _series(run: Run, records: list[dict[str, Any]], key: str, x: str, sub: str | None = None,
@@ -166,7 +174,7 @@ def _expert_loads(train: list[dict[str, Any]]) -> list[list[tuple[str, list[int]
             for layer in range(n_layers)]
 
 
-# (series label, record key, scale, smooth) per plot that every run contributes to
+# (series label, record key) of the plots with several series per run
 MEMORY = (("peak (max over ranks)", "peak_memory_bytes"), ("RSS", "rss_bytes"),
           ("GPU allocated", "gpu_memory_allocated_bytes"), ("GPU reserved", "gpu_memory_reserved_bytes"))
 PHASES = (("step", "step_s"), ("forward", "forward_s"), ("backward", "backward_s"), ("optimizer", "optimizer_s"),
@@ -199,14 +207,14 @@ def build_plots(runs: list[Run], x: str = "step") -> tuple[list[Plot], list[str]
             left_out.extend(f"{title}: {', '.join(s for s in (ln.series, ln.run if len(runs) > 1 else '') if s)} "
                             "(all zero)" for ln in zero)
 
-    def each(specs: Sequence[tuple], records: str = "train") -> list[Line]:
+    def each(specs: Sequence[tuple]) -> list[Line]:
+        """Per run, a line per (series label, record key[, scale[, smooth]]) of the training records."""
         lines = []
         for run in runs:
             for series, key, *rest in specs:
                 scale = rest[0] if rest else 1.0
                 smooth = rest[1] if len(rest) > 1 else True
-                recs = run.val if records == "val" else run.train
-                lines.append(Line(run.name, series, *_series(run, recs, key, x, scale=scale), smooth=smooth))
+                lines.append(Line(run.name, series, *_series(run, run.train, key, x, scale=scale), smooth=smooth))
         return lines
 
     loss = []
