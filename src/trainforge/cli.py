@@ -474,14 +474,21 @@ def _serve(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    from trainforge.monitor.report import write_report
+    from trainforge.monitor.report import COMPARE_FILE, X_AXES, write_report
 
     p = argparse.ArgumentParser(prog="trainforge report",
-                                description="Write an HTML report of a run's metrics (plots embedded; no server needed).")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
-    p.add_argument("--out", default=None, help="output file (default RUN_DIR/report.html)")
+                                description="Write an HTML report of one or several runs' metrics, overlaid (plots "
+                                            "embedded; no server needed), with the runs' config differences.")
+    p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run directories (each holds metrics.jsonl)")
+    p.add_argument("--out", default=None,
+                   help=f"output file (default RUN_DIR/report.html; several runs: FIRST_RUN_DIR/{COMPARE_FILE})")
+    p.add_argument("--smooth", type=float, default=0.0, metavar="WEIGHT",
+                   help="EMA smoothing weight in [0, 1), as TensorBoard's slider; raw values stay drawn faint "
+                        "(default 0: off)")
+    p.add_argument("--x", choices=X_AXES, default="step",
+                   help="x axis: step, or time = training seconds since the run's first step (default step)")
     a = p.parse_args(argv)
-    print(f"report: {write_report(a.run_dir, a.out)}")
+    print(f"report: {write_report(a.run_dirs, a.out, smooth=a.smooth, x=a.x)}")
     return 0
 
 

@@ -2,7 +2,7 @@
 from the records' ``moe_load`` tables; dense runs get none of them."""
 
 from trainforge.monitor.jsonl import JsonlSink
-from trainforge.monitor.report import _expert_loads, build_plots, write_report
+from trainforge.monitor.report import _expert_loads, build_plots, load_runs, write_report
 
 
 def moe_records():
@@ -19,14 +19,31 @@ def test_expert_loads_are_one_line_per_expert_per_layer():
     assert layers[1][2][1:] == ([1, 2, 3], [10.0, 10.0, 10.0])
 
 
-def test_report_has_moe_plots_only_for_moe_runs(tmp_path):
-    titles = [t for t, png, _ in build_plots(moe_records()) if png is not None]
-    assert titles[-3:] == ["MoE load balance (MaxVio)", "Expert load, MoE layer 0", "Expert load, MoE layer 1"]
-    dense = [{k: v for k, v in r.items() if not k.startswith("moe")} for r in moe_records()]
-    assert not [t for t, _, _ in build_plots(dense) if "MoE" in t or "Expert" in t]
-    sink = JsonlSink(tmp_path / "metrics.jsonl")
-    for r in moe_records():
+def write_run(path, records):
+    sink = JsonlSink(path / "metrics.jsonl")
+    for r in records:
         sink.write(r)
     sink.close()
-    page = write_report(tmp_path).read_text()
+    return path
+
+
+def test_report_has_moe_plots_only_for_moe_runs(tmp_path):
+    moe = write_run(tmp_path / "moe", moe_records())
+    titles = [p.title for p in build_plots(load_runs([moe]))[0]]
+    assert titles[-3:] == ["MoE load balance (MaxVio)", "Expert load, MoE layer 0", "Expert load, MoE layer 1"]
+    dense = write_run(tmp_path / "dense", [{k: v for k, v in r.items() if not k.startswith("moe")}
+                                           for r in moe_records()])
+    assert not [p.title for p in build_plots(load_runs([dense]))[0] if "MoE" in p.title or "Expert" in p.title]
+    page = write_report(moe).read_text()
     assert "alt='Expert load, MoE layer 1' src='data:image/png;base64," in page
+
+
+def test_expert_loads_of_several_runs_get_a_plot_per_run(tmp_path):
+    a, b = write_run(tmp_path / "a", moe_records()), write_run(tmp_path / "b", moe_records())
+    plots = {p.title: p for p in build_plots(load_runs([a, b]))[0]}
+    assert {"Expert load, MoE layer 1: a", "Expert load, MoE layer 1: b"} <= set(plots)
+    layer = plots["Expert load, MoE layer 0: b"]
+    assert layer.labels(2) == ["expert 0", "expert 1", "expert 2"]  # the title names the run
+    assert plots["MoE load balance (MaxVio)"].labels(2) == [
+        "a: batch, mean over layers", "a: validation set, mean over layers",
+        "b: batch, mean over layers", "b: validation set, mean over layers"]
