@@ -149,13 +149,18 @@ def test_time_axis_is_training_seconds_since_the_first_step(tmp_path):
     plots, _ = build_plots(load_runs([c]), x="time")
     assert plots[0].lines[0].xs == pytest.approx([0.5, 1.0, 1.5, 2.0])
     page = write_report(a, tmp_path / "t.html", x="time").read_text()
-    assert "x: training time in seconds since the first step" in page
+    assert "x: wall-clock time in seconds since the first step (runs without time_unix_s: rebuilt" in page
     slow = write_run(tmp_path / "slow", train_records(tokens_per_s=0.1))  # 1000 s a step: minutes
-    assert "x: training time in minutes" in write_report(slow, x="time").read_text()
+    assert "x: wall-clock time in minutes" in write_report(slow, x="time").read_text()
+    # The trainer's clock wins: a pause (a resumed run) shows; the first point keeps its own window.
+    clocked = [{**r, "time_unix_s": 1e9 + t} for r, t in zip(train_records(), (0.1, 0.2, 5.3, 5.4))]
+    d = write_run(tmp_path / "d", clocked)
+    assert build_plots(load_runs([d]), x="time")[0][0].lines[0].xs == pytest.approx([0.1, 0.2, 5.3, 5.4])
+    assert "rebuilt" not in write_report(d, x="time").read_text()
     fresh = write_run(tmp_path / "fresh", [{"step": 0, "val_loss": 5.5}])  # killed before its first logged step
     assert build_plots(load_runs([fresh]), x="time")[0][0].lines[0].xs == [0.0]
     bare = write_run(tmp_path / "bare", [{"step": s, "loss": 1.0} for s in (1, 2)])
-    with pytest.raises(TrainforgeError, match="bare/metrics.jsonl has neither tokens_per_s nor step_s"):
+    with pytest.raises(TrainforgeError, match="bare/metrics.jsonl has neither time_unix_s nor tokens_per_s"):
         build_plots(load_runs([bare]), x="time")
 
 

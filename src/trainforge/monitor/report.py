@@ -10,12 +10,13 @@ left out and named in a list at the bottom. Above the plots: a table per run (st
 losses, throughput, the MFU peak and its source) and the config: with several runs the
 keys of RUN/config.toml whose values differ, with one run all of it.
 
-The x axis is the step, or (``x="time"``) the training time since the run's first step.
-The records carry no clock reading, so that time is rebuilt from what they do carry: the
-trainer's tokens_per_s is measured over each logging window, so one step of it takes
+The x axis is the step, or (``x="time"``) the wall-clock time since the run's first step:
+from each record's ``time_unix_s`` (the trainer's clock at the end of the logging window;
+a resumed run's pause shows as a gap). Runs written before that key existed are rebuilt
+from what they carry: tokens_per_s is measured over each logging window, so one step takes
 tokens_per_step / tokens_per_s seconds; summed, that is the windows' wall time (checkpoint
-saves left out, as the trainer's throughput leaves them out). Without tokens_per_s the
-monitor's per-step ``step_s`` is summed instead.
+saves left out, as the trainer's throughput leaves them out), else the monitor's per-step
+``step_s`` summed.
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class Run:
 # -- reading runs ------------------------------------------------------------------------
 
 def _elapsed_s(train: list[dict[str, Any]]) -> dict[int, float] | None:
-    """step -> training seconds at the end of that step (see the module docstring), or
-    None when the records carry neither tokens_per_s with tokens nor step_s."""
+    """step -> seconds at the end of that step since the run's first step (see the module
+    docstring), or None when the records carry no clock, no tokens_per_s with tokens and
+    no step_s."""
     def num(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
@@ -77,13 +79,19 @@ def _elapsed_s(train: list[dict[str, Any]]) -> dict[int, float] | None:
         for r in train:  # tokens = step * tokens_per_step (trainer._log_window)
             t += (r["tokens"] / r["step"]) * (r["step"] - prev) / r["tokens_per_s"]
             out[r["step"]], prev = t, r["step"]
-        return out
-    if train and all(num(r.get("step_s")) for r in train):
+    elif train and all(num(r.get("step_s")) for r in train):
         for r in train:
             t += r["step_s"]
             out[r["step"]] = t
-        return out
-    return None
+    if train and all(num(r.get("time_unix_s")) for r in train):
+        # The clock from the first record on; before it, that record's window as rebuilt (or 0).
+        start = train[0]["time_unix_s"] - out.get(train[0]["step"], 0.0)
+        return {r["step"]: r["time_unix_s"] - start for r in train}
+    return out or None
+
+
+def _clocked(run: Run) -> bool:
+    return bool(run.train) and all("time_unix_s" in r for r in run.train)
 
 
 def _names(paths: list[Path]) -> list[str]:
@@ -190,8 +198,8 @@ def build_plots(runs: list[Run], x: str = "step") -> tuple[list[Plot], list[str]
     if x == "time":
         for run in runs:
             if run.train and run.elapsed_s is None:
-                raise TrainforgeError(f"{run.path / 'metrics.jsonl'} has neither tokens_per_s nor step_s to rebuild "
-                                      "the training time from; use --x step")
+                raise TrainforgeError(f"{run.path / 'metrics.jsonl'} has neither time_unix_s nor tokens_per_s nor "
+                                      "step_s to place its steps in time; use --x step")
     plots: list[Plot] = []
     left_out: list[str] = []
 
@@ -323,9 +331,9 @@ def write_report(run_dirs: str | Path | Sequence[str | Path], out: str | Path | 
     parts.append(table(names, [(k, [s.get(k, "-") for s in summaries]) for k in rows]))
     parts.append(config_html(names, [run.config for run in runs]))
     notes = [f"smoothed: EMA weight {smooth:g} (raw values faint behind)" if smooth else "",
-             f"x: training time in {'minutes' if minutes else 'seconds'} since the first step, rebuilt from "
-             "the records' tokens/s (else step_s): they hold no clock reading; checkpoint saves are left out"
-             if x == "time" else ""]
+             f"x: wall-clock time in {'minutes' if minutes else 'seconds'} since the first step"
+             + ("" if all(_clocked(run) for run in runs) else " (runs without time_unix_s: rebuilt from their "
+                "tokens/s, else step_s, checkpoint saves left out)") if x == "time" else ""]
     parts.append(f"<h2>Plots</h2><p>{e('; '.join(n for n in notes if n))}</p>")
     parts.append("<div class='plots'>")
     for plot in plots:
