@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from trainforge.log import get_logger
 from trainforge.precision.hardware import (DTYPE_NAMES, DTYPES, Capability, agree_across_ranks, detect_capability,
                                            resolve_compute_dtype)
 from trainforge.precision.section import LADDER, PrecisionSection, parse_groups, parse_patterns
@@ -148,7 +149,8 @@ def build_policy(section: PrecisionSection, device: torch.device | str, capabili
     if log:
         for note in notes:
             log.warning(f"precision: {note}")
-        log.info(f"precision {section.policy} on {capability.name}: {policy.describe()}")
+        # The startup summary (train/run_summary.py) prints the policy; the probe's verdict is a detail.
+        get_logger().debug(f"precision {section.policy} on {capability.name}: {policy.describe()}")
     return policy
 
 
