@@ -47,6 +47,7 @@ class Choices:
     n: int = 1
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage, empty choices
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs tokens as "token_id:ID"
 
 
 def choices_of(body: dict, max_n: int) -> Choices:
@@ -64,7 +65,8 @@ def choices_of(body: dict, max_n: int) -> Choices:
         if not isinstance(options, dict):
             raise APIError(400, f"'stream_options' must be an object, got {options!r}", param="stream_options")
     usage = _field(options or {}, "include_usage", (bool,), False, want="a boolean")
-    return Choices(n=n, stream=stream, include_usage=usage)
+    as_ids = _field(body, "return_tokens_as_token_ids", (bool,), False, want="a boolean")
+    return Choices(n=n, stream=stream, include_usage=usage, tokens_as_ids=as_ids)
 
 
 def _logprobs_k(body: dict, chat: bool) -> int | None:
@@ -147,10 +149,10 @@ class TokenText:
     """A token's text and UTF-8 bytes. A byte-level BPE token may hold part of a character:
     its bytes come from the piece itself (its text is then U+FFFD, as a one-token decode gives)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, as_ids: bool = False):
         from tokenizers import decoders
 
-        self.tokenizer = tokenizer
+        self.tokenizer, self.as_ids = tokenizer, as_ids
         self.byte_level = isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel)
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
@@ -164,13 +166,14 @@ class TokenText:
             else:
                 raw = list(text.encode())
             hit = self._cache[token_id] = (text, raw)
-        return hit
+        return (f"token_id:{token_id}", hit[1]) if self.as_ids else hit
 
 
 class TextOffsets:
     """Character offset in the decoded text where each token's text starts, fed the
-    tokens in order (a streamed choice calls it per chunk). A token that ends a character
-    split across tokens is placed where the character's first token was."""
+    tokens in order (a streamed choice calls it per chunk). Tokens that each hold part of
+    one character are all placed where the character starts; a whole token released
+    together with earlier pending bytes (an invalid sequence) sits after them."""
 
     def __init__(self, tokenizer):
         self.tokenizer, self.stream, self.at = tokenizer, decode_stream(tokenizer), 0
@@ -178,8 +181,11 @@ class TextOffsets:
     def __call__(self, ids: list[int]) -> list[int]:
         offsets = []
         for t in ids:
-            offsets.append(self.at)
-            self.at += len(self.stream.step(self.tokenizer, t) or "")
+            chunk = self.stream.step(self.tokenizer, t) or ""
+            own = self.tokenizer.decode([t])
+            whole = chunk and own and "\ufffd" not in own and chunk.endswith(own)
+            offsets.append(self.at + len(chunk) - len(own) if whole else self.at)
+            self.at += len(chunk)
         return offsets
 
 

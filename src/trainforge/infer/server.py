@@ -138,7 +138,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
 
     app = FastAPI(title="trainforge", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Gate, api_key=config.api_key, registry=metrics_registry, access_log=config.access_log)
-    token_text = TokenText(tokenizer)
+    token_texts = (TokenText(tokenizer), TokenText(tokenizer, as_ids=True))
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -217,9 +217,11 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
         ended = [0]
 
         def on_update_for(index: int):
+            handed = [0]  # tokens of this choice handed out so far: updates come in order, after the step
+
             def on_update(req: Request, new_ids: list[int], text: str, finished: bool) -> None:
-                # The engine thread, right after req took new_ids: their logprobs are the list's tail.
-                lps = req.logprobs[len(req.output_ids) - len(new_ids):len(req.output_ids)] if want_lp else None
+                lps = req.logprobs[handed[0]:handed[0] + len(new_ids)] if want_lp else None
+                handed[0] += len(new_ids)
                 if stream:
                     loop.call_soon_threadsafe(queue.put_nowait, (index, new_ids, lps, text, finished))
                 elif finished:
@@ -232,6 +234,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
                 finished_event.set()
 
         want_lp = params.logprobs is not None
+        token_text = token_texts[choices.tokens_as_ids]
         if want_lp and engine.drafter is not None:
             raise APIError(400, "'logprobs' is not supported with speculative decoding; serve without "
                            "--speculative to get logprobs", param="logprobs")
