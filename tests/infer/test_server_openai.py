@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from tests.infer.test_server import KEY, server  # noqa: F401  (the module's live server fixture)
+from tests.infer.test_server import server  # noqa: F401  (the module's live server fixture)
 
 PROMPT = "def main("
 CHAT = [{"role": "user", "content": "hi"}]
@@ -151,3 +151,24 @@ def test_bad_values_get_a_400_naming_the_field(server, path, body, param):
     if path == "/v1/completions" and "n" in body:
         with pytest.raises(openai.BadRequestError, match="'n'"):
             server.client.completions.create(model="tiny", **body)
+
+
+def test_logprobs_with_speculative_decoding_is_a_400_naming_the_field(small_data):
+    from tests.infer.test_server import serving, tiny_model
+    from tests.infer.test_speculative import perturbed
+    from trainforge.data.tokenizer import eos_id, load_tokenizer
+    from trainforge.infer.engine import Engine, EngineConfig
+    from trainforge.infer.server import ServerConfig
+    from trainforge.infer.speculative import DraftModelDrafter
+
+    tok = load_tokenizer(small_data / "tokenizer.json")
+    V = tok.get_vocab_size()
+    engine = Engine(tiny_model(V), EngineConfig(max_batch_size=2, max_context=128, block_size=8,
+                                                num_speculative_tokens=2), tokenizer=tok, eos_ids=(eos_id(tok),),
+                    drafter=DraftModelDrafter(perturbed(tiny_model(V), 0.1)))
+    with serving(engine, tok, ServerConfig(access_log=False)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="speculative") as e:
+            client.completions.create(model="trainforge", prompt="x", max_tokens=3, logprobs=1)
+        assert e.value.body["param"] == "logprobs"
+        assert client.completions.create(model="trainforge", prompt="x", max_tokens=3).choices[0].logprobs is None

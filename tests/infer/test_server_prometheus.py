@@ -1,8 +1,9 @@
 """End to end for the dashboard's serving row: a real Prometheus (tests/monitor's
 fixture) scrapes a live ``trainforge serve`` app every second while requests run; then
 every query of the "Serving" row, and the ``run`` / ``rank`` variable queries, return
-data; promtool parses every dashboard query and lints the server's exposition. The server listens on a socket bound first and handed to uvicorn, as ``serve`` does.
-Skipped, with the reason, when the prometheus binary is not available."""
+data. The server listens on a socket bound first and handed to uvicorn, as ``serve``
+does. promtool parses every dashboard query and lints the server's exposition. Skipped,
+with the reason, when the binaries are not available."""
 
 from __future__ import annotations
 
