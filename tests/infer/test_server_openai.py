@@ -8,6 +8,7 @@ values get a 400 naming the field."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -172,3 +173,28 @@ def test_logprobs_with_speculative_decoding_is_a_400_naming_the_field(small_data
             client.completions.create(model="trainforge", prompt="x", max_tokens=3, logprobs=1)
         assert e.value.body["param"] == "logprobs"
         assert client.completions.create(model="trainforge", prompt="x", max_tokens=3).choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("sync_interval_steps", [1, 4])  # 4: tokens read every 4 steps, as on CUDA (8)
+def test_engine_logprobs_of_a_mixed_batch_match_a_direct_forward(server, sync_interval_steps):
+    """Rows with and without logprobs share a batch; each row's logprobs are its own."""
+    from tests.infer.test_server import tiny_model
+    from trainforge.infer.engine import Engine, EngineConfig
+    from trainforge.infer.sampling import SamplingParams
+
+    engine = Engine(tiny_model(server.tok.get_vocab_size()),
+                    EngineConfig(max_batch_size=3, max_context=128, sync_interval_steps=sync_interval_steps),
+                    tokenizer=server.tok)
+    prompts = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
+    params = [SamplingParams(max_new_tokens=9, temperature=0.8, seed=3, logprobs=2, ignore_eos=True),
+              SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True),
+              SamplingParams(max_new_tokens=11, temperature=0, logprobs=0, repetition_penalty=1.3, ignore_eos=True)]
+    reqs = engine.generate(prompts, params)
+    assert reqs[1].logprobs == []
+    for req, k in ((reqs[0], 2), (reqs[2], 0)):
+        assert len(req.logprobs) == len(req.output_ids) == req.params.max_new_tokens
+        ref = raw_logprobs(SimpleNamespace(engine=engine), req.prompt_ids, req.output_ids)
+        got = torch.tensor([lp for lp, _ in req.logprobs])
+        torch.testing.assert_close(got, ref.gather(1, torch.tensor(req.output_ids)[:, None])[:, 0], atol=1e-4, rtol=0)
+        for i, (_, top) in enumerate(req.logprobs):
+            assert [t for t, _ in top] == ref[i].topk(k).indices.tolist()

@@ -16,12 +16,15 @@ hands back (``Request.on_update`` -> ``loop.call_soon_threadsafe``), so the even
 stays free and ``/health`` answers under load. Errors use OpenAI's envelope
 ``{"error": {"message", "type", "param", "code"}}``:
 
-- 400 malformed JSON, bad or unsupported parameters, prompt + max_tokens beyond the context
-  (code ``context_length_exceeded``); 401 bad or missing key; 404 unknown model or path;
+- 400 malformed JSON, bad or unsupported parameters (``n`` outside [1, max_batch_size +
+  max_queue], ``top_logprobs`` / ``logprobs`` above 20, logprobs with speculative decoding,
+  ``stream_options`` without ``stream``: ``param`` names the field), prompt + max_tokens
+  beyond the context (code ``context_length_exceeded``); 401 bad or missing key; 404
+  unknown model or path;
 - 413 body larger than ``max_body_bytes`` (refused from Content-Length before reading);
-- 429 at the concurrency limit: exactly ``max_concurrent`` requests are admitted (running +
-  waiting in the engine + admitted here but still being read), the next is refused before
-  its body is read. ``max_concurrent`` may not exceed the engine's own bound
+- 429 at the concurrency limit (a request with ``n`` choices counts n times): exactly
+  ``max_concurrent`` requests are admitted (running + waiting in the engine + admitted
+  here but still being read), the next is refused before its body is read. ``max_concurrent`` may not exceed the engine's own bound
   (``max_batch_size + max_queue``), so the engine's ``QueueFull`` is a backstop only.
 
 A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
@@ -54,7 +57,7 @@ from trainforge.infer.openai_schema import (APIError, Choices, TextOffsets, Toke
 from trainforge.infer.request import Request
 from trainforge.infer.sampling import SamplingParams
 from trainforge.infer.listen import bind_socket
-from trainforge.infer.server_extras import Gate, banner
+from trainforge.infer.server_extras import Gate, banner, engine_record
 
 __all__ = ["APIError", "ServerConfig", "chat_prompt", "create_app", "engine_record", "sampling_params", "serve"]
 
@@ -392,22 +395,6 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
         return {"prompt": tokenizer.decode(ids)}
 
     return app
-
-
-SPEC_KEYS = ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")
-
-
-def engine_record(engine: Engine) -> dict[str, Any]:
-    """The engine's state as a metrics record (keys in ``monitor/catalog.py``), read at scrape time."""
-    s = engine.stats()
-    pool = s["kv_pool"]
-    return {"infer_running": s["running"], "infer_waiting": s["waiting"], "kv_blocks_used": pool["blocks_used"],
-            "kv_blocks_reserved": pool["blocks_reserved"], "kv_blocks_capacity": pool["blocks_total"],
-            "kv_block_utilisation": pool["block_utilisation"], "kv_slot_utilisation": pool["slot_utilisation"],
-            "infer_prompt_tokens": s["prompt_tokens"], "infer_generated_tokens": s["generated_tokens"],
-            "infer_decode_steps": s["decode_steps"], "infer_rejected": s["rejected"],
-            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort")},
-            **{k: v for k, v in s.items() if k in SPEC_KEYS}}
 
 
 def serve(engine: Engine, tokenizer, config: ServerConfig, sock: socket.socket | None = None) -> None:

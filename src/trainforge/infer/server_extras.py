@@ -1,12 +1,13 @@
-"""The parts of ``trainforge serve`` around the endpoints: the startup banner and the ASGI
-gate (API key, request counts by status, one access-log line per request). The port is
-bound before anything loads by ``listen.py``."""
+"""The parts of ``trainforge serve`` around the endpoints: the startup banner, the ASGI
+gate (API key, request counts by status, one access-log line per request) and the engine
+record /metrics exposes. The port is bound before anything loads by ``listen.py``."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import time
+from typing import Any
 
 from trainforge.infer.openai_schema import APIError
 from trainforge.log import get_logger
@@ -90,3 +91,19 @@ class Gate:
                 what = f" prompt={tokens[0]} completion={tokens[1]} tokens" if tokens else ""
                 client = scope.get("client") or ("-", 0)
                 self.log.info(f"{client[0]} {scope['method']} {path} {status[0]} {ms:.1f} ms{what}")
+
+
+SPEC_KEYS = ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")
+
+
+def engine_record(engine) -> dict[str, Any]:
+    """The engine's state as a metrics record (keys in ``monitor/catalog.py``), read at scrape time."""
+    s = engine.stats()
+    pool = s["kv_pool"]
+    return {"infer_running": s["running"], "infer_waiting": s["waiting"], "kv_blocks_used": pool["blocks_used"],
+            "kv_blocks_reserved": pool["blocks_reserved"], "kv_blocks_capacity": pool["blocks_total"],
+            "kv_block_utilisation": pool["block_utilisation"], "kv_slot_utilisation": pool["slot_utilisation"],
+            "infer_prompt_tokens": s["prompt_tokens"], "infer_generated_tokens": s["generated_tokens"],
+            "infer_decode_steps": s["decode_steps"], "infer_rejected": s["rejected"],
+            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort")},
+            **{k: v for k, v in s.items() if k in SPEC_KEYS}}
