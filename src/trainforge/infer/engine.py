@@ -23,6 +23,10 @@ leave at the next sync, which is continuous batching (Orca / vLLM style) with FI
 admission and no preemption (reservations make it unnecessary). ``start`` runs ``step`` in
 a background thread for the server; ``generate`` runs it in the caller's thread.
 
+A request with ``SamplingParams.logprobs`` set also gets, per token, the raw log-softmax
+of the logits it was sampled from (sampling.py): the sampler returns device tensors at
+step 3 and they are read with the tokens at step 4 (no extra sync); refused with a drafter.
+
 With a ``drafter`` (``speculative.py``), step 3 is a speculative step instead: the drafter
 proposes ``num_speculative_tokens`` (k) tokens per row, the model verifies them in one
 forward, each row keeps its accepted prefix plus one token and is rolled back to that length
