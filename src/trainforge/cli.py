@@ -423,17 +423,12 @@ def _export(argv: list[str]) -> int:
 def _serve(argv: list[str]) -> int:
     import os
 
-    from trainforge.infer.engine import Engine
-
-    try:
-        from trainforge.infer.server import ServerConfig, serve
-    except ImportError as e:
-        raise TrainforgeError(f"trainforge serve needs the server packages ({e.name} is missing): "
-                              "pip install 'trainforge[infer]'") from None
+    from trainforge.infer.listen import bind_socket
 
     p = argparse.ArgumentParser(prog="trainforge serve",
                                 description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-                                            "/v1/models, /health, /metrics) with continuous batching.")
+                                            "/v1/models, /tokenize, /detokenize, /health, /metrics) with continuous "
+                                            "batching.")
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000)
@@ -449,7 +444,17 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--n_blocks", type=int, default=0, help="KV pool size in blocks; 0 = max_batch_size full contexts")
     p.add_argument("--max_context", type=int, default=0, help="tokens per sequence; 0 = the model's max_seq_len")
     p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--no_access_log", action="store_true",
+                   help="do not log a line per request (method, path, status, ms, tokens)")
     a = p.parse_args(argv)
+    sock = bind_socket(a.host, a.port)  # before the model loads: a busy port fails at once, and stays ours
+    from trainforge.infer.engine import Engine  # torch and FastAPI take seconds to import: after the bind
+
+    try:
+        from trainforge.infer.server import ServerConfig, serve
+    except ImportError as e:
+        raise TrainforgeError(f"trainforge serve needs the server packages ({e.name} is missing): "
+                              "pip install 'trainforge[infer]'") from None
     spec = _speculative_args(a)
     ahead = a.num_speculative_tokens if spec else 0
 
@@ -469,7 +474,8 @@ def _serve(argv: list[str]) -> int:
         raise TrainforgeError(str(e)) from None
     serve(engine, loaded.tokenizer, ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                                                  model_name=a.model_name or loaded.name,
-                                                 max_body_bytes=a.max_body_bytes, max_concurrent=a.max_concurrent))
+                                                 max_body_bytes=a.max_body_bytes, max_concurrent=a.max_concurrent,
+                                                 access_log=not a.no_access_log), sock)
     return 0
 
 

@@ -24,7 +24,7 @@ def test_shipped_files_are_generated_from_code():
 def test_every_query_uses_catalog_metrics_and_every_level_has_a_row():
     board = json.loads((DEPLOY / "grafana" / "dashboards" / "trainforge.json").read_text())
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["System metrics", "Framework metrics", "Model metrics"]
+    assert rows == ["System metrics", "Framework metrics", "Model metrics", "Serving (trainforge serve)"]
     known = {s.name for s in CATALOG}
     known |= {s.name + suffix for s in CATALOG if s.kind == "histogram" for suffix in ("_bucket", "_sum", "_count")}
     panels = [p for p in board["panels"] if p["type"] != "row"]
@@ -34,5 +34,5 @@ def test_every_query_uses_catalog_metrics_and_every_level_has_a_row():
         for t in p["targets"]:
             names = set(re.findall(r"trainforge_[a-z0-9_]+", t["expr"]))
             assert names and names <= known, (p["title"], names - known)
-            assert '{rank=~"$rank"}' in t["expr"]
-    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "rank"}
+            assert '{job=~"$run",rank=~"$rank"}' in t["expr"]  # every query filters by run and rank
+    assert {v["name"] for v in board["templating"]["list"]} == {"datasource", "run", "rank"}

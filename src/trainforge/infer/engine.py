@@ -23,6 +23,10 @@ leave at the next sync, which is continuous batching (Orca / vLLM style) with FI
 admission and no preemption (reservations make it unnecessary). ``start`` runs ``step`` in
 a background thread for the server; ``generate`` runs it in the caller's thread.
 
+A request with ``SamplingParams.logprobs`` set also gets, per token, the raw log-softmax
+of the logits it was sampled from (sampling.py): the sampler returns device tensors at
+step 3 and they are read with the tokens at step 4 (no extra sync); refused with a drafter.
+
 With a ``drafter`` (``speculative.py``), step 3 is a speculative step instead: the drafter
 proposes ``num_speculative_tokens`` (k) tokens per row, the model verifies them in one
 forward, each row keeps its accepted prefix plus one token and is rolled back to that length
@@ -157,6 +161,7 @@ class Engine:
         self._bias_rows = np.full((R, C), -np.inf, dtype=np.float32)  # 0 where row r holds token t
         self._ring = torch.zeros(self.sync_interval, R, dtype=torch.long, device=self.device)
         self._ring_rows: list[list[Request]] = []
+        self._ring_logprobs: list = []  # per ring step: the sampler's Logprobs or None
         self._rows: list[Request] = []
         self._waiting: deque[Request] = deque()
         self._lock = threading.Condition()
@@ -192,6 +197,9 @@ class Engine:
                                  f"{self.pool.usable_blocks} (raise n_blocks)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        if self.drafter is not None and params.logprobs is not None:
+            raise ValueError("logprobs: not supported with speculative decoding (a step keeps tokens of two "
+                             "distributions); serve without --speculative to get logprobs")
         if self.drafter is not None and params.repetition_penalty != 1.0:
             raise ValueError(f"repetition_penalty={params.repetition_penalty}: not supported with speculative "
                              "decoding (the penalty would change within a step's drafts); use 1.0")
@@ -286,7 +294,7 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.prefill(tokens, slots, row, hidden)
             self.sampler.set_row(row, req.params, req.prompt_ids)
-            self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
+            lp = self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
             first = int(self.runner.tokens[row])  # one host read per request, not per token
             self.counters["prefill_s"] += time.perf_counter() - t0
             self.counters["prompt_tokens"] += T
@@ -296,7 +304,7 @@ class Engine:
             for j, blk in enumerate(table):
                 self._index_rows[row, j * bs:(j + 1) * bs] = blk * bs + np.arange(bs)
             self._bias_rows[row, :T] = 0.0
-            self._append(req, [first])
+            self._append(req, [first], None if lp is None else lp.to_host([req.params.logprobs]))
             if req.finish_reason is not None:
                 self._remove_row(row)
 
@@ -333,10 +341,11 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.runner.decode(B, S)
         tokens = self.runner.tokens[:B]
-        self.sampler.sample(logits, 0, tokens)  # the next step's inputs, written in place
+        lp = self.sampler.sample(logits, 0, tokens)  # the next step's inputs, written in place
         k = len(self._ring_rows)
         self._ring[k, :B].copy_(tokens)
         self._ring_rows.append(list(self._rows))
+        self._ring_logprobs.append(lp)  # device tensors (or None), read at the flush
         pos[:B] += 1
         self.counters["decode_steps"] += 1
         self.counters["decode_s"] += time.perf_counter() - t0
@@ -408,11 +417,13 @@ class Engine:
         if not self._ring_rows:
             return
         values = self._ring[:len(self._ring_rows)].tolist()  # the host sync
-        for step_rows, step_values in zip(self._ring_rows, values):
+        for step_rows, step_values, lp in zip(self._ring_rows, values, self._ring_logprobs):
+            lps = None if lp is None else lp.to_host([r.params.logprobs for r in step_rows])
             for r, req in enumerate(step_rows):
                 if req.finish_reason is None:
-                    self._append(req, [step_values[r]])
+                    self._append(req, [step_values[r]], None if lps is None or lps[r] is None else [lps[r]])
         self._ring_rows.clear()
+        self._ring_logprobs.clear()
 
     def _remove_row(self, row: int) -> None:
         req = self._rows[row]
@@ -438,9 +449,9 @@ class Engine:
 
     # -- outputs ----------------------------------------------------------------------------
 
-    def _append(self, req: Request, ids: list[int]) -> None:
-        """Hand sampled ids to ``req`` and queue what it streams (request.py)."""
-        new, delta, reason = req.add_tokens(ids, self.eos_ids, self.tokenizer)
+    def _append(self, req: Request, ids: list[int], logprobs: list | None = None) -> None:
+        """Hand sampled ids (and their logprobs) to ``req`` and queue what it streams (request.py)."""
+        new, delta, reason = req.add_tokens(ids, self.eos_ids, self.tokenizer, logprobs)
         self.counters["generated_tokens"] += len(new)
         if reason is not None:
             self._finish(req, reason, new, delta)
@@ -518,6 +529,7 @@ class Engine:
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
         self._ring_rows.clear()
+        self._ring_logprobs.clear()
         for row in range(len(self._rows) - 1, -1, -1):
             req = self._rows[row]
             if req.finish_reason is None:

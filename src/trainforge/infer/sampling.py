@@ -10,6 +10,11 @@ tokens), greedy argmax for temperature-0 rows, then temperature, top-k, top-p, a
 The draw is the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` (what gpt-fast
 does; equivalent to sampling from ``p``), with ``E`` drawn from a per-request
 ``torch.Generator``, so a seed reproduces a request's tokens whatever else shares its batch.
+
+Log-probabilities (``SamplingParams.logprobs``) are the model's raw ``log_softmax`` of the
+logits, taken before the repetition penalty, temperature, top-k and top-p, as vLLM reports
+them by default (``logprobs_mode="raw_logprobs"``) and OpenAI documents them: the same
+numbers whatever the sampling settings, comparable across requests.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's end-of-text id
     ignore_eos: bool = False
     seed: int | None = None  # None = a fresh random seed per request
+    logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob and the k most likely
+
+    MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field and the allowed range."""
@@ -44,12 +52,28 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty}: must be > 0 (1 = off)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
+            raise ValueError(f"logprobs={self.logprobs}: must be in [0, {self.MAX_LOGPROBS}]")
         if any(not s for s in self.stop):
             raise ValueError("stop: stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+@dataclass
+class Logprobs:
+    """One step's log-probabilities on the device: chosen (n,), top_ids / top (n, k)."""
+
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top: torch.Tensor
+
+    def to_host(self, ks: list[int | None]) -> list:
+        """Per row: None, or (logprob of the sampled token, [(id, logprob)] its first k)."""
+        chosen, ids, top = self.chosen.tolist(), self.top_ids.tolist(), self.top.tolist()
+        return [None if k is None else (chosen[r], list(zip(ids[r][:k], top[r][:k]))) for r, k in enumerate(ks)]
 
 
 class BatchSampler:
@@ -132,13 +156,18 @@ class BatchSampler:
 
     # -- one step ---------------------------------------------------------------------------
 
-    def sample(self, logits: torch.Tensor, row0: int, out: torch.Tensor) -> None:
-        """logits: (n, V), rows ``row0 .. row0 + n - 1``; writes n token ids into ``out`` (n,)."""
+    def sample(self, logits: torch.Tensor, row0: int, out: torch.Tensor) -> "Logprobs | None":
+        """logits: (n, V), rows ``row0 .. row0 + n - 1``; writes n token ids into ``out`` (n,).
+        Returns None, or when a row asks for logprobs, device tensors for all n rows: the
+        sampled tokens' logprobs (n,) and the top-k ids and logprobs (n, k), k the largest
+        asked for (rows that asked for fewer use their first ones). No host sync."""
         n = logits.shape[0]
         rows = slice(row0, row0 + n)
         params = self._params[rows]
         if any(p is None for p in params):
             raise RuntimeError(f"sampling rows {row0}..{row0 + n - 1} with a row that has no request")
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        raw = None if k is None else torch.log_softmax(logits.float(), dim=-1)  # before sampling mutates logits
         penalised = any(p.repetition_penalty != 1.0 for p in params)
         if penalised:
             # HF: a seen token's logit is divided by the penalty when positive, multiplied when negative.
@@ -160,6 +189,10 @@ class BatchSampler:
                 out.copy_(self._sampled_tok[rows])
         if penalised:
             self.unseen[rows].scatter_(1, out.unsqueeze(1), False)
+        if raw is None:
+            return None
+        top_lp, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], out[:, None][:, :0])
+        return Logprobs(raw.gather(1, out[:, None]).squeeze(1), top_ids, top_lp)
 
     def _filter_and_draw(self, logits: torch.Tensor, rows: slice, params: list[SamplingParams]) -> None:
         n, V = logits.shape

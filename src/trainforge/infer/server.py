@@ -1,24 +1,30 @@
 """``trainforge serve``: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``"stream": true`` as server-sent events ending ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text: the monitoring ``Registry``, fed engine
+``"stream": true`` as server-sent events ending ``data: [DONE]``; ``n`` choices, each its
+own engine request; ``logprobs``; ``stream_options.include_usage``: see
+``openai_schema.py``), ``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text: the monitoring ``Registry``, fed engine
 records and exposed through ``prometheus_client``, so metric names, types and help come
 from ``monitor/catalog.py`` and appear in ``docs/metrics.md``). Binds 127.0.0.1 unless
 told otherwise; with an API key every endpoint but ``/health`` wants ``Authorization:
-Bearer KEY``. Needs the ``infer`` extra (fastapi, uvicorn).
+Bearer KEY``. Needs the ``infer`` extra (fastapi, uvicorn). ``server_extras.py`` has the
+port binding (before the model loads), the startup banner and the access log.
 
 The engine steps in its own thread; handlers only submit requests and await the tokens it
 hands back (``Request.on_update`` -> ``loop.call_soon_threadsafe``), so the event loop
 stays free and ``/health`` answers under load. Errors use OpenAI's envelope
 ``{"error": {"message", "type", "param", "code"}}``:
 
-- 400 malformed JSON, bad or unsupported parameters, prompt + max_tokens beyond the context
-  (code ``context_length_exceeded``); 401 bad or missing key; 404 unknown model or path;
+- 400 malformed JSON, bad or unsupported parameters (``n`` outside [1, max_batch_size +
+  max_queue], ``top_logprobs`` / ``logprobs`` above 20, logprobs with speculative decoding,
+  ``stream_options`` without ``stream``: ``param`` names the field), prompt + max_tokens
+  beyond the context (code ``context_length_exceeded``); 401 bad or missing key; 404
+  unknown model or path;
 - 413 body larger than ``max_body_bytes`` (refused from Content-Length before reading);
-- 429 at the concurrency limit: exactly ``max_concurrent`` requests are admitted (running +
-  waiting in the engine + admitted here but still being read), the next is refused before
-  its body is read. ``max_concurrent`` may not exceed the engine's own bound
+- 429 at the concurrency limit (a request with ``n`` choices counts n times): exactly
+  ``max_concurrent`` requests are admitted (running + waiting in the engine + admitted
+  here but still being read), the next is refused before its body is read. ``max_concurrent`` may not exceed the engine's own bound
   (``max_batch_size + max_queue``), so the engine's ``QueueFull`` is a backstop only.
 
 A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
@@ -32,8 +38,9 @@ models are not chat-tuned and no Jinja chat template is read.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import dataclasses
 import json
+import socket
 import time
 import uuid
 from contextlib import contextmanager
@@ -45,8 +52,14 @@ from starlette.requests import Request as HTTPRequest  # at module level: FastAP
 
 from trainforge.errors import ConfigError
 from trainforge.infer.engine import Engine, QueueFull, RequestTooLong
+from trainforge.infer.openai_schema import (APIError, Choices, TextOffsets, TokenText, chat_logprobs, chat_prompt,
+                                            choices_of, completion_logprobs, sampling_params)
 from trainforge.infer.request import Request
 from trainforge.infer.sampling import SamplingParams
+from trainforge.infer.listen import bind_socket
+from trainforge.infer.server_extras import Gate, banner, engine_record
+
+__all__ = ["APIError", "ServerConfig", "chat_prompt", "create_app", "engine_record", "sampling_params", "serve"]
 
 
 @dataclass
@@ -58,16 +71,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_concurrent: int = 0  # requests admitted at once (running + waiting); 0 = max_batch_size + max_queue
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    access_log: bool = True  # one line per request on the "trainforge.access" logger
 
 
 class _Admission:
@@ -111,69 +115,6 @@ async def _disconnected(request: HTTPRequest) -> None:
         pass
 
 
-# -- request parsing -------------------------------------------------------------------------
-
-def _field(body: dict, key: str, types: tuple, default: Any, ok=None, want: str = "") -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types) or (ok and not ok(value)):
-        raise APIError(400, f"'{key}' must be {want}, got {value!r}", param=key)
-    return value
-
-
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
-    """OpenAI request fields -> ``SamplingParams`` (``top_k``, ``repetition_penalty`` and
-    ``ignore_eos`` are extensions, spelled as vLLM spells them)."""
-    num = (int, float)
-    if _field(body, "n", (int,), 1) != 1:
-        raise APIError(400, "'n' must be 1: send one request per completion", param="n")
-    for key in ("logprobs", "top_logprobs", "echo"):
-        if body.get(key):
-            raise APIError(400, f"'{key}' is not supported by this server", param=key)
-    if body.get("best_of") not in (None, 1):
-        raise APIError(400, "'best_of' is not supported by this server", param="best_of")
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _field(body, key, num, 0) != 0:
-            raise APIError(400, f"'{key}' is not supported (use 'repetition_penalty')", param=key)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-    max_tokens = _field({"max_tokens": max_tokens}, "max_tokens", (int,), default_max_tokens, lambda v: v >= 1,
-                        "an integer >= 1")
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > 4
-                             or not all(isinstance(s, str) and s for s in stop)):
-        raise APIError(400, "'stop' must be a non-empty string or a list of at most 4", param="stop")
-    return SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=float(_field(body, "temperature", num, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
-        top_p=float(_field(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
-        top_k=_field(body, "top_k", (int,), 0, lambda v: v >= 0, "an integer >= 0"),
-        repetition_penalty=float(_field(body, "repetition_penalty", num, 1.0, lambda v: v > 0, "a number > 0")),
-        stop=tuple(stop or ()),
-        ignore_eos=_field(body, "ignore_eos", (bool,), False),
-        seed=_field(body, "seed", (int,), None),
-    )
-
-
-def chat_prompt(messages: Any) -> str:
-    """OpenAI chat messages -> one prompt string (``role: content`` lines, then ``assistant:``)."""
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list", param="messages")
-    lines = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string", param="messages")
-        lines.append(f"{m['role']}: {content}\n")
-    return "".join(lines) + "assistant:"
-
-
 # -- the app ---------------------------------------------------------------------------------
 
 def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
@@ -199,7 +140,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
     exposition.register(RegistryCollector(metrics_registry))
 
     app = FastAPI(title="trainforge", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Gate, api_key=config.api_key, registry=metrics_registry)
+    app.add_middleware(Gate, api_key=config.api_key, registry=metrics_registry, access_log=config.access_log)
+    token_texts = (TokenText(tokenizer), TokenText(tokenizer, as_ids=True))
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -265,41 +207,82 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
         raise APIError(400, "'prompt' must be a string, a list of token ids, or a one-element list of either",
                        param="prompt")
 
-    async def run(request: HTTPRequest, ids: list[int], params: SamplingParams, chat: bool, stream: bool,
+    async def run(request: HTTPRequest, ids: list[int], params: SamplingParams, chat: bool, choices: Choices,
                   admitted: Callable[[], None]):
-        """Submit, then answer: a JSON body, or an SSE stream. ``admitted()`` once the engine
-        holds the request (from then on ``Engine.load`` counts it)."""
+        """Submit ``choices.n`` engine requests (one per choice; seed, seed + 1, ... when a
+        seed is given, else a fresh one each), then answer: a JSON body, or an SSE stream
+        whose chunks carry each choice's ``index``. ``admitted()`` once the engine holds
+        them (from then on ``Engine.load`` counts them)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()  # streamed: (text, finished) per engine update
-        finished_event = asyncio.Event()  # not streamed: set once, when the request ends
+        queue: asyncio.Queue = asyncio.Queue()  # streamed: (index, new ids, logprobs, text, finished)
+        finished_event = asyncio.Event()  # not streamed: set once, when every choice has ended
+        n, stream = choices.n, choices.stream
+        ended = [0]
 
-        def on_update(req: Request, new_ids: list[int], text: str, finished: bool) -> None:
-            if stream:
-                loop.call_soon_threadsafe(queue.put_nowait, (text, finished))
-            elif finished:
-                loop.call_soon_threadsafe(finished_event.set)
+        def on_update_for(index: int):
+            handed = [0]  # tokens of this choice handed out so far: updates come in order, after the step
 
+            def on_update(req: Request, new_ids: list[int], text: str, finished: bool) -> None:
+                lps = req.logprobs[handed[0]:handed[0] + len(new_ids)] if want_lp else None
+                handed[0] += len(new_ids)
+                if stream:
+                    loop.call_soon_threadsafe(queue.put_nowait, (index, new_ids, lps, text, finished))
+                elif finished:
+                    loop.call_soon_threadsafe(end_one)
+            return on_update
+
+        def end_one() -> None:
+            ended[0] += 1
+            if ended[0] == n:
+                finished_event.set()
+
+        want_lp = params.logprobs is not None
+        token_text = token_texts[choices.tokens_as_ids]
+        if want_lp and engine.drafter is not None:
+            raise APIError(400, "'logprobs' is not supported with speculative decoding; serve without "
+                           "--speculative to get logprobs", param="logprobs")
+        if n > 1 and admission.load() - 1 + n > admission.limit:  # this request already counts once
+            raise APIError(429, f"server busy: n={n} choices do not fit the {admission.limit - admission.load() + 1} "
+                           "free places; retry later or lower 'n'", "rate_limit_error", code="rate_limit_exceeded")
+        reqs: list[Request] = []
         try:
-            req = engine.submit(ids, params, on_update)
-        except RequestTooLong as e:
-            raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
-        except QueueFull as e:
-            raise APIError(429, f"server busy: {e}", "rate_limit_error", code="rate_limit_exceeded") from None
-        except ValueError as e:
+            for i in range(n):
+                p = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
+                reqs.append(engine.submit(ids, p, on_update_for(i)))
+        except (RequestTooLong, QueueFull, ValueError) as e:
+            for r in reqs:
+                engine.abort(r)
+            if isinstance(e, RequestTooLong):
+                raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+            if isinstance(e, QueueFull):
+                raise APIError(429, f"server busy: {e}", "rate_limit_error", code="rate_limit_exceeded") from None
             raise APIError(400, str(e)) from None
         finally:
-            admitted()  # the engine counts it now (or it was refused)
+            admitted()  # the engine counts them now (or they were refused)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
 
         def usage() -> dict:
-            n = len(req.output_ids)
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            out = sum(len(r.output_ids) for r in reqs)
+            request.scope.setdefault("state", {})["tokens"] = (len(ids), out)  # for the access log
+            return {"prompt_tokens": len(ids), "completion_tokens": out, "total_tokens": len(ids) + out}
 
-        def observe() -> None:
+        def observe(req: Request) -> None:
             metrics_registry.ingest({"ttft_s": req.ttft_s,
                                      "request_s": None if req.finished_s is None else req.finished_s - req.created_s})
+
+        def abort_all() -> None:
+            for r in reqs:
+                if not r.done.is_set():
+                    engine.abort(r)
+
+        def logprobs_of(token_ids: list[int], lps: list | None, offsets: TextOffsets | None) -> dict | None:
+            if lps is None:
+                return None
+            if chat:
+                return chat_logprobs(token_text, token_ids, lps)
+            return completion_logprobs(token_text, token_ids, lps, offsets(token_ids))
 
         if not stream:
             # Wait for the end or the client leaving, whichever comes first. (Waiting on the
@@ -314,43 +297,56 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
             finally:  # also when this handler is cancelled (server shutdown)
                 finished.cancel()
                 gone.cancel()
-                if not req.done.is_set():
-                    engine.abort(req)
-            observe()
-            choice = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": req.text}
-            else:
-                choice["text"] = req.text
-            return {"id": rid, "object": obj, "created": created, "model": config.model_name,
-                    "choices": [choice], "usage": usage()}
+                abort_all()
+            out = []
+            for i, req in enumerate(reqs):
+                observe(req)
+                lp = logprobs_of(req.output_ids, req.logprobs if want_lp else None, TextOffsets(tokenizer))
+                choice = {"index": i, "finish_reason": req.finish_reason, "logprobs": lp}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": req.text}
+                else:
+                    choice["text"] = req.text
+                out.append(choice)
+            return {"id": rid, "object": obj, "created": created, "model": config.model_name, "choices": out,
+                    "usage": usage()}
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        def chunk(choice_list: list[dict], usage_body: dict | None = None) -> str:
             body = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                    "model": config.model_name, "choices": [choice]}
+                    "model": config.model_name, "choices": choice_list}
+            if choices.include_usage:  # OpenAI: null on every chunk but the last
+                body["usage"] = usage_body
             return f"data: {json.dumps(body)}\n\n"
 
+        def choice(index: int, text: str | None, finish: str | None, lp: dict | None = None,
+                   first: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
+            return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": lp}
+
         async def events():
+            offsets = [TextOffsets(tokenizer) for _ in range(n)]
             try:
                 if chat:
-                    yield chunk(None, None, first=True)
-                while True:
-                    text, finished = await queue.get()
-                    if text:
-                        yield chunk(text, None)
+                    for i in range(n):
+                        yield chunk([choice(i, None, None, first=True)])
+                left = n
+                while left:
+                    index, new_ids, lps, text, finished = await queue.get()
+                    if text or (lps and new_ids):
+                        yield chunk([choice(index, text, None, logprobs_of(new_ids, lps, offsets[index]))])
                     if finished:
-                        observe()
-                        yield chunk(None, req.finish_reason)
-                        yield "data: [DONE]\n\n"
-                        return
+                        left -= 1
+                        observe(reqs[index])
+                        yield chunk([choice(index, None, reqs[index].finish_reason)])
+                if choices.include_usage:
+                    yield chunk([], usage())
+                else:
+                    usage()  # the access log's token counts
+                yield "data: [DONE]\n\n"
             finally:  # also runs when the client goes away and the response task is cancelled
-                if not req.done.is_set():
-                    engine.abort(req)
+                abort_all()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -363,7 +359,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
                 raise APIError(400, "'prompt' is required", param="prompt")
             ids = encode_prompt(data["prompt"])
             params = sampling_params(data, config.default_max_tokens)
-            return await run(request, ids, params, chat=False, stream=bool(data.get("stream", False)),
+            return await run(request, ids, params, chat=False, choices=choices_of(data, engine_cap),
                              admitted=admitted)
 
     @app.post("/v1/chat/completions")
@@ -372,75 +368,52 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
             data = await read_body(request)
             ids = tokenizer.encode(chat_prompt(data.get("messages"))).ids
             default = max(1, min(256, engine.max_context - len(ids)))
-            params = sampling_params(data, default)
-            return await run(request, ids, params, chat=True, stream=bool(data.get("stream", False)),
+            params = sampling_params(data, default, chat=True)
+            return await run(request, ids, params, chat=True, choices=choices_of(data, engine_cap),
                              admitted=admitted)
+
+    # vLLM's /tokenize and /detokenize (same shapes), behind the API key like the rest.
+    @app.post("/tokenize")
+    async def tokenize(request: HTTPRequest):
+        data = await read_body(request)
+        if "messages" in data:
+            ids = tokenizer.encode(chat_prompt(data["messages"])).ids
+        elif isinstance(data.get("prompt"), str):
+            ids = tokenizer.encode(data["prompt"]).ids
+        else:
+            raise APIError(400, "give 'prompt' (a string) or 'messages' (a chat)", param="prompt")
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: HTTPRequest):
+        data = await read_body(request)
+        ids = data.get("tokens")
+        V = engine.model.cfg.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V
+                                                for t in ids):
+            raise APIError(400, f"'tokens' must be a list of token ids in [0, {V})", param="tokens")
+        return {"prompt": tokenizer.decode(ids)}
 
     return app
 
 
-class _Gate:
-    """ASGI middleware: API-key check (all paths but /health) and request counting by status.
-    Pure ASGI, not ``BaseHTTPMiddleware``, so streamed responses and disconnects pass through."""
-
-    KNOWN = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
-
-    def __init__(self, app, api_key: str | None, registry):
-        self.app, self.api_key, self.registry = app, api_key, registry
-        self.counts: dict[tuple[str, int], int] = {}
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        status = [500]
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            if self.api_key and path != "/health":
-                auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                    body = json.dumps(APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                               code="invalid_api_key").body()).encode()
-                    await counting_send({"type": "http.response.start", "status": 401,
-                                         "headers": [(b"content-type", b"application/json"),
-                                                     (b"content-length", str(len(body)).encode())]})
-                    await send({"type": "http.response.body", "body": body})
-                    return
-            await self.app(scope, receive, counting_send)
-        finally:
-            key = (path if path in self.KNOWN else "other", status[0])
-            self.counts[key] = n = self.counts.get(key, 0) + 1  # one event loop: no lock needed
-            self.registry.ingest({f"http_requests {key[0]} {key[1]}": n})
-
-
-SPEC_KEYS = ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")
-
-
-def engine_record(engine: Engine) -> dict[str, Any]:
-    """The engine's state as a metrics record (keys in ``monitor/catalog.py``), read at scrape time."""
-    s = engine.stats()
-    pool = s["kv_pool"]
-    return {"infer_running": s["running"], "infer_waiting": s["waiting"], "kv_blocks_used": pool["blocks_used"],
-            "kv_blocks_reserved": pool["blocks_reserved"], "kv_blocks_capacity": pool["blocks_total"],
-            "kv_block_utilisation": pool["block_utilisation"], "kv_slot_utilisation": pool["slot_utilisation"],
-            "infer_prompt_tokens": s["prompt_tokens"], "infer_generated_tokens": s["generated_tokens"],
-            "infer_decode_steps": s["decode_steps"], "infer_rejected": s["rejected"],
-            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort")},
-            **{k: v for k, v in s.items() if k in SPEC_KEYS}}
-
-
-def serve(engine: Engine, tokenizer, config: ServerConfig) -> None:
-    """Run the server until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+def serve(engine: Engine, tokenizer, config: ServerConfig, sock: socket.socket | None = None) -> None:
+    """Run the server on ``sock`` (bound by ``bind_socket``; bound here from ``config`` if
+    None) until interrupted (uvicorn handles SIGINT/SIGTERM). Logs the banner first."""
     import uvicorn
 
+    from trainforge.log import get_logger
+
+    sock = sock or bind_socket(config.host, config.port)
     app = create_app(engine, tokenizer, config)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    # uvicorn's own access log is off: the gate's line has the duration and the token counts.
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    get_logger().info(banner(engine, config, f"http://{shown}:{port}"))
     engine.start()
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+        server.run(sockets=[sock])
     finally:
         engine.stop()
+        sock.close()

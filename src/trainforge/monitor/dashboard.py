@@ -3,11 +3,16 @@ the ``dev`` extra), plus the provisioning files that load it.
 
     python -m trainforge.monitor.dashboard deploy/grafana   # rewrites the shipped files
 
-One row per level (system, framework, model). Every query uses only metrics from
-``catalog.py`` and a ``rank`` variable; ``tests/monitor/test_prometheus_e2e.py`` runs
-every query against a real Prometheus scraping a real run. Panels whose description
-says "Needs: CUDA" have no data on a CPU run, those saying "Needs: a MoE model" none for a
-dense model.
+One row per level (system, framework, model) and one for ``trainforge serve``. Every
+query uses only metrics from ``catalog.py`` and two variables: ``run``, the Prometheus
+``job`` label (give each run or server its own ``job_name`` in prometheus.yml to tell
+them apart: a label Prometheus adds to every series it scrapes, so no exporter change),
+and ``rank``. ``tests/monitor/test_prometheus_e2e.py`` runs every training query against
+a real Prometheus scraping a real run, ``tests/infer/test_server_prometheus.py`` every
+serving query against one scraping a live server. Panels whose description says "Needs:
+CUDA" have no data on a CPU run, those saying "Needs: a MoE model" none for a dense model,
+those saying "Needs: trainforge serve" none for a training run (and the other rows none
+for a server).
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from pathlib import Path
 
 UID = "trainforge-training"
 DATASOURCE_UID = "prometheus"  # the provisioned data source (deploy/grafana/provisioning/datasources)
-R = '{rank=~"$rank"}'
+R = '{job=~"$run",rank=~"$rank"}'
 CUDA_NOTE = "Needs: CUDA"
 MOE_NOTE = "Needs: a MoE model"
+SERVE_NOTE = "Needs: trainforge serve"
+LEVELS = ("system", "framework", "model", "serving")
+ROW_TITLES = {"serving": "Serving (trainforge serve)"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,15 @@ class PanelSpec:
 
 def q(metric: str, legend: str) -> tuple[str, str]:
     return f"{metric}{R}", legend
+
+
+def quantile(p: float, histogram: str, by: str = "") -> str:
+    """p-quantile over the last minute of a catalog histogram, summed over ranks/instances."""
+    return f"histogram_quantile({p}, sum by (le{by}) (rate({histogram}_bucket{R}[1m])))"
+
+
+def per_s(counter: str, by: str) -> str:
+    return f"sum by ({by}) (rate({counter}{R}[1m]))"
 
 
 PANELS: tuple[PanelSpec, ...] = (
@@ -150,6 +167,37 @@ PANELS: tuple[PanelSpec, ...] = (
                q("trainforge_moe_aux_loss", "auxiliary balance loss")),
               "max - min of each layer's selection bias (loss-free balancing); the auxiliary loss needs an "
               f"alpha > 0. {MOE_NOTE}"),
+    # -- serving (the server's /metrics: engine state at scrape time, request histograms) -----
+    PanelSpec("serving", "Requests per second by status", "reqps",
+              ((per_s("trainforge_http_requests_total", "job, status"), "{{status}} {{job}}"),
+               (per_s("trainforge_http_requests_total", "job, path"), "{{path}} {{job}}")),
+              f"HTTP requests answered, by status code and by path (unknown paths count as 'other'). {SERVE_NOTE}"),
+    PanelSpec("serving", "Request latency", "s",
+              ((quantile(0.5, "trainforge_inference_request_seconds", ", job"), "p50 {{job}}"),
+               (quantile(0.95, "trainforge_inference_request_seconds", ", job"), "p95 {{job}}"),
+               (quantile(0.99, "trainforge_inference_request_seconds", ", job"), "p99 {{job}}")),
+              f"Submission to last token, per finished completion (each of n choices counts). {SERVE_NOTE}"),
+    PanelSpec("serving", "Time to first token", "s",
+              ((quantile(0.5, "trainforge_inference_time_to_first_token_seconds", ", job"), "p50 {{job}}"),
+               (quantile(0.95, "trainforge_inference_time_to_first_token_seconds", ", job"), "p95 {{job}}")),
+              f"Submission to the first sampled token: queueing plus prefill. {SERVE_NOTE}"),
+    PanelSpec("serving", "Tokens per second", "short",
+              ((per_s("trainforge_inference_generated_tokens_total", "job"), "generated {{job}}"),
+               (per_s("trainforge_inference_prompt_tokens_total", "job"), "prompt (prefilled) {{job}}")),
+              SERVE_NOTE),
+    PanelSpec("serving", "Queue depth", "short",
+              (q("trainforge_inference_running_requests", "running (batch rows) {{job}}"),
+               q("trainforge_inference_waiting_requests", "waiting {{job}}"),
+               (per_s("trainforge_inference_requests_rejected_total", "job") + " * 60", "refused per minute {{job}}")),
+              f"Requests in the batch and in the engine's queue, read at scrape time. {SERVE_NOTE}"),
+    PanelSpec("serving", "KV pool", "percentunit",
+              (q("trainforge_kv_cache_block_utilization_ratio", "blocks in use {{job}}"),
+               q("trainforge_kv_cache_slot_utilization_ratio", "token slots written {{job}}")),
+              f"Share of the paged KV pool's blocks held by running requests, and of their slots written. "
+              f"{SERVE_NOTE}"),
+    PanelSpec("serving", "Finished requests by reason", "reqps",
+              ((per_s("trainforge_inference_requests_finished_total", "job, reason"), "{{reason}} {{job}}"),),
+              f"stop (end-of-text or a stop string), length (max_tokens), abort (client gone). {SERVE_NOTE}"),
 )
 
 
@@ -160,14 +208,19 @@ def build_dashboard() -> dict:
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableRefresh
 
     ds = DataSourceRef(type_val="prometheus", uid="${datasource}")
+    # run: the Prometheus job (one job_name per run or server); rank: the ranks of the chosen runs.
+    run = (dashboard.QueryVariable("run").label("run (Prometheus job)").datasource(ds)
+           .query('label_values({__name__=~"trainforge_.+"}, job)').refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+           .multi(True).include_all(True).all_value(".*"))
     rank = (dashboard.QueryVariable("rank").label("rank").datasource(ds)
-            .query("label_values(trainforge_step, rank)").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .multi(True).include_all(True).all_value(".*"))
+            .query('label_values({__name__=~"trainforge_.+", job=~"$run"}, rank)')
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED).multi(True).include_all(True).all_value(".*"))
     source = dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
-    board = (dashboard.Dashboard("trainforge training").uid(UID).tags(["trainforge", "training"])
-             .refresh("10s").time("now-1h", "now").timezone("browser").with_variable(source).with_variable(rank))
-    for level in ("system", "framework", "model"):
-        board = board.with_row(dashboard.Row(f"{level.capitalize()} metrics"))
+    board = (dashboard.Dashboard("trainforge training").uid(UID).tags(["trainforge", "training", "serving"])
+             .refresh("10s").time("now-1h", "now").timezone("browser").with_variable(source).with_variable(run)
+             .with_variable(rank))
+    for level in LEVELS:
+        board = board.with_row(dashboard.Row(ROW_TITLES.get(level, f"{level.capitalize()} metrics")))
         for spec in (p for p in PANELS if p.level == level):
             panel = (bargauge.Panel() if spec.kind == "bargauge" else timeseries.Panel())
             panel = panel.title(spec.title).unit(spec.unit).datasource(ds).height(8).span(8)
@@ -223,12 +276,19 @@ PROMETHEUS_CONFIG = """\
 # Prometheus scrape config for trainforge runs with --monitor.prometheus_port 9400.
 # Each process serves prometheus_port + LOCAL_RANK on its own node: list one target
 # per local rank and node (here: 2 nodes x 8 processes would be 16 targets).
+# The dashboard's "run" variable is the job label: give each run (or server) its own job_name.
 global:
   scrape_interval: 5s
 scrape_configs:
   - job_name: trainforge
     static_configs:
       - targets: ["127.0.0.1:9400"]  # add 127.0.0.1:9401 ... for more processes per node
+  # trainforge serve's /metrics is on its own port; with --api_key, Prometheus sends the key.
+  - job_name: trainforge-serve
+    static_configs:
+      - targets: ["127.0.0.1:8000"]
+    # authorization:
+    #   credentials: KEY
 """
 
 
