@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainforge.compression.section import CompressionSection
+from trainforge.config_args import FALSE, TRUE, ConfigKey, OverrideParser, add_key_arguments, overrides_from, \
+    section_keys
+from trainforge.config_args import join_values as _join_values
 from trainforge.config_base import _require, config_to_dict, config_to_toml  # noqa: F401  (public names)
 from trainforge.data.section import AugmentSection, CacheSection, DataSection, is_list_of_tables  # noqa: F401
 from trainforge.errors import ConfigError
@@ -84,8 +87,6 @@ class Config:
 # ---------------------------------------------------------------------------
 # Loading: TOML -> dict -> typed sections, with CLI overrides applied on top.
 
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
 
 
 def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
@@ -114,8 +115,8 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
                           "e.g. [{name = \"token_replace\", p = 0.1}]")
     try:
         if tp is bool:
-            if from_cli and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
-                return value.lower() in _TRUE
+            if from_cli and isinstance(value, str) and value.lower() in TRUE | FALSE:
+                return value.lower() in TRUE
             if isinstance(value, bool):
                 return value
         elif tp is int:
@@ -203,7 +204,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     """``["--training.steps", "10", "--model.flavor=debug", "--no-parallel.compile"]`` -> [(section, key, raw)],
     in command-line order (the last of a repeated key wins). Parsed by the same argparse options as
     ``trainforge train`` (``add_config_arguments``), so its help and its parser cannot disagree."""
-    parser = _OverrideParser(prog="overrides", add_help=False, allow_abbrev=False)
+    parser = OverrideParser(prog="overrides", add_help=False, allow_abbrev=False)
     add_config_arguments(parser)
     ns, extra = parser.parse_known_args(join_values(args))
     reject_unknown(extra)
@@ -249,124 +250,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 # ---------------------------------------------------------------------------
-# The command line: one argparse option per key, generated from the typed sections. argparse only
-# matches the option and collects its raw text; _coerce then checks it against the field's type, so a
-# key set on the command line and in a TOML file gets the same checks and the same error message.
-# Every option's default is SUPPRESS: an option not given leaves the lower layers (defaults, saved run
-# config, --config file) alone, which keeps the precedence.
-
-_OVERRIDES = "config_overrides"  # the namespace attribute: [(dotted key, raw text)] in command-line order
-
-
-class _OverrideParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2 (ConfigError), not argparse's usage + SystemExit
-        raise ConfigError(message)
-
-
-def _record(ns: argparse.Namespace, key: str, raw: str) -> None:
-    setattr(ns, _OVERRIDES, [*getattr(ns, _OVERRIDES, []), (key, raw)])
-
-
-class _ValueOption(argparse.Action):
-    """``--section.key VALUE`` or ``--section.key=VALUE``."""
-
-    def __call__(self, parser, ns, value, option_string=None):
-        _record(ns, self.dest, value)
-
-
-class _BoolOption(argparse.Action):
-    """``--section.key`` (true), ``--no-section.key`` (false), or ``--section.key true|false`` as before."""
-
-    def __call__(self, parser, ns, value, option_string=None):
-        if option_string.startswith("--no-"):
-            if value is not None:
-                raise ConfigError(f"{option_string} takes no value: write {option_string} alone, or "
-                                  f"--{self.dest} {value}")
-            value = "false"
-        _record(ns, self.dest, "true" if value is None else value)
-
-
-def _plain(tp: Any) -> tuple[Any, bool]:
-    """(the type without ``| None``, whether None is allowed)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
-    return tp, False
-
-
-def _shown(value: Any) -> str:
-    """A default as it is written on the command line."""
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return repr(value) if value else "[]"
-    return str(value)
-
-
-@dataclass(frozen=True)
-class _Key:
-    key: str        # dotted: data.cache.dir
-    tp: Any         # without | None
-    optional: bool
-    default: Any
-    help: str
-
-
-def _section_keys(prefix: str, cls: type, obj: Any) -> list[tuple[str, list[_Key]]]:
-    """[(table, its keys)] for a section and, after it, each nested table ([data], [data.cache], ...)."""
-    hints = typing.get_type_hints(cls)
-    keys: list[_Key] = []
-    tables: list[tuple[str, list[_Key]]] = []
-    for f in dataclasses.fields(cls):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(hints[f.name]):
-            tables += _section_keys(f"{prefix}.{f.name}", hints[f.name], value)
-            continue
-        tp, optional = _plain(hints[f.name])
-        keys.append(_Key(f"{prefix}.{f.name}", tp, optional, value, f.metadata.get("help", "")))
-    return [(prefix, keys), *tables]
+# The command line: one argparse option per key (config_args.py builds them from the sections).
 
 
 @functools.cache
-def config_tables() -> tuple[tuple[str, tuple[_Key, ...]], ...]:
+def config_tables() -> tuple[tuple[str, tuple[ConfigKey, ...]], ...]:
     """Every table of ``Config`` with its keys, in declaration order (what ``train --help`` lists)."""
     cfg = Config()
     out = []
     for f in dataclasses.fields(Config):
-        out += [(t, tuple(k)) for t, k in _section_keys(f.name, type(getattr(cfg, f.name)), getattr(cfg, f.name))]
+        out += [(t, tuple(k)) for t, k in section_keys(f.name, type(getattr(cfg, f.name)), getattr(cfg, f.name))]
     return tuple(out)
-
-
-def _describe(k: _Key) -> tuple[str | None, str]:
-    """(metavar, the help text after the field's own): type, allowed values and default."""
-    if typing.get_origin(k.tp) is Literal:
-        choices = ", ".join(map(str, typing.get_args(k.tp)))
-        return "CHOICE", f"one of: {choices}{', none' if k.optional else ''}; default: {_shown(k.default)}"
-    if k.tp is bool:
-        return None, f"bool{' or none' if k.optional else ''}; default: {_shown(k.default)}"
-    if k.tp is list or typing.get_origin(k.tp) is list:
-        return "TOML", f"a TOML list of tables; default: {_shown(k.default)}"
-    name = getattr(k.tp, "__name__", str(k.tp))
-    return name.upper(), f"{name}{' or none' if k.optional else ''}; default: {_shown(k.default)}"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One argument group per table ([model], [data], [data.cache]...) and one option per key:
     ``--section.key VALUE``, and for a boolean ``--section.key`` / ``--no-section.key`` too."""
-    for table, keys in config_tables():
-        group = parser.add_argument_group(f"[{table}]")
-        for k in keys:
-            metavar, extra = _describe(k)
-            text = f"{k.help} ({extra})" if k.help else f"({extra})"
-            text = text.replace("%", "%%")  # argparse %-formats help
-            if metavar is None:
-                group.add_argument(f"--{k.key}", f"--no-{k.key}", dest=k.key, action=_BoolOption, nargs="?",
-                                   metavar="BOOL", default=argparse.SUPPRESS, help=text)
-            else:
-                group.add_argument(f"--{k.key}", dest=k.key, action=_ValueOption, metavar=metavar,
-                                   default=argparse.SUPPRESS, help=text)
+    add_key_arguments(parser, config_tables())
 
 
 @functools.cache
@@ -376,30 +276,8 @@ def _option_kinds() -> dict[str, bool]:
 
 
 def join_values(args: list[str]) -> list[str]:
-    """``--key VALUE`` -> ``--key=VALUE`` for the config keys. argparse takes a value that starts with
-    '-' for an option unless it looks like -1 or -.5; joined, -1e-3 and -x stay values as before. A
-    boolean takes the next argument only when it is true/false (yes/no/on/off/1/0): ``--parallel.compile
-    --model.flavor debug`` sets compile and flavor."""
-    kinds, out, i = _option_kinds(), [], 0
-    while i < len(args):
-        arg = args[i]
-        nxt = args[i + 1] if i + 1 < len(args) else None
-        if kinds.get(arg) is False and (nxt is None or nxt.startswith("--")):
-            raise ConfigError(f"override {arg} has no value: write {arg} VALUE (or {arg}=VALUE for a value "
-                              "that starts with --)")
-        if arg in kinds and nxt is not None and not nxt.startswith("--") \
-                and (not kinds[arg] or nxt.lower() in _TRUE | _FALSE):
-            out.append(f"{arg}={nxt}")
-            i += 2
-            continue
-        out.append(arg)
-        i += 1
-    return out
-
-
-def overrides_from(ns: argparse.Namespace) -> list[tuple[str, str]]:
-    """The (dotted key, raw text) pairs a parser with ``add_config_arguments`` collected, in order."""
-    return list(getattr(ns, _OVERRIDES, []))
+    """``config_args.join_values`` for the config keys."""
+    return _join_values(args, _option_kinds())
 
 
 def reject_unknown(extra: list[str], options: list[str] = ()) -> None:
@@ -426,20 +304,7 @@ def reject_unknown(extra: list[str], options: list[str] = ()) -> None:
     raise ConfigError(f"unknown option '--{name}'{hint}; config overrides look like --section.key VALUE")
 
 
-def _help_rows(prefix: str, cls: type) -> list[str]:
-    rows = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default_factory):  # type: ignore[arg-type]
-            rows += _help_rows(f"{prefix}.{f.name}", f.default_factory)  # type: ignore[arg-type]
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append(f"  --{prefix}.{f.name} (default {default!r}): {f.metadata.get('help', '')}")
-    return rows
-
-
 def config_help() -> str:
-    """One line per key, for ``trainforge train --help``."""
-    rows = []
-    for sec_field in dataclasses.fields(Config):
-        rows += _help_rows(sec_field.name, sec_field.default_factory)  # type: ignore[arg-type]
-    return "\n".join(rows)
+    """One plain line per key (``  --data.cache.memory_mb (default 1024): meaning``), for scripts and
+    docs; ``trainforge train --help`` shows the same keys grouped and wrapped (``add_config_arguments``)."""
+    return "\n".join(f"  --{k.key} (default {k.default!r}): {k.help}" for _, keys in config_tables() for k in keys)
