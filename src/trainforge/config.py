@@ -2,7 +2,9 @@
 itself into one ``Config``, loads it from TOML with ``--section.key value`` overrides,
 and validates it before any work starts.
 
-Every field's ``help`` metadata is the CLI help (``trainforge train --help``).
+Every field's ``help`` metadata is the CLI help (``trainforge train --help``): each key
+is an argparse option generated from its section (``config_args.py``), and a value from
+the command line gets the same type checks and errors here as one from a TOML file.
 Each component receives only its own section (``cfg.training``, ``cfg.data``...),
 never the whole ``Config``. A new section is a dataclass beside its component (with a
 ``validate()``), one field here, and nothing else; only the CLI imports this module (the
@@ -29,8 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainforge.compression.section import CompressionSection
-from trainforge.config_args import FALSE, TRUE, ConfigKey, OverrideParser, add_key_arguments, overrides_from, \
-    section_keys
+from trainforge.config_args import ConfigKey, OverrideParser, add_key_arguments, overrides_from, section_keys
 from trainforge.config_args import join_values as _join_values
 from trainforge.config_base import _require, config_to_dict, config_to_toml  # noqa: F401  (public names)
 from trainforge.data.section import AugmentSection, CacheSection, DataSection, is_list_of_tables  # noqa: F401
@@ -87,6 +88,8 @@ class Config:
 # ---------------------------------------------------------------------------
 # Loading: TOML -> dict -> typed sections, with CLI overrides applied on top.
 
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
 
 
 def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
@@ -115,8 +118,8 @@ def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
                           "e.g. [{name = \"token_replace\", p = 0.1}]")
     try:
         if tp is bool:
-            if from_cli and isinstance(value, str) and value.lower() in TRUE | FALSE:
-                return value.lower() in TRUE
+            if from_cli and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+                return value.lower() in _TRUE
             if isinstance(value, bool):
                 return value
         elif tp is int:

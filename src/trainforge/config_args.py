@@ -20,8 +20,6 @@ from typing import Any, Literal
 
 from trainforge.errors import ConfigError
 
-TRUE = {"true", "1", "yes", "on"}
-FALSE = {"false", "0", "no", "off"}
 _OVERRIDES = "config_overrides"  # the namespace attribute: [(dotted key, raw text)] in command-line order
 
 
@@ -129,10 +127,9 @@ def add_key_arguments(parser: argparse.ArgumentParser,
 
 def join_values(args: list[str], kinds: dict[str, bool]) -> list[str]:
     """``--key VALUE`` -> ``--key=VALUE`` for the config keys (``kinds``: ``--section.key`` -> whether it
-    is a boolean). argparse takes a value that starts with
-    '-' for an option unless it looks like -1 or -.5; joined, -1e-3 and -x stay values as before. A
-    boolean takes the next argument only when it is true/false (yes/no/on/off/1/0): ``--parallel.compile
-    --model.flavor debug`` sets compile and flavor."""
+    is a boolean). argparse takes a value that starts with '-' for an option unless it looks like -1 or
+    -.5; joined, -1e-3 and -x stay values as before. Nothing that starts with ``--`` is taken as a
+    value: ``--parallel.compile --model.flavor debug`` sets compile (bare: true) and flavor."""
     out, i = [], 0
     while i < len(args):
         arg = args[i]
@@ -140,8 +137,7 @@ def join_values(args: list[str], kinds: dict[str, bool]) -> list[str]:
         if kinds.get(arg) is False and (nxt is None or nxt.startswith("--")):
             raise ConfigError(f"override {arg} has no value: write {arg} VALUE (or {arg}=VALUE for a value "
                               "that starts with --)")
-        if arg in kinds and nxt is not None and not nxt.startswith("--") \
-                and (not kinds[arg] or nxt.lower() in TRUE | FALSE):
+        if arg in kinds and nxt is not None and not nxt.startswith("--"):
             out.append(f"{arg}={nxt}")
             i += 2
             continue
