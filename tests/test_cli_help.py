@@ -24,9 +24,11 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return rc, got.out, got.err
 
 
-def test_top_level_help_lists_every_command_on_stdout(capsys):
+def test_top_level_help_lists_every_command_on_stdout(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "60")
     rc, out, err = run(capsys, "--help")
     assert rc == 0 and err == ""
+    assert max(map(len, out.splitlines())) <= 60  # wrapped to the terminal
     for name in COMMANDS:
         assert any(line.split()[:1] == [name] for line in out.splitlines()), name
     assert SUMMARIES.keys() == COMMANDS.keys()

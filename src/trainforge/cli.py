@@ -513,10 +513,10 @@ COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quanti
 # One line each for `trainforge --help`.
 SUMMARIES = {
     "prepare": "tokenise text into memory-mappable shards with a manifest",
-    "train": "train a model (TOML config + --section.key overrides; --print_config)",
+    "train": "train a model (a TOML config + --section.key overrides)",
     "generate": "generate text from a checkpoint with the inference engine",
     "quantize": "write an int8 / int4 checkpoint that generate and serve load",
-    "export": "write a checkpoint as a Hugging Face directory (vLLM, transformers)",
+    "export": "write a checkpoint as a Hugging Face directory (for vLLM)",
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "report": "write an HTML report of a run's metrics",
 }

@@ -76,11 +76,11 @@ def top_level_help(summaries: dict[str, str]) -> str:
     width = max(shutil.get_terminal_size().columns - 2, indent + 20)  # as argparse's own help
     rows = "\n".join(textwrap.fill(line, width, initial_indent=f"  {name}".ljust(indent),
                                    subsequent_indent=" " * indent) for name, line in summaries.items())
-    return (f"usage: trainforge [-h] [--version] COMMAND [options]\n\n"
-            f"trainforge {package_version()}: PyTorch-native large-model training and inference.\n\n"
-            f"commands:\n{rows}\n\n"
+    about = textwrap.fill(f"trainforge {package_version()}: PyTorch-native large-model training and inference.", width)
+    more = textwrap.fill("`trainforge COMMAND --help` lists a command's options (with their defaults).", width)
+    return (f"usage: trainforge [-h] [--version] COMMAND [options]\n\n{about}\n\ncommands:\n{rows}\n\n"
             "options:\n  -h, --help  show this message and exit\n  --version   print the version and exit\n\n"
-            "`trainforge COMMAND --help` lists a command's options (with their defaults).\n")
+            f"{more}\n")
 
 
 def unknown_command(word: str, commands: list[str]) -> str:
