@@ -22,7 +22,7 @@ def _prepare(argv: list[str]) -> int:
     from trainforge.data.prepare import PrepareOptions, prepare
 
     p = ArgumentParser(prog="trainforge prepare",
-                                description="Tokenise text into memory-mappable shards with a manifest.")
+                       description="Tokenise text into memory-mappable shards with a manifest.")
     p.add_argument("--input", nargs="+", default=None,
                    help="text files, directories, globs or .jsonl files; omit for the built-in corpus")
     p.add_argument("--output", required=True, help="new directory for manifest.json, tokenizer.json and shards")
@@ -306,7 +306,7 @@ def _generate(argv: list[str]) -> int:
     from trainforge.infer.sampling import SamplingParams
 
     p = ArgumentParser(prog="trainforge generate", description="Generate from a checkpoint with the "
-                                "inference engine.")
+                       "inference engine.")
     _add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text to continue (needs the checkpoint's tokenizer.json)")
@@ -371,9 +371,9 @@ def _quantize(argv: list[str]) -> int:
     from trainforge.infer.quantize import expert_names, linear_names, quantize_state_dict, save_quantized
 
     p = ArgumentParser(prog="trainforge quantize",
-                                description="Offline quantisation: write a checkpoint with int8 / int4 linear and "
-                                            "MoE expert weights (scales beside them; routers stay fp32) that "
-                                            "`generate` and `serve` load directly.")
+                       description="Offline quantisation: write a checkpoint with int8 / int4 linear and "
+                                   "MoE expert weights (scales beside them; routers stay fp32) that "
+                                   "`generate` and `serve` load directly.")
     p.add_argument("--checkpoint", required=True,
                    help="float trainforge checkpoint / run directory, or a Hugging Face directory")
     p.add_argument("--output", required=True, help="new directory for the quantised checkpoint")
@@ -409,14 +409,14 @@ def _export(argv: list[str]) -> int:
     from trainforge.infer.hf_export import DTYPES, export
 
     p = ArgumentParser(prog="trainforge export",
-                                description="Write a checkpoint as a Hugging Face directory that transformers, vLLM "
-                                            "and llm-compressor read: config.json, generation_config.json, "
-                                            "model.safetensors (sharded with an index above --max_shard_gb), "
-                                            "tokenizer.json + tokenizer_config.json. LlamaForCausalLM for dense "
-                                            "models, DeepseekV3ForCausalLM (MTP layers included) for latent-attention "
-                                            "MoE, Glm4MoeForCausalLM (sigmoid routing) or MixtralForCausalLM "
-                                            "(softmax) for other MoE. --quantize writes int8/int4 linear weights in "
-                                            "the compressed-tensors format.")
+                       description="Write a checkpoint as a Hugging Face directory that transformers, vLLM "
+                                   "and llm-compressor read: config.json, generation_config.json, "
+                                   "model.safetensors (sharded with an index above --max_shard_gb), "
+                                   "tokenizer.json + tokenizer_config.json. LlamaForCausalLM for dense "
+                                   "models, DeepseekV3ForCausalLM (MTP layers included) for latent-attention "
+                                   "MoE, Glm4MoeForCausalLM (sigmoid routing) or MixtralForCausalLM "
+                                   "(softmax) for other MoE. --quantize writes int8/int4 linear weights in "
+                                   "the compressed-tensors format.")
     p.add_argument("--checkpoint", required=True, help="float trainforge checkpoint or run directory")
     p.add_argument("--output", required=True, help="new directory for the Hugging Face files")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the float weights")
@@ -455,8 +455,8 @@ def _serve(argv: list[str]) -> int:
                               "pip install 'trainforge[infer]'") from None
 
     p = ArgumentParser(prog="trainforge serve",
-                                description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-                                            "/v1/models, /health, /metrics) with continuous batching.")
+                       description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /health, /metrics) with continuous batching.")
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -500,7 +500,7 @@ def _report(argv: list[str]) -> int:
     from trainforge.monitor.report import write_report
 
     p = ArgumentParser(prog="trainforge report",
-                                description="Write an HTML report of a run's metrics (plots embedded; no server needed).")
+                       description="Write an HTML report of a run's metrics (plots embedded; no server needed).")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (holds metrics.jsonl)")
     p.add_argument("--out", default=None, help="output file (default RUN_DIR/report.html)")
     a = p.parse_args(argv)
