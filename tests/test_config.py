@@ -50,6 +50,13 @@ def test_toml_errors_name_the_key(tmp_path):
     path.write_text("[training\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(path)
+    # A misspelt key or section in a file names the closest known one, as on the command line.
+    path.write_text("[training]\nstep = 10\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'training.step' \(did you mean 'training.steps'\?\)"):
+        load_config(path)
+    path.write_text("[trainig]\nsteps = 10\n")
+    with pytest.raises(ConfigError, match=r"unknown config section 'trainig'.*did you mean 'training'\?"):
+        load_config(path)
 
 
 @pytest.mark.parametrize("args, needle", [

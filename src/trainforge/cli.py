@@ -14,14 +14,15 @@ import time
 from pathlib import Path
 
 from trainforge import exit_codes
+from trainforge.cli_help import ArgumentParser, package_version, top_level_help, unknown_command
 from trainforge.errors import TrainforgeError
 
 
 def _prepare(argv: list[str]) -> int:
     from trainforge.data.prepare import PrepareOptions, prepare
 
-    p = argparse.ArgumentParser(prog="trainforge prepare",
-                                description="Tokenise text into memory-mappable shards with a manifest.")
+    p = ArgumentParser(prog="trainforge prepare",
+                       description="Tokenise text into memory-mappable shards with a manifest.")
     p.add_argument("--input", nargs="+", default=None,
                    help="text files, directories, globs or .jsonl files; omit for the built-in corpus")
     p.add_argument("--output", required=True, help="new directory for manifest.json, tokenizer.json and shards")
@@ -37,15 +38,19 @@ def _prepare(argv: list[str]) -> int:
     return 0
 
 
-def _train(argv: list[str]) -> int:
-    from trainforge.config import config_help, load_config, read_toml_file
-    from trainforge.errors import ConfigError
+_TRAIN_HELP = ("Train a model. Config precedence, lowest first: the defaults below <- the saved run config "
+               "(--resume) <- --config FILE <- --SECTION.KEY VALUE (or --SECTION.KEY=VALUE) on the command line. "
+               "A boolean key is set true by --SECTION.KEY alone, false by --no-SECTION.KEY, or either by "
+               "--SECTION.KEY true|false. An optional key takes 'none' to unset it; a list of tables "
+               "(data.augment.transforms) takes TOML text. --print_config shows the result.")
 
-    p = argparse.ArgumentParser(
-        prog="trainforge train", formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-        description="Train a model. Any config key can be overridden as --section.key VALUE.",
-        epilog="config keys:\n" + config_help())
-    p.add_argument("--config", default=None, help="TOML config file")
+
+def _train_parser() -> argparse.ArgumentParser:
+    from trainforge.config import add_config_arguments
+
+    p = ArgumentParser(prog="trainforge train", description=_TRAIN_HELP,
+                       usage="trainforge train [options] [--SECTION.KEY VALUE ...]")
+    p.add_argument("--config", default=None, metavar="FILE", help="TOML config file")
     p.add_argument("--run_dir", default=None, help="directory for config, checkpoints and metrics "
                                                    "(default runs/YYYYmmdd-HHMMSS)")
     p.add_argument("--resume", default=None, metavar="RUN_DIR|auto",
@@ -56,7 +61,22 @@ def _train(argv: list[str]) -> int:
                    help="with --resume RUN_DIR: continue from the checkpoint at step N instead of the newest "
                         "(later checkpoints move to checkpoints/superseded/)")
     p.add_argument("--no_sample", action="store_true", help="do not print a text sample at the end")
-    a, rest = p.parse_known_args(argv)
+    p.add_argument("--print_config", action="store_true",
+                   help="print the resolved config as TOML (what --config reads back) and exit; builds nothing")
+    add_config_arguments(p)
+    return p
+
+
+def _train(argv: list[str]) -> int:
+    from trainforge.config import config_to_toml, join_values, load_config, overrides_from, read_toml_file, \
+        reject_unknown
+    from trainforge.errors import ConfigError
+
+    p = _train_parser()
+    a, extra = p.parse_known_args(join_values(argv))
+    reject_unknown(extra, ["--help", "--config", "--run_dir", "--resume", "--from_step", "--no_sample",
+                           "--print_config"])
+    rest = [f"--{key}={raw}" for key, raw in overrides_from(a)]
     resume = bool(a.resume)
     if a.resume == "auto":
         if not a.run_dir:
@@ -90,6 +110,9 @@ def _train(argv: list[str]) -> int:
     else:
         cfg = load_config(a.config, rest)
         run_dir = Path(a.run_dir) if a.run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if a.print_config:
+        print(config_to_toml(cfg), end="")
+        return 0
 
     from trainforge.parallel.distributed import launched_by_torchrun, peer_failure
     from trainforge.train.stop_signals import StopSignals
@@ -176,7 +199,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="trainforge checkpoint or run directory (newest checkpoint), or a Hugging Face Llama "
                         "directory (config.json + *.safetensors)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (quantised layers keep their own)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
@@ -282,21 +305,21 @@ def _generate(argv: list[str]) -> int:
     from trainforge.infer.engine import Engine
     from trainforge.infer.sampling import SamplingParams
 
-    p = argparse.ArgumentParser(prog="trainforge generate", description="Generate from a checkpoint with the "
-                                "inference engine.")
+    p = ArgumentParser(prog="trainforge generate", description="Generate from a checkpoint with the "
+                       "inference engine.")
     _add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text to continue (needs the checkpoint's tokenizer.json)")
     src.add_argument("--prompt_ids", help="token ids to continue, comma-separated: 1,2,3")
     p.add_argument("--print_ids", action="store_true", help="print the generated token ids instead of text")
-    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--max_new_tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=0, help="0 = off")
     p.add_argument("--top_p", type=float, default=1.0, help="1 = off")
     p.add_argument("--repetition_penalty", type=float, default=1.0, help="1 = off")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore_eos", action="store_true", help="do not stop at the end-of-text token")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same text)")
     p.add_argument("--stats", action="store_true", help="print engine statistics (tok/s, KV pool) to stderr")
     a = p.parse_args(argv)
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -347,14 +370,14 @@ def _quantize(argv: list[str]) -> int:
     from trainforge.infer.loading import load_model
     from trainforge.infer.quantize import expert_names, linear_names, quantize_state_dict, save_quantized
 
-    p = argparse.ArgumentParser(prog="trainforge quantize",
-                                description="Offline quantisation: write a checkpoint with int8 / int4 linear and "
-                                            "MoE expert weights (scales beside them; routers stay fp32) that "
-                                            "`generate` and `serve` load directly.")
+    p = ArgumentParser(prog="trainforge quantize",
+                       description="Offline quantisation: write a checkpoint with int8 / int4 linear and "
+                                   "MoE expert weights (scales beside them; routers stay fp32) that "
+                                   "`generate` and `serve` load directly.")
     p.add_argument("--checkpoint", required=True,
                    help="float trainforge checkpoint / run directory, or a Hugging Face directory")
     p.add_argument("--output", required=True, help="new directory for the quantised checkpoint")
-    p.add_argument("--mode", required=True, choices=["int8", "int4"])
+    p.add_argument("--mode", required=True, choices=["int8", "int4"], help="int8 per output channel or int4 per group")
     p.add_argument("--group_size", type=int, default=None,
                    help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
     a = p.parse_args(argv)
@@ -385,15 +408,15 @@ def _quantize(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     from trainforge.infer.hf_export import DTYPES, export
 
-    p = argparse.ArgumentParser(prog="trainforge export",
-                                description="Write a checkpoint as a Hugging Face directory that transformers, vLLM "
-                                            "and llm-compressor read: config.json, generation_config.json, "
-                                            "model.safetensors (sharded with an index above --max_shard_gb), "
-                                            "tokenizer.json + tokenizer_config.json. LlamaForCausalLM for dense "
-                                            "models, DeepseekV3ForCausalLM (MTP layers included) for latent-attention "
-                                            "MoE, Glm4MoeForCausalLM (sigmoid routing) or MixtralForCausalLM "
-                                            "(softmax) for other MoE. --quantize writes int8/int4 linear weights in "
-                                            "the compressed-tensors format.")
+    p = ArgumentParser(prog="trainforge export",
+                       description="Write a checkpoint as a Hugging Face directory that transformers, vLLM "
+                                   "and llm-compressor read: config.json, generation_config.json, "
+                                   "model.safetensors (sharded with an index above --max_shard_gb), "
+                                   "tokenizer.json + tokenizer_config.json. LlamaForCausalLM for dense "
+                                   "models, DeepseekV3ForCausalLM (MTP layers included) for latent-attention "
+                                   "MoE, Glm4MoeForCausalLM (sigmoid routing) or MixtralForCausalLM "
+                                   "(softmax) for other MoE. --quantize writes int8/int4 linear weights in "
+                                   "the compressed-tensors format.")
     p.add_argument("--checkpoint", required=True, help="float trainforge checkpoint or run directory")
     p.add_argument("--output", required=True, help="new directory for the Hugging Face files")
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="dtype of the float weights")
@@ -425,13 +448,13 @@ def _serve(argv: list[str]) -> int:
 
     from trainforge.infer.listen import bind_socket
 
-    p = argparse.ArgumentParser(prog="trainforge serve",
-                                description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
-                                            "/v1/models, /tokenize, /detokenize, /health, /metrics) with continuous "
-                                            "batching.")
+    p = ArgumentParser(prog="trainforge serve",
+                       description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                   "/v1/models, /tokenize, /detokenize, /health, /metrics) with continuous "
+                                   "batching.")
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes the server to the network)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     p.add_argument("--api_key", default=os.environ.get("TRAINFORGE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on all endpoints but /health "
                         "(default: $TRAINFORGE_API_KEY; unset = no key)")
@@ -482,9 +505,9 @@ def _serve(argv: list[str]) -> int:
 def _report(argv: list[str]) -> int:
     from trainforge.monitor.report import COMPARE_FILE, X_AXES, write_report
 
-    p = argparse.ArgumentParser(prog="trainforge report",
-                                description="Write an HTML report of one or several runs' metrics, overlaid (plots "
-                                            "embedded; no server needed), with the runs' config differences.")
+    p = ArgumentParser(prog="trainforge report",
+                       description="Write an HTML report of one or several runs' metrics, overlaid (plots "
+                                   "embedded; no server needed), with the runs' config differences.")
     p.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run directories (each holds metrics.jsonl)")
     p.add_argument("--out", default=None,
                    help=f"output file (default RUN_DIR/report.html; several runs: FIRST_RUN_DIR/{COMPARE_FILE})")
@@ -492,7 +515,7 @@ def _report(argv: list[str]) -> int:
                    help="EMA smoothing weight in [0, 1), as TensorBoard's slider; raw values stay drawn faint "
                         "(default 0: off)")
     p.add_argument("--x", choices=X_AXES, default="step",
-                   help="x axis: step, or time = training seconds since the run's first step (default step)")
+                   help="x axis: step, or time = wall-clock seconds since the run's first step (default step)")
     a = p.parse_args(argv)
     print(f"report: {write_report(a.run_dirs, a.out, smooth=a.smooth, x=a.x)}")
     return 0
@@ -500,14 +523,31 @@ def _report(argv: list[str]) -> int:
 
 COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quantize": _quantize,
             "serve": _serve, "export": _export, "report": _report}
+# One line each for `trainforge --help`.
+SUMMARIES = {
+    "prepare": "tokenise text into memory-mappable shards with a manifest",
+    "train": "train a model (a TOML config + --section.key overrides)",
+    "generate": "generate text from a checkpoint with the inference engine",
+    "quantize": "write an int8 / int4 checkpoint that generate and serve load",
+    "export": "write a checkpoint as a Hugging Face directory (for vLLM)",
+    "serve": "OpenAI-compatible HTTP server with continuous batching",
+    "report": "write an HTML report of a run's metrics",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: trainforge {" + ",".join(COMMANDS) + "} [options]   (trainforge COMMAND --help for more)",
-              file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if not argv or argv[0] in ("-h", "--help"):
+        print(top_level_help(SUMMARIES), end="")
+        if not argv:
+            print("trainforge: error: no command given; choose one of the commands above", file=sys.stderr)
+        return 0 if argv else exit_codes.BAD_INPUT
+    if argv[0] == "--version":
+        print(f"trainforge {package_version()}")
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"trainforge: error: {unknown_command(argv[0], list(COMMANDS))}", file=sys.stderr)
+        return exit_codes.BAD_INPUT
     try:
         return COMMANDS[argv[0]](argv[1:])
     except TrainforgeError as e:

@@ -2,7 +2,9 @@
 itself into one ``Config``, loads it from TOML with ``--section.key value`` overrides,
 and validates it before any work starts.
 
-Every field's ``help`` metadata is the CLI help (``trainforge train --help``).
+Every field's ``help`` metadata is the CLI help (``trainforge train --help``): each key
+is an argparse option generated from its section (``config_args.py``), and a value from
+the command line gets the same type checks and errors here as one from a TOML file.
 Each component receives only its own section (``cfg.training``, ``cfg.data``...),
 never the whole ``Config``. A new section is a dataclass beside its component (with a
 ``validate()``), one field here, and nothing else; only the CLI imports this module (the
@@ -17,7 +19,10 @@ Where each section lives: ``[model]`` model/section.py; ``[data]`` data/section.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
+import functools
 import tomllib
 import types
 import typing
@@ -26,6 +31,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from trainforge.compression.section import CompressionSection
+from trainforge.config_args import ConfigKey, OverrideParser, add_key_arguments, overrides_from, section_keys
+from trainforge.config_args import join_values as _join_values
 from trainforge.config_base import _require, config_to_dict, config_to_toml  # noqa: F401  (public names)
 from trainforge.data.section import AugmentSection, CacheSection, DataSection, is_list_of_tables  # noqa: F401
 from trainforge.errors import ConfigError
@@ -41,8 +48,9 @@ from trainforge.train.section import CheckpointSection, OptimizerSection, Traini
 __all__ = ["AdaptiveLRSection", "AugmentSection", "BadStepsSection", "CacheSection", "CheckpointSection",
            "CompressionSection", "Config", "DataSection", "DistributedSection", "EarlyStopSection", "ModelSection",
            "MonitorSection", "OptimizerSection", "ParallelSection", "PrecisionSection", "QATSection",
-           "SampleSection", "TrainingSection", "config_from_dict", "config_help", "config_to_dict", "config_to_toml", "load_config",
-           "parse_overrides", "read_toml_file"]
+           "SampleSection", "TrainingSection", "add_config_arguments", "config_from_dict", "config_help",
+           "config_tables", "config_to_dict", "config_to_toml", "join_values", "load_config", "overrides_from",
+           "parse_overrides", "read_toml_file", "reject_unknown"]
 
 
 @dataclass
@@ -138,7 +146,8 @@ def _set(obj: Any, table: str, parts: list[str], value: Any, from_cli: bool) -> 
     hints = typing.get_type_hints(type(obj))
     name = f"{table}.{parts[0]}"
     if parts[0] not in hints:
-        raise ConfigError(f"unknown config key '{name}': known keys in [{table}] are {sorted(hints)}")
+        raise ConfigError(f"unknown config key '{name}'{_did_you_mean(parts[0], hints, f'{table}.')}: "
+                          f"known keys in [{table}] are {sorted(hints)}")
     tp = hints[parts[0]]
     if dataclasses.is_dataclass(tp):
         sub = getattr(obj, parts[0])
@@ -156,10 +165,17 @@ def _set(obj: Any, table: str, parts: list[str], value: Any, from_cli: bool) -> 
     setattr(obj, parts[0], _coerce(name, value, tp, from_cli))
 
 
+def _did_you_mean(word: str, known, prefix: str = "") -> str:
+    """``" (did you mean 'training.steps'?)"`` for the closest known name, or nothing."""
+    close = difflib.get_close_matches(word, list(known), n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
 def _apply(cfg: Config, section: str, key: str, value: Any, from_cli: bool) -> None:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     if section not in sections:
-        raise ConfigError(f"unknown config section '{section}' (in '{section}.{key}'): "
+        hint = _did_you_mean(section, sections)
+        raise ConfigError(f"unknown config section '{section}' (in '{section}.{key}'){hint}: "
                           f"known sections are {sorted(sections)}")
     _set(getattr(cfg, section), section, key.split("."), value, from_cli)
 
@@ -188,25 +204,14 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """``["--training.steps", "10", "--model.flavor=debug"]`` -> [(section, key, raw)]."""
-    out = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
-        name = arg[2:]
-        if "=" in name:
-            name, raw = name.split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"override {arg} has no value: write {arg} VALUE")
-            raw = args[i + 1]
-            i += 2
-        section, _, key = name.partition(".")
-        out.append((section, key, raw))
-    return out
+    """``["--training.steps", "10", "--model.flavor=debug", "--no-parallel.compile"]`` -> [(section, key, raw)],
+    in command-line order (the last of a repeated key wins). Parsed by the same argparse options as
+    ``trainforge train`` (``add_config_arguments``), so its help and its parser cannot disagree."""
+    parser = OverrideParser(prog="overrides", add_help=False, allow_abbrev=False)
+    add_config_arguments(parser)
+    ns, extra = parser.parse_known_args(join_values(args))
+    reject_unknown(extra)
+    return [(*key.split(".", 1), raw) for key, raw in overrides_from(ns)]  # type: ignore[misc]
 
 
 def read_toml_file(path: Path, what: str) -> dict[str, Any]:
@@ -247,20 +252,62 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return cfg.validate()
 
 
-def _help_rows(prefix: str, cls: type) -> list[str]:
-    rows = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default_factory):  # type: ignore[arg-type]
-            rows += _help_rows(f"{prefix}.{f.name}", f.default_factory)  # type: ignore[arg-type]
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        rows.append(f"  --{prefix}.{f.name} (default {default!r}): {f.metadata.get('help', '')}")
-    return rows
+# ---------------------------------------------------------------------------
+# The command line: one argparse option per key (config_args.py builds them from the sections).
+
+
+@functools.cache
+def config_tables() -> tuple[tuple[str, tuple[ConfigKey, ...]], ...]:
+    """Every table of ``Config`` with its keys, in declaration order (what ``train --help`` lists)."""
+    cfg = Config()
+    out = []
+    for f in dataclasses.fields(Config):
+        out += [(t, tuple(k)) for t, k in section_keys(f.name, type(getattr(cfg, f.name)), getattr(cfg, f.name))]
+    return tuple(out)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument group per table ([model], [data], [data.cache]...) and one option per key:
+    ``--section.key VALUE``, and for a boolean ``--section.key`` / ``--no-section.key`` too."""
+    add_key_arguments(parser, config_tables())
+
+
+@functools.cache
+def _option_kinds() -> dict[str, bool]:
+    """``--section.key`` -> whether it is a boolean."""
+    return {f"--{k.key}": k.tp is bool for _, keys in config_tables() for k in keys}
+
+
+def join_values(args: list[str]) -> list[str]:
+    """``config_args.join_values`` for the config keys."""
+    return _join_values(args, _option_kinds())
+
+
+def reject_unknown(extra: list[str], options: list[str] = ()) -> None:
+    """ConfigError for the first argument argparse did not match, naming the closest known key
+    (or one of ``options``, a command's own)."""
+    if not extra:
+        return
+    arg = extra[0]
+    if not arg.startswith("--"):
+        raise ConfigError(f"unexpected argument {arg!r}: overrides look like --section.key VALUE")
+    name = arg[2:].split("=", 1)[0]
+    kinds = _option_kinds()
+    if "." in name:
+        bare = name[3:] if name.startswith("no-") else name
+        section, _, key = bare.partition(".")
+        if f"--{bare}" in kinds:  # --no-model.flavor
+            raise ConfigError(f"--{name}: '{bare}' is not a boolean; write --{bare} VALUE")
+        if key.startswith(("no-", "no_")) and kinds.get(f"--{section}.{key[3:]}"):
+            raise ConfigError(f"unknown config key '{bare}': write --no-{section}.{key[3:]} to set "
+                              f"'{section}.{key[3:]}' false")
+        raw = arg.split("=", 1)[1] if "=" in arg else extra[1] if len(extra) > 1 else ""
+        _apply(Config(), section, key, raw, from_cli=True)  # raises, naming the section or key and the closest one
+    hint = _did_you_mean(f"--{name}", [*options, *kinds])
+    raise ConfigError(f"unknown option '--{name}'{hint}; config overrides look like --section.key VALUE")
 
 
 def config_help() -> str:
-    """One line per key, for ``trainforge train --help``."""
-    rows = []
-    for sec_field in dataclasses.fields(Config):
-        rows += _help_rows(sec_field.name, sec_field.default_factory)  # type: ignore[arg-type]
-    return "\n".join(rows)
+    """One plain line per key (``  --data.cache.memory_mb (default 1024): meaning``), for scripts and
+    docs; ``trainforge train --help`` shows the same keys grouped and wrapped (``add_config_arguments``)."""
+    return "\n".join(f"  --{k.key} (default {k.default!r}): {k.help}" for _, keys in config_tables() for k in keys)
