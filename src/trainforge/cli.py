@@ -531,7 +531,7 @@ SUMMARIES = {
     "quantize": "write an int8 / int4 checkpoint that generate and serve load",
     "export": "write a checkpoint as a Hugging Face directory (for vLLM)",
     "serve": "OpenAI-compatible HTTP server with continuous batching",
-    "report": "write an HTML report of a run's metrics",
+    "report": "write an HTML report of one or several runs (overlaid, config diff)",
 }
 
 
