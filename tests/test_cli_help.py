@@ -181,7 +181,8 @@ def test_bare_boolean_does_not_swallow_the_next_override(capsys):
     ("prepare", "--vocab_size", "(default: 8192)"),
     ("quantize", "--group_size", "default: a QAT checkpoint's, else 128"),  # the help's own words, not "None"
     ("export", "--max_shard_gb", "(default: 5.0)"),
-    ("report", "--out", "(default RUN_DIR/report.html)"),
+    ("report", "--out", "(default RUN_DIR/report.html; several runs"),
+    ("report", "--x", "(default step)"),
 ])
 def test_every_command_help_shows_defaults(capsys, monkeypatch, command, option, needle):
     monkeypatch.setenv("COLUMNS", "100")
