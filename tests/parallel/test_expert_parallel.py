@@ -79,7 +79,7 @@ def ep2_run(tmp_path_factory, small_data):
     """2 processes, ep 2 (FSDP2 over dp_shard 2 for the non-expert parameters)."""
     run_dir = tmp_path_factory.mktemp("ep2") / "run"
     r = run(train_cmd(2, run_dir, small_data, "--training.batch_size", "4", "--parallel.ep", "2"))
-    assert "(fsdp)" in r.stderr
+    assert "layout: FSDP2 over 2 ranks, EP 2" in r.stderr
     return run_dir
 
 

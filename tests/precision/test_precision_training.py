@@ -60,7 +60,7 @@ def test_bf16_mixed_under_fsdp2_matches_the_single_process_run(tmp_path, small_d
     one, two = tmp_path / "one", tmp_path / "fsdp"
     run(train_cmd(1, one, small_data, "--training.batch_size", "8", *BF16))
     r = run(train_cmd(2, two, small_data, "--training.batch_size", "4", "--parallel.dp_shard", "-1", *BF16))
-    assert "(fsdp)" in r.stderr and "compute bf16" in r.stderr
+    assert "layout: FSDP2 over 2 ranks" in r.stderr and "compute bf16" in r.stderr
     got, want = losses(two), losses(one)
     assert sorted(got) == list(range(1, 7))
     for s in got:  # measured: <= 1.5e-5 relative (the residual stream is bf16 where embeddings are gathered bf16)
