@@ -578,7 +578,8 @@ def _plan(argv: list[str]) -> int:
         out = Path(a.output)
         out.write_text(config_toml(workload, best, header=(
             f"trainforge plan --model {a.model} --gpus {a.gpus} --gpu {cluster.name} --seq_len {a.seq_len} "
-            f"--global_batch {batch}\npredicted {best.step_s:.3f} s/step, {best.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
+            f"--global_batch {batch}\npredicted {best.step_s:.3f} s/step, "
+            f"{best.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
             f"MFU {best.mfu:.1%}, {best.memory_bytes_per_gpu / 2**30:.1f} GiB/GPU")))
         load_config(out)  # what train --config will do: fails here, not at launch, if a key is wrong
         if not a.json:

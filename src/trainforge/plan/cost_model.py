@@ -247,7 +247,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         parts = {k: v for k, v in fullest.items() if k.endswith("_bytes") and k != "memory_bytes"}
         largest = max(parts, key=parts.get)
         return _infeasible(layout, f"needs {memory / 2**30:.1f} GiB per GPU, {cluster.name} has "
-                                   f"{cluster.memory_bytes / 2**30:.0f} GiB (largest part: {largest.removesuffix('_bytes')} "
+                                   f"{cluster.memory_bytes / 2**30:.0f} GiB (largest part: "
+                                   f"{largest.removesuffix('_bytes')} "
                                    f"{parts[largest] / 2**30:.1f} GiB)", memory, breakdown)
     return Estimate(layout=layout, step_s=step_s, memory_bytes_per_gpu=memory,
                     mfu=model_flops / (step_s * n * peak), comm_share=exposed_comm / step_s,
