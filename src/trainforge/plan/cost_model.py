@@ -235,7 +235,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         else:
             compressed = cm.all_reduce_s(rep_values * wire, rep_size, rep_link)
         edp_size, edp_link = links["edp"]
-        exposed_dp = max(0.0, hidden_dp - compute) + hidden_dp / max(1, len(layers)) + compressed
+        exposed_dp = max(0.0, hidden_dp - compute - memory_bound) + hidden_dp / max(1, len(layers)) + compressed
         # AdamW once per step: reads parameters, gradients and both moments, writes all but the gradients.
         optimizer_s = params_local * (pb.param + pb.grad + 2 * pb.optimizer_state + pb.master) * 1.75 \
             / cluster.memory_bandwidth_bytes_per_s
@@ -264,7 +264,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     model_flops = table.model_flops_per_token * workload.global_batch * s
     n = layout.n_gpus
     # Times of the slowest rank per step; bytes of the fullest rank.
-    breakdown = {k: v * micro for k, v in worst.items()
+    breakdown = {k: t * micro for k, t in worst.items()
                  if k.endswith("_s") and k not in ("busy_s", "exposed_dp_s", "expert_grad_comm_s", "optimizer_s")}
     breakdown["optimizer_s"] = max(r["optimizer_s"] for r in rows)
     breakdown.update({k: v for k, v in fullest.items() if k.endswith("_bytes")})
