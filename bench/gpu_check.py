@@ -93,7 +93,10 @@ def best_seconds(fn: Callable[[], Any], device, reps: int) -> float:
 
 
 def table_key(device_name: str) -> str | None:
-    """The ``trainforge plan --gpu`` name of a device (h100, h200, a100-80g, mi300x), if any."""
+    """The ``trainforge plan --gpu`` name of a device (h100, h200, a100-80g, mi300x), if any.
+    The table holds the SXM / OAM parts: a PCIe or NVL board (lower clocks) has no entry."""
+    if re.search(r"PCIe|NVL", device_name, re.IGNORECASE):
+        return None
     for pattern, key in ((r"H200", "h200"), (r"H100", "h100"), (r"A100.*80", "a100-80g"), (r"MI300X", "mi300x")):
         if re.search(pattern, device_name, re.IGNORECASE):
             return key
@@ -101,35 +104,17 @@ def table_key(device_name: str) -> str | None:
 
 
 def planner_entry(device_name: str) -> Any | None:
-    """The planner's table entry for this device (an object with ``peak_flops`` and
-    ``memory_bandwidth_bytes_per_s``, as ``plan.spec.Cluster``), or None when
-    ``trainforge.plan.hardware`` is absent or does not list it. Imported lazily: the table
-    is being written on another branch, and the check must run without it."""
+    """The planner's table entry for this device (a ``plan.spec.Cluster`` of one GPU from
+    ``plan.hardware.cluster``), or None when the table does not list it or is absent.
+    Imported lazily: the check must run on a checkout without the planner."""
     key = table_key(device_name)
-    try:
-        from trainforge.plan import hardware  # type: ignore[attr-defined]
-    except ImportError:
-        return None
     if key is None:
         return None
-
-    def usable(x: Any) -> bool:
-        return hasattr(x, "peak_flops") and hasattr(x, "memory_bandwidth_bytes_per_s")
-
-    for name in ("cluster", "get_cluster", "gpu_cluster", "lookup", "gpu"):
-        fn = getattr(hardware, name, None)
-        if callable(fn):
-            for args in ((key, 1), (key,)):
-                try:
-                    entry = fn(*args)
-                except Exception:  # another signature: try the next
-                    continue
-                if usable(entry):
-                    return entry
-    for value in vars(hardware).values():
-        if isinstance(value, dict) and usable(value.get(key)):
-            return value[key]
-    return None
+    try:
+        from trainforge.plan.hardware import cluster  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return cluster(key, 1)
 
 
 def published_flops(device_name: str, dtype: str) -> tuple[float, str] | None:
@@ -241,7 +226,11 @@ def part_matmul(device, reduced: bool, budget: Budget) -> dict[str, Any]:
         pub = published_flops(name, dtype)
         if pub is not None:
             b.update(published_tflops=pub[0] / 1e12, share_of_published=b["tflops"] * 1e12 / pub[0], source=pub[1])
-    return {"rows": rows, "best": best, "reps": reps}
+    entry = planner_entry(name)
+    out: dict[str, Any] = {"rows": rows, "best": best, "reps": reps}
+    if entry is not None:  # the cost model multiplies every peak by this: is it what a large GEMM reaches here?
+        out["planner_matmul_efficiency"] = entry.matmul_efficiency
+    return out
 
 
 def part_bandwidth(device, reduced: bool, budget: Budget) -> dict[str, Any]:
@@ -581,7 +570,12 @@ def summary_rows(sections: dict[str, dict[str, Any]]) -> list[tuple[str, str, st
         if part == "matmul":
             for dt, b in sec["best"].items():
                 ref = f"{pct(b.get('share_of_published'))} of {b['published_tflops']:.0f}" if "published_tflops" in b else ""
+                if dt == "bf16" and "planner_matmul_efficiency" in sec:
+                    ref += f" (planner assumes {pct(sec['planner_matmul_efficiency'])})"
                 rows.append((part, f"{dt} best {'x'.join(map(str, b['shape']))}", f"{b['tflops']:.1f} TFLOP/s", ref))
+            for dt in dict.fromkeys(r["dtype"] for r in sec["rows"] if r["dtype"] not in sec["best"]):
+                why = next(r["skipped"] for r in sec["rows"] if r["dtype"] == dt)
+                rows.append((part, f"{dt} skipped", "", why))
         elif part == "bandwidth":
             for k in ("copy", "triad", "read"):
                 if "bytes_per_s" in sec[k]:

@@ -97,6 +97,7 @@ def test_published_figures_come_from_the_planner_table_when_it_exists(monkeypatc
     assert gpu_check.published_bandwidth("NVIDIA H200") == (4.8e12, "plan.hardware h200")
     assert gpu_check.published_flops("NVIDIA H200", "fp8")[0] == 1979e12
     assert gpu_check.published_bandwidth("NVIDIA L4") is None  # not in the planner's table
+    assert gpu_check.published_bandwidth("NVIDIA H200 NVL") is None  # the table's H200 is the SXM part
 
 
 def test_without_the_planner_table_flops_fall_back_to_the_mfu_table(monkeypatch):
