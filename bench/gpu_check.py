@@ -209,7 +209,8 @@ def part_matmul(device, reduced: bool, budget: Budget) -> dict[str, Any]:
                 try:
                     fn = _matmul_fn(dtype, m, k, n, device)
                     s = best_seconds(fn, device, reps)
-                except (NotImplementedError, RuntimeError) as e:
+                except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:  # unsupported here, or
+                    # a torch whose private _scaled_mm takes other arguments: a reason, not a failed part
                     rows.append({**row, "skipped": str(e).splitlines()[0][:200]})
                     break  # the same reason holds at every shape
                 finally:

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -106,3 +107,22 @@ def test_without_the_planner_table_flops_fall_back_to_the_mfu_table(monkeypatch)
     assert gpu_check.published_bandwidth("NVIDIA H200") is None
     assert gpu_check.published_flops("NVIDIA H200", "bf16")[0] == pytest.approx(989.4e12)
     assert gpu_check.published_flops("NVIDIA H200", "fp8") is None
+
+
+def test_a_whole_check_limit_too_short_skips_the_parts_naming_why(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--budget_s", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sections = json.loads(out.read_text())["sections"]
+    assert {s["status"] for s in sections.values()} == {"skipped"}
+    assert "left of --budget_s" in sections["matmul"]["reason"]
+
+
+def test_a_child_past_its_budget_is_killed_with_its_process_group():
+    t0 = time.monotonic()
+    # The child starts a grandchild (as torch.compile's workers are) that would outlive it.
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+            "time.sleep(60)")  # a surviving grandchild would hold the pipes open: communicate() would wait 60 s
+    assert gpu_check.run_child([sys.executable, "-c", code], timeout_s=1.0) is None
+    assert time.monotonic() - t0 < 20
