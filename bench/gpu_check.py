@@ -570,7 +570,9 @@ def summary_rows(sections: dict[str, dict[str, Any]]) -> list[tuple[str, str, st
             continue
         if part == "matmul":
             for dt, b in sec["best"].items():
-                ref = f"{pct(b.get('share_of_published'))} of {b['published_tflops']:.0f}" if "published_tflops" in b else ""
+                ref = ""
+                if "published_tflops" in b:
+                    ref = f"{pct(b['share_of_published'])} of {b['published_tflops']:.0f}"
                 if dt == "bf16" and "planner_matmul_efficiency" in sec:
                     ref += f" (planner assumes {pct(sec['planner_matmul_efficiency'])})"
                 rows.append((part, f"{dt} best {'x'.join(map(str, b['shape']))}", f"{b['tflops']:.1f} TFLOP/s", ref))
