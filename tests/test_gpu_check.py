@@ -56,13 +56,13 @@ def test_reduced_run_reports_every_part_with_finite_figures(reduced_report):
     assert "--compile" in sections["train_compile"]["reason"]
     for name in ran:
         values = list(numbers(sections[name]))
-        assert values and all(math.isfinite(v) for v in values), name
-    assert sections["matmul"]["best"]["fp32"]["tflops"] > 0
+        assert values and all(math.isfinite(v) for v in values), (name, sections[name])
+    assert sections["matmul"]["best"]["fp32"]["tflops"] > 0, sections["matmul"]
     assert any(r["dtype"] == "fp8" and "sm >= 89" in r["skipped"] for r in sections["matmul"]["rows"])
-    assert sections["bandwidth"]["copy"]["bytes_per_s"] > 0
+    assert sections["bandwidth"]["copy"]["bytes_per_s"] > 0, sections["bandwidth"]
     for batch in (1, 32):
         d = sections["decode"][f"batch_{batch}"]
-        assert d["tokens_per_s"] > 0 and d["bound_tokens_per_s"] > 0
+        assert d["tokens_per_s"] > 0 and d["bound_tokens_per_s"] > 0, sections["decode"]
     assert "gpu_check (reduced)" in proc.stderr  # the table
 
 
