@@ -170,6 +170,7 @@ def test_a_train_state_that_unpickles_but_lacks_fields_is_refused_naming_the_fil
     assert str(tmp_path / ckpt.STATE_FILE) in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: train_state.pt is mapped to the GPU there")
 def test_rng_state_mapped_to_the_gpu_restores(tmp_path):
     # A CUDA run loads train_state.pt with map_location=cuda; the generators take CPU tensors only

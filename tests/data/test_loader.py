@@ -148,6 +148,7 @@ def test_local_path_without_cache_is_memory_mapped_as_before(sharded_data):
     assert set(stats) == {"data_io_wait_frac"}
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_staging_yields_the_reference_batches_on_the_device_and_resumes(sharded_data):
     cfg = dcfg(sharded_data.as_uri())
