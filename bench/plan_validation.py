@@ -65,11 +65,16 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
     skipped = [{"id": r.id, "why": r.excluded_why} for r in pub.ROWS if r.id not in {x["id"] for x in rows}]
     memory = [{"flavor": m.flavor, "gpus": m.n_gpus, "ours_gib": round(m.ours_bytes / GIB, 2),
                "deepspeed_zero3_gib": round(m.deepspeed_bytes / GIB, 2),
-               "deepspeed_sharded_only_gib": round(m.deepspeed_sharded_bytes / GIB, 2), "ratio": round(m.ratio, 3)}
+               "deepspeed_sharded_only_gib": round(m.deepspeed_sharded_bytes / GIB, 2), "ratio": round(m.ratio, 3),
+               "llm_analysis_gib": round(m.llm_analysis_bytes / GIB, 2) if m.llm_analysis_bytes else None,
+               "llm_analysis_params_b": round(m.llm_analysis_params / 1e9, 2) if m.llm_analysis_params else None,
+               "params_b": round(m.params / 1e9, 2)}
               for m in mem.compare_memory(estimate, cluster)]
     doc = [{"case": d.name, "documented_gb": d.documented_gb, "formula_gb": round(d.computed_gb(), 2)}
            for d in mem.DOC_CASES]
-    return {"rows": rows, "not_predicted": skipped, "median_abs_error": pub.median_abs_error(comps),
+    base_mfu, base_err = pub.constant_mfu_baseline(pub.ROWS)
+    return {"rows": rows, "not_predicted": skipped, "baseline_constant_mfu": round(base_mfu, 4),
+            "baseline_median_abs_error": round(base_err, 4), "median_abs_error": pub.median_abs_error(comps),
             "median_abs_error_all_predicted": pub.median_abs_error(comps, target_only=False),
             "target": pub.TARGET_MEDIAN_ERROR, "n_target_rows": sum(r["in_target"] for r in rows),
             "sources": pub.SOURCES, "memory": memory, "deepspeed_doc_cases": doc, "deepspeed_source": mem.SOURCE}
@@ -88,6 +93,8 @@ def print_published(t: dict[str, Any]) -> None:
               f"{r['comm_share']:>5.0%} {r['memory_gib']:>6.1f}{fit}")
     print(f"median |error| over {t['n_target_rows']} target rows: {t['median_abs_error']:.1%} "
           f"(target <= {t['target']:.0%}); over all predicted rows: {t['median_abs_error_all_predicted']:.1%}")
+    print(f"yardstick: one MFU for every row ({t['baseline_constant_mfu']:.1%}, the median published) has median "
+          f"|error| {t['baseline_median_abs_error']:.1%}")
     for s in t["not_predicted"]:
         print(f"  not predicted: {s['id']}: {s['why']}")
     excluded = sorted({r["excluded_why"] for r in t["rows"] if not r["in_target"]})
@@ -95,10 +102,14 @@ def print_published(t: dict[str, Any]) -> None:
         print(f"  * {why}")
     print("\nModel states per GPU (params + grads + optimizer), FSDP over all GPUs, bf16-mixed, vs DeepSpeed "
           "ZeRO-3 (4 x largest layer + 18 B/param / GPUs)")
-    print(f"{'flavor':<12} {'GPUs':>5} {'ours GiB':>9} {'DeepSpeed GiB':>14} {'DS sharded only':>16} {'ours/DS':>8}")
+    print(f"{'flavor':<12} {'GPUs':>5} {'params':>8} {'ours GiB':>9} {'DeepSpeed GiB':>14} {'DS sharded only':>16} "
+          f"{'ours/DS':>8} {'llm-analysis GiB':>17} {'(its params)':>13}")
     for m in t["memory"]:
-        print(f"{m['flavor']:<12} {m['gpus']:>5} {m['ours_gib']:>9.2f} {m['deepspeed_zero3_gib']:>14.2f} "
-              f"{m['deepspeed_sharded_only_gib']:>16.2f} {m['ratio']:>8.3f}")
+        la = f"{m['llm_analysis_gib']:>17.2f} {m['llm_analysis_params_b']:>12.2f}B" if m["llm_analysis_gib"] else ""
+        print(f"{m['flavor']:<12} {m['gpus']:>5} {m['params_b']:>7.2f}B {m['ours_gib']:>9.2f} "
+              f"{m['deepspeed_zero3_gib']:>14.2f} {m['deepspeed_sharded_only_gib']:>16.2f} {m['ratio']:>8.3f} {la}")
+    print("llm-analysis 0.2.2 (stored figures, one run): 18 B/param like DeepSpeed, but it counts a two-matrix MLP "
+          "and a tied embedding for these SwiGLU shapes, so fewer parameters")
     print("DeepSpeed's documented estimator outputs (memory.rst, t5-3b: 2851M params, 32M largest layer, 8 GPUs) "
           "reproduced by the formula:")
     for d in t["deepspeed_doc_cases"]:

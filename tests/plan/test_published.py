@@ -126,10 +126,23 @@ def test_harness_error_and_median_follow_the_prediction():
         pub.median_abs_error([])
 
 
+def test_constant_mfu_yardstick_is_the_fake_model_at_that_mfu():
+    mfu, err = pub.constant_mfu_baseline()
+    assert 0.25 < mfu < 0.5 and 0 < err < 1
+    comps = pub.compare(estimate=_fake_estimate(mfu), cluster=_fake_cluster)
+    assert pub.median_abs_error(comps) == pytest.approx(err, rel=1e-6)
+
+
 # ----------------------------------------------------------------------------- DeepSpeed formulas
 def test_deepspeed_formulas_reproduce_its_documented_outputs():
     for case in mem.DOC_CASES:
         assert round(case.computed_gb(), 2) == pytest.approx(case.documented_gb, abs=0.006), case.name
+
+
+def test_stored_llm_analysis_figures_are_18_bytes_per_parameter_of_its_own_count():
+    for (flavor, n), (params, weight, grad, opt) in mem.LLM_ANALYSIS.items():
+        assert (weight + grad + opt) * n / params == pytest.approx(18.0, rel=1e-3), flavor
+        assert params < FLAVORS[flavor].num_params()  # its two-matrix MLP: fewer than the SwiGLU shape has
 
 
 def test_memory_comparison_reads_the_estimate_breakdown():

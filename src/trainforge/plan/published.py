@@ -212,7 +212,7 @@ def _torchtitan_rows() -> list[PublishedRow]:
             512, {"fsdp": 8, "tp": 8, "pp": 8, "local_batch": 32, "ac": "full", "float8": True, "async_tp": True,
                   "microbatches": None},
             Layout(dp_shard=8, tp=8, pp=8, microbatches=32, activation_checkpoint=True), 256, 100,
-            precision="float8", in_target=False, excluded_why=fp8 + "; async TP"),
+            precision="float8", assumptions=("32 microbatches of 1 (torchtitan's default microbatch size 1)",), in_target=False, excluded_why=fp8 + "; async TP"),
         _tt("torchtitan-70b-fsdp32-tp8-compile", "torchtitan-2506", "Llama3 70b on 256 H100s with FSDP=32, TP=8, "
             "torch.compile, full AC, local batch size 16: | None (bfloat16) | 597.3 | 652.4 | 1.09 |",
             "llama-70b", 256, {"fsdp": 32, "tp": 8, "pp": 1, "local_batch": 16, "ac": "full", "compile": True,
@@ -346,3 +346,20 @@ def median_abs_error(comparisons: list[Comparison], target_only: bool = True) ->
     if not errs:
         raise ValueError("no comparisons to take the median of")
     return statistics.median(errs)
+
+
+def published_mfu(row: PublishedRow) -> float:
+    """The row's figure as MFU of the H100 dense bf16 peak, with our FLOPs per token."""
+    if row.metric == "mfu":
+        return row.value
+    tflops = row.value if row.metric == "tflops_per_gpu" else row.value * row.model.flops_per_token(row.seq_len) / 1e12
+    return tflops * 1e12 / H100_BF16_PEAK_FLOPS
+
+
+def constant_mfu_baseline(rows: tuple[PublishedRow, ...] | list[PublishedRow] = ROWS) -> tuple[float, float]:
+    """The yardstick a cost model has to beat: predict one MFU for every target row (the
+    median of theirs, the best constant for a median error). Returns (that MFU, its median
+    absolute error)."""
+    mfus = [published_mfu(r) for r in rows if r.in_target]
+    c = statistics.median(mfus)
+    return c, statistics.median(abs(c / m - 1) for m in mfus)

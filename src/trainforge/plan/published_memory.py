@@ -8,6 +8,7 @@ Source: deepspeedai/DeepSpeed ``docs/code-docs/source/memory.rst`` (commit 0cca5
 because installing DeepSpeed pulls its CUDA build machinery, and llm-analysis 0.2.2 pins
 ``transformers<5`` and ``huggingface-hub<0.15`` (this project runs transformers 5): the
 formulas are short and documented, and ``DOC_CASES`` checks them against the documented output.
+``LLM_ANALYSIS`` keeps llm-analysis's figures for the same cases, from one run outside this venv.
 
 ZeRO-3 (all-cold, no offload), bytes per GPU::
 
@@ -100,8 +101,11 @@ class MemoryComparison:
     flavor: str
     n_gpus: int
     ours_bytes: float
+    params: float  # our parameter count (ModelConfig.num_params)
     deepspeed_bytes: float
     deepspeed_sharded_bytes: float  # the 18 * params / gpus part alone, without the gathered layer
+    llm_analysis_bytes: float | None = None  # weight + gradient + optimizer, LLM_ANALYSIS
+    llm_analysis_params: float | None = None  # the parameter count llm-analysis used
 
     @property
     def ratio(self) -> float:
@@ -109,6 +113,20 @@ class MemoryComparison:
 
 
 MEMORY_CASES: tuple[tuple[str, int], ...] = (("llama-8b", 8), ("llama-70b", 64), ("llama-405b", 512))
+
+# llm-analysis 0.2.2 (pip download llm-analysis --no-deps; run outside this project's venv pins with a stub
+# for its `fire` import, 2026-12-02): LLMAnalysis(ModelConfig(hidden_dim, num_layers, n_head, vocab 128256,
+# num_key_value_heads=8, ffn_embed_dim, expansion_ratio=ffn/dim), gpu "h100-sxm-80gb", dtype "w16a16e16",
+# ParallelismConfig(dp_size=GPUs)).training(batch_size_per_gpu=1, seq_len=8192, ds_zero=DSZeRO.STAGE_3,
+# mlp_gated_linear_units=True, activation_recomputation=FULL). Its figures per GPU, bytes:
+# (num_params_total, weight, gradient, optimizer_state). It counts 18 B/param sharded like DeepSpeed (bf16
+# weight 2, fp32 gradient 4, fp32 master + Adam 12) but its parameter count has a two-matrix MLP even with
+# gated linear units and one (tied) embedding, so it counts 5.63B parameters for Llama 3 8B (8.03B).
+LLM_ANALYSIS: dict[tuple[str, int], tuple[float, float, float, float]] = {
+    ("llama-8b", 8): (5625876480.0, 1406469120.0, 2812938240.0, 8438814720.0),
+    ("llama-70b", 64): (50712551424.0, 1584767232.0, 3169534464.0, 9508603392.0),
+    ("llama-405b", 512): (293827723264.0, 1147764544.0, 2295529088.0, 6886587264.0),
+}
 
 
 def compare_memory(estimate, cluster, cases: tuple[tuple[str, int], ...] = MEMORY_CASES,
@@ -125,7 +143,10 @@ def compare_memory(estimate, cluster, cases: tuple[tuple[str, int], ...] = MEMOR
                        Layout(dp_shard=n), cluster("h100", n))
         ours = sum(est.breakdown.get(k, 0.0) for k in ("params_bytes", "grads_bytes", "optimizer_bytes"))
         p = model.num_params()
-        out.append(MemoryComparison(flavor=flavor, n_gpus=n, ours_bytes=ours,
+        la = LLM_ANALYSIS.get((flavor, n))
+        out.append(MemoryComparison(flavor=flavor, n_gpus=n, ours_bytes=ours, params=p,
                                     deepspeed_bytes=zero3_gpu_bytes(p, largest_layer_params(model), n),
-                                    deepspeed_sharded_bytes=18 * p / n))
+                                    deepspeed_sharded_bytes=18 * p / n,
+                                    llm_analysis_bytes=sum(la[1:]) if la else None,
+                                    llm_analysis_params=la[0] if la else None))
     return out
