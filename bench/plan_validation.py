@@ -60,7 +60,7 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
                      "predicted": round(c.predicted, 2), "rel_error": round(c.rel_error, 4),
                      "predicted_mfu": round(e.mfu, 4), "bubble": round(e.bubble_fraction, 4),
                      "comm_share": round(e.comm_share, 4), "memory_gib": round(e.memory_bytes_per_gpu / GIB, 1),
-                     "feasible": e.feasible, "in_target": r.in_target, "excluded_why": r.excluded_why,
+                     "feasible": e.feasible, "fits_memory": c.fits_memory, "why": e.why, "in_target": r.in_target, "excluded_why": r.excluded_why,
                      "quote": r.quote, "assumptions": list(r.assumptions)})
     skipped = [{"id": r.id, "why": r.excluded_why} for r in pub.ROWS if r.id not in {x["id"] for x in rows}]
     memory = [{"flavor": m.flavor, "gpus": m.n_gpus, "ours_gib": round(m.ours_bytes / GIB, 2),
@@ -81,13 +81,15 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
 
 
 def print_published(t: dict[str, Any]) -> None:
-    print("Cost model vs published training throughput (bf16 rows in the median; * = not counted)")
+    print("Cost model vs published training throughput (bf16 rows in the median; * = not counted; "
+          "(over) = predicted memory above the GPU's, though the run fitted)")
     print(f"{'row':<44} {'GPUs':>6} {'layout':<34} {'metric':>8} {'published':>10} {'predicted':>10} "
           f"{'error':>7} {'MFU':>5} {'bubble':>6} {'comm':>5} {'GiB':>6}")
     for r in t["rows"]:
         metric = "TFLOP/s" if r["metric"] == "tflops_per_gpu" else "tok/s"
         mark = " " if r["in_target"] else "*"
-        fit = "" if r["feasible"] else " (OOM)"
+        fit = "" if r["fits_memory"] else " (over)"
+        fit += "" if r["feasible"] else f" infeasible: {r['why']}"
         print(f"{r['id']:<43}{mark} {r['gpus']:>6} {r['layout']:<34} {metric:>8} {r['published']:>10.1f} "
               f"{r['predicted']:>10.1f} {r['rel_error']:>+7.1%} {r['predicted_mfu']:>5.1%} {r['bubble']:>6.1%} "
               f"{r['comm_share']:>5.0%} {r['memory_gib']:>6.1f}{fit}")

@@ -178,3 +178,13 @@ def test_cost_model_meets_the_published_target():
     err = pub.median_abs_error(comps)
     detail = ", ".join(f"{c.row.id} {c.rel_error:+.0%}" for c in comps if c.row.in_target)
     assert err <= pub.TARGET_MEDIAN_ERROR, f"median |error| {err:.1%} > {pub.TARGET_MEDIAN_ERROR:.0%}: {detail}"
+
+
+def test_every_published_layout_is_one_the_cost_model_accepts():
+    cost_model = pytest.importorskip("trainforge.plan.cost_model")
+    from trainforge.plan import hardware
+
+    # memory is lifted in compare(), so an infeasible estimate is a layout the trainer would refuse
+    bad = [f"{c.row.id}: {c.estimate.why}" for c in pub.compare(estimate=cost_model.estimate,
+                                                                  cluster=hardware.cluster) if not c.estimate.feasible]
+    assert not bad, bad

@@ -25,8 +25,8 @@ Sources (``SOURCES`` keys):
 
 Shapes. torchtitan and Llama 3 rows are our ``llama-8b/70b/405b`` flavors. Megatron's GPT
 models are built with ``gpt_shape``: GPT's MLP (two d x 4d matrices, 8d^2 weights) becomes a
-SwiGLU of width round(8d/3) (three d x f matrices, 3df = 8d^2): the same parameters and the
-same matmul FLOPs per token (within 0.02 % from the rounding); GPT's biases and LayerNorm
+SwiGLU of width 8d/3 rounded to a multiple of 8 (three d x f matrices, 3df = 8d^2): the same
+parameters and the same matmul FLOPs per token (within 0.05 % from the rounding); GPT's biases and LayerNorm
 weights (O(d) per layer) are left out. Megatron's MFU formula (Narayanan et al. 2021,
 72·B·s·l·h²·(1 + s/6h + V/12lh)) is exactly ``ModelConfig.flops_per_token`` x tokens for
 this shape, so published and predicted TFLOP/s use the same FLOP count.
@@ -34,6 +34,8 @@ this shape, so published and predicted TFLOP/s use the same FLOP count.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
@@ -63,9 +65,10 @@ SOURCES: dict[str, str] = {
 def gpt_shape(dim: int, n_layers: int, n_heads: int, vocab_size: int = 131072, seq_len: int = 4096) -> ModelConfig:
     """A Megatron GPT model as a ModelConfig: multi-head attention, untied embeddings (the
     published sizes, e.g. 7.1B = 12·30·4096² + 2·131072·4096, count both), and the 4d MLP
-    as a SwiGLU of width round(8d/3) (same weights and FLOPs, see the module docstring)."""
+    as a SwiGLU of width 8d/3 (same weights and FLOPs, see the module docstring)."""
+    # 8d/3 rounded to a multiple of 8 so that every TP degree up to 8 divides it (the trainer's check)
     return ModelConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, vocab_size=vocab_size,
-                       ffn_hidden_dim=round(8 * dim / 3), max_seq_len=seq_len, tie_embeddings=False)
+                       ffn_hidden_dim=8 * round(dim / 3), max_seq_len=seq_len, tie_embeddings=False)
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,12 @@ _MEGATRON_TABLE = (
     ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9, "47%", 2825.6),
 )
 _MEGATRON_ASSUMPTIONS = (
-    "micro_batch_size = 1 (not published; Megatron's examples/gpt3 script uses 1): batch/DP sequences "
-    "per step = grad_accum_steps without a pipeline, pipeline microbatches with one (= 4 x PP in every row)",
+    "micro_batch_size = 1 (not published; Megatron's examples/gpt3 script uses 1): with a pipeline the "
+    "batch/DP sequences are its microbatches (= 4 x PP in every row)",
+    "without a pipeline, Megatron's 4 accumulated microbatches of 1 -> one micro-step of 4 sequences "
+    "(grad_accum_steps = 1): Megatron reduces gradients once per step, after the last microbatch, while our "
+    "trainer (and so the cost model) reduces every micro-step; FLOPs and TP bytes are the same, only "
+    "activation memory differs",
     "pp_schedule = 1f1b (the virtual-pipeline size, i.e. interleaving, is not published)",
     "activation_checkpoint = False (recomputation is not published)",
     "DP -> dp_replicate: the distributed optimizer (implied by --overlap-param-gather) shards only the "
@@ -137,7 +144,7 @@ def _megatron_rows() -> list[PublishedRow]:
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, mfu, agg in _MEGATRON_TABLE:
         per_dp = batch // dp
         layout = Layout(dp_replicate=dp, tp=tp, pp=pp, microbatches=per_dp if pp > 1 else 1,
-                        pp_schedule="1f1b", activation_checkpoint=False, grad_accum_steps=1 if pp > 1 else per_dp)
+                        pp_schedule="1f1b", activation_checkpoint=False)
         rows.append(PublishedRow(
             id=f"megatron-gpt-{size.lower()}-{gpus}", source="megatron",
             quote=f"| {size} | {heads} | {hidden} | {layers} | {tp} | {pp} | {dp} | {gpus} | {batch} | {tflops} | "
@@ -158,8 +165,9 @@ _TT_SEQ = ("seq_len = 8192: not in the table; the llama3 train_configs preset at
            "names (torchtitan 9dec370 / 820504e / 3faaa1a) sets it")
 _TT_HW = ("H100 96GB HBM2e at 500 W: below the SXM peak the cluster table assumes (the source says the real "
           "peak lies between SXM and NVL), so predictions lean high")
-_SAC = ("selective (per-op) activation checkpointing -> activation_checkpoint = False: torchtitan's op policy "
-        "recomputes every other matmul and the cheap ops, more compute than none, less than full")
+_SAC = ("selective (per-op) activation checkpointing -> activation_checkpoint = True (full; Layout has no "
+        "selective mode): torchtitan's op policy recomputes every other matmul and the cheap ops, about half the "
+        "forward, so the full-recompute prediction leans low by up to ~1/8")
 
 
 def _tt(id: str, source: str, quote: str, flavor: str, n_gpus: int, published: dict[str, Any], layout: Layout,
@@ -183,24 +191,24 @@ def _torchtitan_rows() -> list[PublishedRow]:
     fp8 = "Float8 linears: the cost model has no float8 training"
     rows = [
         _tt("torchtitan-8b-fsdp8", "torchtitan-2412", "Table 1 (8 GPUs, local batch 2, global 16, selective AC): "
-            "| FSDP | 5,762 | 82.4 |", "llama-8b", 8, fsdp8, Layout(dp_shard=8), 16, 5762,
+            "| FSDP | 5,762 | 82.4 |", "llama-8b", 8, fsdp8, Layout(dp_shard=8, activation_checkpoint=True), 16, 5762,
             assumptions=(_SAC,), notes=(no_compile, "MFU 33% per the text (SXM peak)")),
         _tt("torchtitan-8b-fsdp8-compile", "torchtitan-2412", "Table 1: | FSDP + torch.compile | 6,667 | 77.0 |",
-            "llama-8b", 8, {**fsdp8, "compile": True}, Layout(dp_shard=8), 16, 6667,
+            "llama-8b", 8, {**fsdp8, "compile": True}, Layout(dp_shard=8, activation_checkpoint=True), 16, 6667,
             assumptions=(_SAC,), notes=(compiled, "MFU 39% per the text (SXM peak)")),
         _tt("torchtitan-8b-fsdp8-compile-fp8", "torchtitan-2412",
             "Table 1: | FSDP + torch.compile + Float8 | 8,532 | 76.8 |", "llama-8b", 8,
-            {**fsdp8, "compile": True, "float8": True}, Layout(dp_shard=8), 16, 8532, precision="float8",
+            {**fsdp8, "compile": True, "float8": True}, Layout(dp_shard=8, activation_checkpoint=True), 16, 8532, precision="float8",
             assumptions=(_SAC,), in_target=False, excluded_why=fp8),
         _tt("torchtitan-8b-fsdp128", "torchtitan-2412", "Table 3 (128 GPUs, local batch 2, global 256, selective "
-            "AC): | FSDP | 5,605 | 67.0 |", "llama-8b", 128, fsdp128, Layout(dp_shard=128), 256, 5605,
+            "AC): | FSDP | 5,605 | 67.0 |", "llama-8b", 128, fsdp128, Layout(dp_shard=128, activation_checkpoint=True), 256, 5605,
             assumptions=(_SAC,), notes=(no_compile,)),
         _tt("torchtitan-8b-fsdp128-compile", "torchtitan-2412", "Table 3: | FSDP + torch.compile | 6,514 | 62.0 |",
-            "llama-8b", 128, {**fsdp128, "compile": True}, Layout(dp_shard=128), 256, 6514,
+            "llama-8b", 128, {**fsdp128, "compile": True}, Layout(dp_shard=128, activation_checkpoint=True), 256, 6514,
             assumptions=(_SAC,), notes=(compiled,)),
         _tt("torchtitan-8b-fsdp128-compile-fp8", "torchtitan-2412",
             "Table 3: | FSDP + torch.compile + Float8 | 8,380 | 61.8 |", "llama-8b", 128,
-            {**fsdp128, "compile": True, "float8": True}, Layout(dp_shard=128), 256, 8380, precision="float8",
+            {**fsdp128, "compile": True, "float8": True}, Layout(dp_shard=128, activation_checkpoint=True), 256, 8380, precision="float8",
             assumptions=(_SAC,), in_target=False, excluded_why=fp8),
         _tt("torchtitan-70b-fsdp32-tp8-fp8", "torchtitan-2412", "Table 4 (256 GPUs, FSDP 32, TP 8, local batch "
             "16, global 512, full AC, compile, Float8): | 2D | 829 | 71.9 |", "llama-70b", 256,
@@ -229,13 +237,13 @@ def _torchtitan_rows() -> list[PublishedRow]:
             "torch.compile, per op SAC, local batch size 12: | None (bfloat16) | 4378 | 4809.4 | 1.10 |",
             "llama-8b", 64, {"fsdp": 8, "tp": 8, "pp": 1, "local_batch": 12, "ac": "selective-op", "compile": True,
                              "float8": False, "async_tp": False},
-            Layout(dp_shard=8, tp=8), 96, 4378,
+            Layout(dp_shard=8, tp=8, activation_checkpoint=True), 96, 4378,
             assumptions=(_SAC, "global batch 96 = local 12 x FSDP 8 (not stated)"),
             notes=(compiled, "vanilla TP column")),
         _tt("torchtitan-8b-fsdp8-tp8-compile-asynctp", "torchtitan-2506", "same row, Async TP column: 4809.4",
             "llama-8b", 64, {"fsdp": 8, "tp": 8, "pp": 1, "local_batch": 12, "ac": "selective-op", "compile": True,
                              "float8": False, "async_tp": True},
-            Layout(dp_shard=8, tp=8), 96, 4809.4, assumptions=(_SAC,), notes=(compiled,), in_target=False,
+            Layout(dp_shard=8, tp=8, activation_checkpoint=True), 96, 4809.4, assumptions=(_SAC,), notes=(compiled,), in_target=False,
             excluded_why="async TP (TP comm overlapped with matmuls) is not a Layout field"),
         _tt("torchtitan-405b-fsdp16-tp8", "torchtitan-2408", "| 405B | 2 | full | 109 | 29.0%[^1] | None",
             "llama-405b", 128, {"fsdp": 16, "tp": 8, "pp": 1, "local_batch": 2, "ac": "full", "compile": None,
@@ -288,11 +296,14 @@ ROWS: tuple[PublishedRow, ...] = (*_megatron_rows(), *_torchtitan_rows(), *_llam
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Comparison:
-    """Predicted against published for one row, in the row's own metric."""
+    """Predicted against published for one row, in the row's own metric. ``fits_memory``:
+    whether the predicted peak memory fits the GPU (the published run did fit, so False is a
+    memory-model miss; the time is predicted either way)."""
 
     row: PublishedRow
     predicted: float
     estimate: Estimate = field(repr=False)
+    fits_memory: bool = True
 
     @property
     def rel_error(self) -> float:
@@ -325,9 +336,13 @@ def predicted_metric(row: PublishedRow, est: Estimate) -> float:
 
 def compare(rows: tuple[PublishedRow, ...] | list[PublishedRow] = ROWS, estimate: EstimateFn | None = None,
             cluster: ClusterFn | None = None) -> list[Comparison]:
-    """Run the cost model on every row that has a layout it can express (``excluded_why``
-    other than the CP rows included: float8 and async-TP rows are predicted as bf16 and
-    shown, never counted). ``estimate``/``cluster`` default to the real cost model."""
+    """Run the cost model on every row that has a layout it can express (all but the CP
+    rows: float8 and async-TP rows are predicted as bf16 and shown, never counted).
+    ``estimate``/``cluster`` default to the real cost model.
+
+    The published runs ran, so their step time is predicted on the cluster with its memory
+    limit lifted (an over-memory estimate has no step time); whether the predicted memory
+    fits the real GPU is kept beside it (``fits_memory``)."""
     if estimate is None or cluster is None:
         est_fn, cl_fn = _default_fns()
         estimate, cluster = estimate or est_fn, cluster or cl_fn
@@ -335,8 +350,10 @@ def compare(rows: tuple[PublishedRow, ...] | list[PublishedRow] = ROWS, estimate
     for row in rows:
         if row.published.get("cp", 1) not in (1, None):
             continue  # no context-parallel axis in Layout: nothing to predict
-        est = estimate(row.workload(), row.layout, cluster(row.gpu, row.n_gpus))
-        out.append(Comparison(row=row, predicted=predicted_metric(row, est), estimate=est))
+        real = cluster(row.gpu, row.n_gpus)
+        est = estimate(row.workload(), row.layout, dataclasses.replace(real, memory_bytes=math.inf))
+        out.append(Comparison(row=row, predicted=predicted_metric(row, est), estimate=est,
+                              fits_memory=est.memory_bytes_per_gpu <= real.memory_bytes))
     return out
 
 
