@@ -101,6 +101,7 @@ class MemoryComparison:
     flavor: str
     n_gpus: int
     ours_bytes: float
+    ours_gathered_bytes: float  # the estimate's unsharded_bytes: FSDP's gathered blocks (DeepSpeed's 4 x largest layer)
     params: float  # our parameter count (ModelConfig.num_params)
     deepspeed_bytes: float
     deepspeed_sharded_bytes: float  # the 18 * params / gpus part alone, without the gathered layer
@@ -145,6 +146,7 @@ def compare_memory(estimate, cluster, cases: tuple[tuple[str, int], ...] = MEMOR
         p = model.num_params()
         la = LLM_ANALYSIS.get((flavor, n))
         out.append(MemoryComparison(flavor=flavor, n_gpus=n, ours_bytes=ours, params=p,
+                                    ours_gathered_bytes=est.breakdown.get("unsharded_bytes", 0.0),
                                     deepspeed_bytes=zero3_gpu_bytes(p, largest_layer_params(model), n),
                                     deepspeed_sharded_bytes=18 * p / n,
                                     llm_analysis_bytes=sum(la[1:]) if la else None,
