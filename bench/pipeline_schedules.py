@@ -18,9 +18,10 @@ over ranks, median over steps.
 Analytic value (``trainforge.plan.pipeline_sim``, the planner's simulator): torch's own
 action list for the schedule (``schedule.pipeline_order``, every rank's) replayed with
 F = I = W = 1 time unit per chunk (full backward B = I + W = 2), chunks of a rank sharing
-its work (one unit = 1/v of it), no communication cost; bubble = 1 - busy / makespan, averaged over ranks. For gpipe and 1f1b this is exactly
-(p-1)/(m+p-1); for interleaved-1f1b the textbook value is (p-1)/(v·m+p-1); zero-bubble
-schedules approach 0 under F = I = W. Both textbook values are printed beside it.
+its work (one unit = 1/v of it), no communication cost; bubble = 1 - busy / makespan,
+averaged over ranks. For gpipe and 1f1b this is exactly (p-1)/(m+p-1); for
+interleaved-1f1b the textbook value is (p-1)/(v·m+p-1); zero-bubble schedules approach 0
+under F = I = W. Both textbook values are printed beside it.
 
 Part 2, balancing. A model with a heavy head (4 blocks per stage, dim 64, vocab 8192:
 output projection + loss cost about six blocks) under 1f1b. Every rank profiles one

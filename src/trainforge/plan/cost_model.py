@@ -48,8 +48,15 @@ async TP) and sit inside each stage's time, so they stretch the pipeline too. Of
 transfers, those on the fill-and-drain critical path are exposed (2 x (stages - 1)); the
 rest overlap the steady state.
 
-step_s = micro-steps x (stage compute + TP + EP) / (1 - bubble) + exposed PP + exposed DP +
-expert reduce. bubble: the schedule's own action list replayed (``pipeline_sim``).
+Memory-bound work: the elementwise kernels stream each saved activation about four times
+(written, read, its gradient written and read; six with recomputation) and the loss ~14
+bytes per logit, at HBM bandwidth, beside the GEMMs (not overlapped); AdamW streams its
+state once per step. Attention: flash attention on a causal mask does half the score and
+value products at roughly half the GEMM efficiency; counted as the full products (the
+model FLOPs) at the GEMM efficiency.
+
+step_s = micro-steps x (stage compute + memory-bound + TP + EP) / (1 - bubble) + exposed
+PP + exposed DP + expert reduce + optimizer. bubble: the schedule's own action list replayed (``pipeline_sim``).
 MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]).
 """
 
@@ -147,6 +154,9 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     links = cm.axis_links(layout, cluster)
     ac_factor = 4 / 3 if ac else 1.0
     a = pb.activation
+    table = mm.layer_table(cfg, s, a)
+    emb_params, head_params = mm.embedding_params(cfg), mm.head_params(cfg)
+    head_acts = mm.head_activation_bytes_per_token(cfg, a, tp)
 
     from trainforge.parallel.pipeline import stage_ids_for_rank
 
@@ -155,10 +165,10 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         stages = stage_ids_for_rank(rank, pp, layout.pp_schedule, n_stages) if pp > 1 else [0]
         layers = [i for st in stages for i in range(bounds[st], bounds[st + 1])]
         first, last = 0 in stages, n_stages - 1 in stages
-        dense = sum(mm.block_params(cfg, i)[0] for i in layers)
-        experts = sum(mm.block_params(cfg, i)[1] for i in layers)
-        block_dense = max((mm.block_params(cfg, i)[0] for i in layers), default=0)
-        dense += (mm.embedding_params(cfg) if first else 0) + (mm.head_params(cfg) if last else 0)
+        dense = sum(table.dense_params[i] for i in layers)
+        experts = sum(table.expert_params[i] for i in layers)
+        block_dense = max((table.dense_params[i] for i in layers), default=0)
+        dense += (emb_params if first else 0) + (head_params if last else 0)
         dense_local = dense / tp  # every matrix (and the vocab) is split by tp; norms are a rounding error
         experts_local = experts / ep
         params_local = dense_local / shard + experts_local
@@ -173,25 +183,30 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
             state["autocast_copy_bytes"] = params_local * a  # cast weights saved for backward
 
         # Activations (memory_model docstring): per stage-microbatch alive, plus the head and a recompute.
-        stage_layers = [range(bounds[st], bounds[st + 1]) for st in stages]
-        per_layer = [mm.block_activation_elements(cfg, i, a) * a / tp for i in layers]
-        kept = [(cfg.dim * a / tp if ac else x) for x in per_layer]
-        stage_bytes = max(sum(kept[layers.index(i)] for i in r) for r in stage_layers) * mb_tokens
+        per_layer = [table.activation_bytes_per_token[i] / tp for i in layers]
+        kept_by_stage = [(bounds[st + 1] - bounds[st]) * cfg.dim * a / tp if ac
+                         else sum(table.activation_bytes_per_token[bounds[st]:bounds[st + 1]]) / tp for st in stages]
+        stage_bytes = max(kept_by_stage) * mb_tokens
         acts = profile.peak_in_flight * stage_bytes
         if ac:
             acts += max(per_layer) * mb_tokens
         if last:
-            acts += mm.head_activation_bytes_per_token(cfg, a, tp) * mb_tokens
+            acts += head_acts * mb_tokens
         state["activations_bytes"] = acts
 
         # Compute and exposed per-microbatch communication of this rank, one micro-step.
-        flops = sum(mm.block_flops_per_token(cfg, i, s) for i in layers) * ac_factor
-        flops += mm.head_flops_per_token(cfg, s) if last else 0.0
+        flops = sum(table.flops_per_token[i] for i in layers) * ac_factor
+        flops += table.head_flops_per_token if last else 0.0
         compute = flops * mb_tokens * m / tp / rate
+        # Memory-bound kernels (norms, rotary, SwiGLU's product, residual adds, the loss): each saved
+        # activation written in forward, read in backward, its gradient written and read (4x; 6x with
+        # the recomputed forward), the logits' ~14 bytes per vocab entry; at HBM bandwidth, not hidden.
+        streamed = sum(per_layer) * (6 if ac else 4) + (cfg.vocab_size / tp * 14 if last else 0.0)
+        memory_bound = streamed * mb_tokens * m / cluster.memory_bandwidth_bytes_per_s
         tp_size, tp_link = links["tp"]
         tp_msgs = len(layers) * (6 if ac else 4) + 2 * (first + last)
         tp_comm = m * tp_msgs * cm.all_reduce_s(mb_tokens * cfg.dim * a, tp_size, tp_link)
-        moe_layers = sum(cfg.is_moe_layer(i) for i in layers)
+        moe_layers = sum(table.moe[i] for i in layers)
         ep_size, ep_link = links["ep"]
         dispatched = mb_tokens * cfg.n_activated_experts * cfg.dim * a
         ep_comm = m * moe_layers * (6 if ac else 4) * cm.all_to_all_s(dispatched, ep_size, ep_link)
@@ -211,10 +226,14 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
             compressed = cm.all_reduce_s(rep_values * wire, rep_size, rep_link)
         edp_size, edp_link = links["edp"]
         exposed_dp = max(0.0, hidden_dp - compute) + hidden_dp / max(1, len(layers)) + compressed
-        rows.append({**state, "memory_bytes": sum(state.values()), "compute_s": compute, "tp_comm_s": tp_comm,
+        # AdamW once per step: reads parameters, gradients and both moments, writes all but the gradients.
+        optimizer_s = params_local * (pb.param + pb.grad + 2 * pb.optimizer_state + pb.master) * 1.75 \
+            / cluster.memory_bandwidth_bytes_per_s
+        rows.append({**state, "memory_bytes": sum(state.values()), "compute_s": compute,
+                     "memory_bound_s": memory_bound, "optimizer_s": optimizer_s, "tp_comm_s": tp_comm,
                      "ep_comm_s": ep_comm, "dp_comm_s": hidden_dp + compressed, "exposed_dp_s": exposed_dp,
                      "expert_grad_comm_s": cm.all_reduce_s(experts_local * pb.grad, edp_size, edp_link),
-                     "busy_s": compute + tp_comm + ep_comm})
+                     "busy_s": compute + memory_bound + tp_comm + ep_comm})
     worst = max(rows, key=lambda r: r["busy_s"])  # the slowest rank paces the pipeline
     fullest = max(rows, key=lambda r: r["memory_bytes"])
     memory = fullest["memory_bytes"]
@@ -230,12 +249,14 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     bubble_s = micro * (makespan - worst["busy_s"])
     exposed_comm = micro * (worst["tp_comm_s"] + worst["ep_comm_s"] + pp_exposed + worst["exposed_dp_s"]) \
         + worst["expert_grad_comm_s"]
-    step_s = micro * (makespan + pp_exposed + worst["exposed_dp_s"]) + worst["expert_grad_comm_s"]
-    model_flops = cfg.flops_per_token(s) * workload.global_batch * s
+    step_s = (micro * (makespan + pp_exposed + worst["exposed_dp_s"]) + worst["expert_grad_comm_s"]
+              + max(r["optimizer_s"] for r in rows))
+    model_flops = table.model_flops_per_token * workload.global_batch * s
     n = layout.n_gpus
     # Times of the slowest rank per step; bytes of the fullest rank.
     breakdown = {k: v * micro for k, v in worst.items()
-                 if k.endswith("_s") and k not in ("busy_s", "exposed_dp_s", "expert_grad_comm_s")}
+                 if k.endswith("_s") and k not in ("busy_s", "exposed_dp_s", "expert_grad_comm_s", "optimizer_s")}
+    breakdown["optimizer_s"] = max(r["optimizer_s"] for r in rows)
     breakdown.update({k: v for k, v in fullest.items() if k.endswith("_bytes")})
     breakdown["expert_grad_comm_s"] = worst["expert_grad_comm_s"]
     breakdown.update(pp_comm_s=micro * pp_total, bubble_s=bubble_s, exposed_comm_s=exposed_comm,

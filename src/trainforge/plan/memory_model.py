@@ -145,6 +145,36 @@ def head_activation_bytes_per_token(cfg: ModelConfig, activation_bytes: int, tp:
     return 2 * h * activation_bytes / tp + logits + cfg.mtp_depth * per_depth
 
 
+@dataclass(frozen=True)
+class LayerTable:
+    """Per block: dense and routed-expert parameters, training FLOPs per token, saved
+    activation bytes per token (no checkpointing, before tp); plus the head's FLOPs and
+    activation bytes per token (before tp) and the whole model's FLOPs per token."""
+
+    dense_params: tuple[int, ...]
+    expert_params: tuple[int, ...]
+    flops_per_token: tuple[float, ...]
+    activation_bytes_per_token: tuple[float, ...]
+    moe: tuple[bool, ...]
+    head_flops_per_token: float
+    model_flops_per_token: float
+
+
+@functools.lru_cache(maxsize=256)
+def layer_table(cfg: ModelConfig, seq_len: int, activation_bytes: int) -> LayerTable:
+    """Everything the cost model sums over layers, computed once per model (hashing a
+    ModelConfig costs more than one estimate's arithmetic)."""
+    n = range(cfg.n_layers)
+    params = [block_params(cfg, i) for i in n]
+    return LayerTable(dense_params=tuple(p[0] for p in params), expert_params=tuple(p[1] for p in params),
+                      flops_per_token=tuple(block_flops_per_token(cfg, i, seq_len) for i in n),
+                      activation_bytes_per_token=tuple(block_activation_elements(cfg, i, activation_bytes)
+                                                       * activation_bytes for i in n),
+                      moe=tuple(cfg.is_moe_layer(i) for i in n),
+                      head_flops_per_token=head_flops_per_token(cfg, seq_len),
+                      model_flops_per_token=cfg.flops_per_token(seq_len))
+
+
 # ---------------------------------------------------------------- the pipeline split
 
 
