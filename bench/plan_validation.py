@@ -74,9 +74,12 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
     doc = [{"case": d.name, "documented_gb": d.documented_gb, "formula_gb": round(d.computed_gb(), 2)}
            for d in mem.DOC_CASES]
     base_mfu, base_err = pub.constant_mfu_baseline(pub.ROWS)
+    families = {"megatron": [c for c in comps if c.row.source == "megatron"],
+                "torchtitan": [c for c in comps if c.row.source.startswith("torchtitan")]}
     return {"rows": rows, "not_predicted": skipped, "baseline_constant_mfu": round(base_mfu, 4),
             "baseline_median_abs_error": round(base_err, 4), "median_abs_error": pub.median_abs_error(comps),
             "median_abs_error_all_predicted": pub.median_abs_error(comps, target_only=False),
+            "median_abs_error_by_family": {k: pub.median_abs_error(v) for k, v in families.items()},
             "target": pub.TARGET_MEDIAN_ERROR, "n_target_rows": sum(r["in_target"] for r in rows),
             "sources": pub.SOURCES, "memory": memory, "deepspeed_doc_cases": doc, "deepspeed_source": mem.SOURCE}
 
@@ -96,6 +99,7 @@ def print_published(t: dict[str, Any]) -> None:
               f"{r['comm_share']:>5.0%} {r['memory_gib']:>6.1f}{fit}")
     print(f"median |error| over {t['n_target_rows']} target rows: {t['median_abs_error']:.1%} "
           f"(target <= {t['target']:.0%}); over all predicted rows: {t['median_abs_error_all_predicted']:.1%}")
+    print("  by family: " + ", ".join(f"{k} {v:.1%}" for k, v in t["median_abs_error_by_family"].items()))
     print(f"yardstick: one MFU for every row ({t['baseline_constant_mfu']:.1%}, the median published) has median "
           f"|error| {t['baseline_median_abs_error']:.1%}")
     for s in t["not_predicted"]:
