@@ -22,8 +22,9 @@ pp; routed experts split by ep (and, as the trainer does, kept out of FSDP: repl
 the ranks holding the same experts). Plus activations (``memory_model``) x the microbatches
 the schedule keeps alive (``pipeline_sim``), FSDP's two unsharded blocks in flight (compute
 dtype) and one block's unsharded gradient, DDP's gradient buckets (a second copy of the
-gradients) and autocast's low-precision weight copies. Over ``cluster.memory_bytes`` is
-infeasible.
+gradients) and autocast's low-precision weight copies, and a reserve (``RESERVED_BYTES``
+for the CUDA context and communication buffers, ``FRAGMENTATION`` of the tensors for the
+caching allocator). Over ``cluster.memory_bytes`` is infeasible.
 
 Communication per optimizer step (``comm_model``: alpha-beta, the tier from where each
 axis' group lies): TP, Megatron style, 4 all-reduces of a microbatch's activations per
@@ -71,6 +72,10 @@ from trainforge.plan.pipeline_sim import schedule_profile, stages_per_rank
 from trainforge.plan.spec import Cluster, Estimate, Layout, Workload
 
 FSDP_BLOCKS_IN_FLIGHT = 2  # the block running and the one prefetched
+# Memory no tensor accounts for (assumptions): the CUDA context, NCCL's buffers and
+# workspaces (~1 GiB), and the caching allocator's fragmentation (~5% of the tensors).
+RESERVED_BYTES = 2**30
+FRAGMENTATION = 0.05
 
 
 def codec_bytes_per_value(codec: str, dim: int) -> float:
@@ -193,6 +198,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         if last:
             acts += head_acts * mb_tokens
         state["activations_bytes"] = acts
+        state["reserved_bytes"] = RESERVED_BYTES + FRAGMENTATION * sum(state.values())
 
         # Compute and exposed per-microbatch communication of this rank, one micro-step.
         flops = sum(table.flops_per_token[i] for i in layers) * ac_factor
