@@ -258,7 +258,8 @@ def _torchtitan_rows() -> list[PublishedRow]:
 # ---------------------------------------------------------------------------------------------
 # Llama 3 405B pre-training (paper Table 4). Quoted: the SC'24 slide transcription.
 _L3_ASSUMPTIONS = (
-    "seq_len 8192 for the CP=1 rows: the paper's initial pre-training stage is 8K (not in the quoted transcription)",
+    "seq_len 8192 for the CP=1 rows: the paper's initial pre-training stage is 8K; 131072 for the CP=16 row, its "
+    "long-context stage (neither is in the quoted transcription)",
     "DP = GPUs / (TP x CP x PP), derived",
     "global batch 2048 sequences = 16M tokens / 8192 (16M = 2^24), derived",
     "micro_batch_size 1, pp_schedule interleaved-1f1b (Meta's own tuned interleaved schedule; microbatch count "
