@@ -1,0 +1,125 @@
+"""The machine probe behind ``trainforge plan --gpu measured``: the alpha-beta fit recovers
+known latency and bandwidth, a profile becomes the Cluster the cost model reads, the cache
+spares a second probe, and a real 2-process probe measures plausible figures."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainforge.plan import probe
+from trainforge.plan.spec import Cluster
+
+SIZES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
+
+
+def test_fit_recovers_alpha_beta_of_exact_samples():
+    alpha, beta = 40e-6, 1 / 2.5e9
+    fit = probe.fit_alpha_beta(SIZES, [alpha + beta * n for n in SIZES])
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-9)
+    assert fit.beta_s_per_byte == pytest.approx(beta, rel=1e-9)
+    assert fit.max_rel_error < 1e-9
+
+
+def test_fit_recovers_latency_despite_noise_at_large_sizes():
+    """Multiplicative noise of 10%: at 16 MB that is 0.7 ms, 17x the latency; an unweighted
+    fit's intercept would be mostly that noise."""
+    rng = random.Random(0)
+    alpha, beta = 40e-6, 1 / 2.5e9
+    errors = []
+    for _ in range(20):
+        t = [(alpha + beta * n) * (1 + rng.uniform(-0.1, 0.1)) for n in SIZES]
+        fit = probe.fit_alpha_beta(SIZES, t)
+        errors.append((abs(fit.alpha_s / alpha - 1), abs(fit.beta_s_per_byte / beta - 1)))
+        assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0
+    assert max(e[0] for e in errors) < 0.25
+    assert max(e[1] for e in errors) < 0.15
+
+
+def test_fit_keeps_latency_and_bandwidth_positive():
+    # Latency-bound at small sizes with a dip: the unconstrained intercept is negative.
+    fit = probe.fit_alpha_beta([1000, 2000, 1e6], [3e-4, 1e-4, 1e-3])
+    assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0
+    flat = probe.fit_alpha_beta([1000, 1e6], [1e-3, 1e-3])
+    assert flat.alpha_s == pytest.approx(1e-3) and flat.beta_s_per_byte > 0
+
+
+def test_fit_rejects_too_few_or_nonpositive_samples():
+    with pytest.raises(ValueError, match="2"):
+        probe.fit_alpha_beta([1], [1.0])
+    with pytest.raises(ValueError, match="> 0"):
+        probe.fit_alpha_beta([1, 2], [1.0, 0.0])
+
+
+def _profile(n: int = 4, alpha: float = 1e-4, beta: float = 1e-9) -> dict:
+    rows = [[s, alpha + beta * s] for s in SIZES]
+    samples = {"threads": 1, "matmul_n": 1024, "matmul_fp32_flops_per_s": 1e11, "matmul_fp32_solo_flops_per_s": 1.2e11,
+               "memory_bytes_per_s": 5e9, "memory_solo_bytes_per_s": 8e9, "probe_s": 12.0,
+               "collectives": {op: {str(k): rows for k in range(2, n + 1)} for op in probe.OPS}}
+    fits = probe.fit_samples(samples)
+    return {"n_procs": n, "date": "2026-12-02 03:00 UTC", "cpu_model": "Test CPU", "cpu_flags": "avx2 fma",
+            "bf16_reason": "bf16: not measured", "samples": samples,
+            "fits": {op: {str(k): [f.alpha_s, f.beta_s_per_byte, f.max_rel_error] for k, f in by_k.items()}
+                     for op, by_k in fits.items()}}
+
+
+def test_profile_becomes_a_one_node_cluster_with_bus_bandwidth():
+    c = probe.cluster_from_profile(_profile(n=4, alpha=1e-4, beta=1e-9))
+    assert isinstance(c, Cluster)
+    assert (c.n_gpus, c.gpus_per_node, c.n_nodes) == (4, 4, 1)
+    assert c.peak_flops == {"fp32": 1e11}  # no bf16 sample: bf16 is slow here
+    assert c.memory_bandwidth_bytes_per_s == 5e9
+    # all-reduce on 4 ranks moves 2 x 3/4 of the bytes per rank: bus bandwidth = 1.5 / beta
+    assert c.intra.bandwidth_bytes_per_s == pytest.approx(1.5e9, rel=1e-6)
+    assert c.intra.latency_s == pytest.approx(1e-4, rel=1e-6)
+    assert c.inter == c.intra
+    assert set(c.collectives) == set(probe.OPS) and set(c.collectives["send_recv"]) == {2, 3, 4}
+    assert "Test CPU" in c.name and c.sources["cpu_model"] == "Test CPU"
+    assert c.sources["cpu_key_flags"] == "avx2 fma"
+
+
+def test_measured_cluster_probes_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFORGE_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(probe, "measure_profile", lambda n: calls.append(n) or _profile(n))
+    a = probe.measured_cluster(3)
+    b = probe.measured_cluster(3)
+    assert calls == [3] and a == b
+    assert (tmp_path / probe.CACHE_FILE).is_file()
+    probe.measured_cluster(2)  # another process count is another profile
+    probe.measured_cluster(3, cache=False)  # asked to re-measure
+    assert calls == [3, 2, 3]
+
+
+def test_damaged_cache_entry_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINFORGE_CACHE", str(tmp_path))
+    (tmp_path / probe.CACHE_FILE).write_text('{"%s": {"n_procs": 2}}' % probe.machine_key(2))
+    monkeypatch.setattr(probe, "measure_profile", lambda n: _profile(n))
+    assert probe.measured_cluster(2).n_gpus == 2
+
+
+def test_bad_process_count_names_the_flag():
+    with pytest.raises(ValueError, match="--gpus"):
+        probe.measured_cluster(0)
+
+
+@pytest.mark.slow
+def test_two_process_probe_measures_this_machine(tmp_path, monkeypatch):
+    """A real probe under torchrun (gloo, 2 processes, about 15 s): positive rates, fits that
+    describe their samples, and the second call served from the cache."""
+    monkeypatch.setenv("TRAINFORGE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TRAINFORGE_PROBE_LOCK", str(tmp_path / "lock"))  # the caller may hold the shared one
+    c = probe.measured_cluster(2)
+    assert 1e8 < c.peak_flops["fp32"] < 1e13  # 0.1 GFLOP/s .. 10 TFLOP/s for one thread
+    assert 1e8 < c.memory_bandwidth_bytes_per_s < 1e12
+    assert c.intra.bandwidth_bytes_per_s > 1e6 and 0 < c.intra.latency_s < 0.1
+    for op in probe.OPS:
+        fit = c.collectives[op][2]
+        assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0
+        assert fit.max_rel_error < MAX_FIT_ERROR, (op, fit)
+    monkeypatch.setattr(probe, "run_probe", lambda *a, **k: pytest.fail("probed again despite the cache"))
+    assert probe.measured_cluster(2) == c
+
+
+MAX_FIT_ERROR = 1.0  # set from measured spread; see test_two_process_probe_measures_this_machine
