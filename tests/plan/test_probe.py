@@ -8,8 +8,11 @@ import random
 
 import pytest
 
+from trainforge.model import FLAVORS
+from trainforge.plan import comm_model as cm
 from trainforge.plan import probe
-from trainforge.plan.spec import Cluster
+from trainforge.plan.cost_model import estimate
+from trainforge.plan.spec import Cluster, Layout, Workload
 
 SIZES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 
@@ -46,17 +49,24 @@ def test_fit_keeps_latency_and_bandwidth_positive():
 
 
 def test_fit_rejects_too_few_or_nonpositive_samples():
-    with pytest.raises(ValueError, match="2"):
+    with pytest.raises(ValueError, match=">= 2"):
         probe.fit_alpha_beta([1], [1.0])
     with pytest.raises(ValueError, match="> 0"):
         probe.fit_alpha_beta([1, 2], [1.0, 0.0])
 
 
-def _profile(n: int = 4, alpha: float = 1e-4, beta: float = 1e-9) -> dict:
-    rows = [[s, alpha + beta * s] for s in SIZES]
+def _cost_model_samples(n: int, bandwidth: float, latency: float) -> dict:
+    """Samples as the cost model's formulas would time them on a (bandwidth, latency) tier."""
+    link = cm.Link(bandwidth, latency, "intra")
+    ops = {"all_reduce": cm.all_reduce_s, "all_gather": cm.all_gather_s, "reduce_scatter": cm.reduce_scatter_s,
+           "send_recv": lambda b, k, lk: cm.p2p_s(b, lk)}
+    return {op: {str(k): [[s, f(s, k, link)] for s in SIZES] for k in range(2, n + 1)} for op, f in ops.items()}
+
+
+def _profile(n: int = 4, bandwidth: float = 2e9, latency: float = 5e-5) -> dict:
     samples = {"threads": 1, "matmul_n": 1024, "matmul_fp32_flops_per_s": 1e11, "matmul_fp32_solo_flops_per_s": 1.2e11,
                "memory_bytes_per_s": 5e9, "memory_solo_bytes_per_s": 8e9, "probe_s": 12.0,
-               "collectives": {op: {str(k): rows for k in range(2, n + 1)} for op in probe.OPS}}
+               "collectives": _cost_model_samples(n, bandwidth, latency)}
     fits = probe.fit_samples(samples)
     return {"n_procs": n, "date": "2026-12-02 03:00 UTC", "cpu_model": "Test CPU", "cpu_flags": "avx2 fma",
             "bf16_reason": "bf16: not measured", "samples": samples,
@@ -64,19 +74,40 @@ def _profile(n: int = 4, alpha: float = 1e-4, beta: float = 1e-9) -> dict:
                      for op, by_k in fits.items()}}
 
 
-def test_profile_becomes_a_one_node_cluster_with_bus_bandwidth():
-    c = probe.cluster_from_profile(_profile(n=4, alpha=1e-4, beta=1e-9))
+def test_tier_fit_recovers_the_link_the_cost_model_formulas_timed():
+    """One latency and bandwidth across ops and group sizes, in comm_model's convention
+    (all-reduce: 2 log2(k) latencies and 2(k-1)/k of the bytes), so estimates on the
+    measured cluster replay the samples."""
+    tier, err = probe.fit_tier(_cost_model_samples(8, 1.5e9, 3e-5), "test")
+    assert tier.bandwidth_bytes_per_s == pytest.approx(1.5e9, rel=1e-6)
+    assert tier.latency_s == pytest.approx(3e-5, rel=1e-6)
+    assert err < 1e-6
+
+
+def test_profile_becomes_a_one_node_cluster():
+    c = probe.cluster_from_profile(_profile(n=4, bandwidth=2e9, latency=5e-5))
     assert isinstance(c, Cluster)
     assert (c.n_gpus, c.gpus_per_node, c.n_nodes) == (4, 4, 1)
     assert c.peak_flops == {"fp32": 1e11}  # no bf16 sample: bf16 is slow here
     assert c.memory_bandwidth_bytes_per_s == 5e9
-    # all-reduce on 4 ranks moves 2 x 3/4 of the bytes per rank: bus bandwidth = 1.5 / beta
-    assert c.intra.bandwidth_bytes_per_s == pytest.approx(1.5e9, rel=1e-6)
-    assert c.intra.latency_s == pytest.approx(1e-4, rel=1e-6)
+    assert c.intra.bandwidth_bytes_per_s == pytest.approx(2e9, rel=1e-6)
+    assert c.intra.latency_s == pytest.approx(5e-5, rel=1e-6)
     assert c.inter == c.intra
     assert set(c.collectives) == set(probe.OPS) and set(c.collectives["send_recv"]) == {2, 3, 4}
+    # send/recv is one latency + the bytes: its own fit is the tier itself
+    assert c.collectives["send_recv"][3].alpha_s == pytest.approx(5e-5, rel=1e-6)
     assert "Test CPU" in c.name and c.sources["cpu_model"] == "Test CPU"
     assert c.sources["cpu_key_flags"] == "avx2 fma"
+
+
+def test_cost_model_estimates_on_a_measured_cluster():
+    """The cost model reads a measured profile like a GPU table entry: a DDP step on it
+    costs the compute at the probed rate plus an all-reduce."""
+    c = probe.cluster_from_profile(_profile(n=2))
+    w = Workload(model=FLAVORS["debug"], seq_len=32, global_batch=4, precision="fp32")
+    one, two = estimate(w, Layout(), c), estimate(w, Layout(dp_replicate=2), c)
+    assert one.feasible and two.feasible
+    assert two.breakdown["dp_comm_s"] > 0 and two.breakdown["compute_s"] == pytest.approx(one.breakdown["compute_s"] / 2)
 
 
 def test_measured_cluster_probes_once_then_reads_the_cache(tmp_path, monkeypatch):

@@ -10,12 +10,13 @@ are each process's share, as a training job sees them):
   bf16 matmuls are fast here (``peak_flops``; ``matmul_efficiency`` stays 1: the figure is an
   achieved rate, not a datasheet peak);
 - memory bandwidth per process (a tensor copy larger than the last-level cache);
-- gloo all-reduce, all-gather, reduce-scatter and ring send/recv for group sizes 2..n_procs at
-  message sizes 4 KB .. 16 MB, fitted per (op, group size) to ``seconds = alpha + beta x
-  bytes`` (``fit_alpha_beta``). The ``intra`` tier (and ``inter``: one node) is the
-  all-reduce fit of the whole job in the convention ``LinkTier`` states (NCCL's bus
-  bandwidth); every fit is kept in ``MeasuredCluster.collectives`` for a cost model that
-  wants the op's own.
+- gloo all-reduce, all-gather, reduce-scatter and ring send/recv for group sizes 2..n_procs
+  (n_procs // k groups of k at once, as a layout's groups run) at 4 KB .. 16 MB, fitted per
+  (op, group size) to ``seconds = alpha + beta x bytes`` (``fit_alpha_beta``; kept in
+  ``MeasuredCluster.collectives``). The ``intra`` tier (and ``inter``: one node) is the one
+  latency and bus bandwidth that best explain all those samples under ``comm_model``'s
+  formulas (``fit_tier``: its all-reduce charges 2 log2(k) latencies, not one), so the cost
+  model reads the figures it was measured for.
 
 The profile is cached as JSON (``machine_profile.json`` in the cache directory) keyed by CPU
 model, core count, torch version and process count: the probe takes tens of seconds, the
@@ -25,6 +26,7 @@ machine does not change between runs. Every probe holds an exclusive lock on ``P
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import fcntl
 import json
@@ -74,48 +76,71 @@ class MeasuredCluster(Cluster):
     collectives: dict[str, dict[int, OpFit]] = field(default_factory=dict)
 
 
-def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> OpFit:
-    """Least-squares fit of ``seconds = alpha + beta x nbytes``, in relative terms (residuals
-    divided by the measured time): the sizes span four decades, and a plain fit would be
-    the 16 MB samples' alone, leaving alpha (microseconds) to their noise (milliseconds).
-    Both come out positive: a negative intercept (noise at small sizes) is replaced by the
-    smallest sample's time, and beta refitted with it fixed."""
-    if len(nbytes) != len(seconds) or len(nbytes) < 2:
-        raise ValueError(f"fit_alpha_beta needs >= 2 (nbytes, seconds) pairs, got {len(nbytes)} and {len(seconds)}")
+def _weighted_lsq2(rows: Sequence[tuple[float, float]], seconds: Sequence[float]) -> tuple[float, float, float]:
+    """(x, y, largest relative error) of the fit ``seconds ~ x * u + y * v`` over rows (u, v),
+    least squares in relative terms (each residual over its measured time): the sizes span
+    four decades, and a plain fit would be the 16 MB samples' alone, leaving the latency
+    (microseconds) to their noise (milliseconds). Both come out positive: a negative x
+    (latency; noise at small sizes) is replaced by the tightest bound the samples give,
+    min(t / u), and y refitted with it fixed."""
+    if len(rows) != len(seconds) or len(rows) < 2:
+        raise ValueError(f"the alpha-beta fit needs >= 2 (nbytes, seconds) pairs, got {len(rows)} and {len(seconds)}")
     if min(seconds) <= 0:
-        raise ValueError(f"fit_alpha_beta: times must be > 0, got {min(seconds)}")
-    # Weighted normal equations, weight 1/t^2 per sample: minimise sum(((a + b n) - t) / t)^2.
+        raise ValueError(f"the alpha-beta fit: times must be > 0, got {min(seconds)}")
+    # Normal equations of sum(w (x u + y v - t)^2) with w = 1 / t^2.
     w = [1.0 / t**2 for t in seconds]
-    sw = sum(w)
-    sn = sum(wi * n for wi, n in zip(w, nbytes))
-    snn = sum(wi * n * n for wi, n in zip(w, nbytes))
-    st = sum(wi * t for wi, t in zip(w, seconds))
-    snt = sum(wi * n * t for wi, n, t in zip(w, nbytes, seconds))
-    det = sw * snn - sn * sn
-    alpha = (snn * st - sn * snt) / det if det > 0 else 0.0
-    beta = (sw * snt - sn * st) / det if det > 0 else 0.0
-    if alpha <= 0 or beta <= 0:
-        alpha = min(seconds) if alpha <= 0 else alpha
-        num = sum(wi * n * (t - alpha) for wi, n, t in zip(w, nbytes, seconds))
-        beta = max(num / snn, 1e-15)  # flat samples: latency-bound at every size, bandwidth "infinite"
-    err = max(abs(alpha + beta * n - t) / t for n, t in zip(nbytes, seconds))
+    suu = sum(wi * u * u for wi, (u, _) in zip(w, rows))
+    suv = sum(wi * u * v for wi, (u, v) in zip(w, rows))
+    svv = sum(wi * v * v for wi, (_, v) in zip(w, rows))
+    sut = sum(wi * u * t for wi, (u, _), t in zip(w, rows, seconds))
+    svt = sum(wi * v * t for wi, (_, v), t in zip(w, rows, seconds))
+    det = suu * svv - suv * suv
+    x = (svv * sut - suv * svt) / det if det > 0 else 0.0
+    y = (suu * svt - suv * sut) / det if det > 0 else 0.0
+    if x <= 0 or y <= 0:
+        if x <= 0:
+            x = min(t / u for (u, _), t in zip(rows, seconds) if u > 0)
+        num = sum(wi * v * (t - x * u) for wi, (u, v), t in zip(w, rows, seconds))
+        y = max(num / svv, 1e-15)  # flat samples: latency-bound at every size, bandwidth "infinite"
+    err = max(abs(x * u + y * v - t) / t for (u, v), t in zip(rows, seconds))
+    return x, y, err
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> OpFit:
+    """Least-squares fit of ``seconds = alpha + beta x nbytes`` (``_weighted_lsq2``)."""
+    if len(nbytes) != len(seconds):
+        raise ValueError(f"the alpha-beta fit needs as many sizes as times, got {len(nbytes)} and {len(seconds)}")
+    alpha, beta, err = _weighted_lsq2([(1.0, float(n)) for n in nbytes], seconds)
     return OpFit(alpha, beta, err)
 
 
-def bus_factor(op: str, k: int) -> float:
-    """Bytes each rank moves per byte of ``nbytes`` in a ring algorithm on k ranks (the
-    factor NCCL's tests turn algorithm bandwidth into bus bandwidth with)."""
-    if op == "all_reduce":
-        return 2.0 * (k - 1) / k
-    if op in ("all_gather", "reduce_scatter"):
-        return (k - 1) / k
-    return 1.0  # send_recv
+def _cost_model_terms(op: str, nbytes: float, k: int) -> tuple[float, float]:
+    """(latency steps, bytes over the link) ``comm_model`` charges ``op`` of ``nbytes`` on k
+    ranks: its time is steps x latency_s + bytes / bandwidth_bytes_per_s. Read off the cost
+    model's own functions, so the tier fitted here is the one its formulas need."""
+    from trainforge.plan import comm_model as cm
+
+    def time(link: cm.Link) -> float:
+        if op == "send_recv":
+            return cm.p2p_s(nbytes, link)
+        return {"all_reduce": cm.all_reduce_s, "all_gather": cm.all_gather_s,
+                "reduce_scatter": cm.reduce_scatter_s}[op](nbytes, k, link)
+
+    return time(cm.Link(math.inf, 1.0, "intra")), time(cm.Link(1.0, 0.0, "intra"))
 
 
-def link_tier(fit: OpFit, op: str, k: int, source: str) -> LinkTier:
-    """The fit as a ``LinkTier``: bus bandwidth (bus_factor / beta) and the fitted latency."""
-    return LinkTier(bandwidth_bytes_per_s=bus_factor(op, k) / fit.beta_s_per_byte, latency_s=fit.alpha_s,
-                    source=source)
+def fit_tier(collectives: dict, source: str) -> tuple[LinkTier, float]:
+    """The one ``LinkTier`` (latency per step, bus bandwidth) that best explains every sample
+    (all ops, all group sizes) under the cost model's collective formulas, and its largest
+    relative error. ``collectives``: the worker's {op: {k: [[nbytes, seconds], ...]}}."""
+    rows, seconds = [], []
+    for op, by_k in collectives.items():
+        for k, samples in by_k.items():
+            for nbytes, t in samples:
+                rows.append(_cost_model_terms(op, nbytes, int(k)))
+                seconds.append(t)
+    latency, inv_bw, err = _weighted_lsq2(rows, seconds)
+    return LinkTier(bandwidth_bytes_per_s=1.0 / inv_bw, latency_s=latency, source=source), err
 
 
 def cache_path() -> Path:
@@ -198,9 +223,9 @@ def cluster_from_profile(profile: dict) -> MeasuredCluster:
     if "matmul_bf16_flops_per_s" in s:
         peak["bf16"] = s["matmul_bf16_flops_per_s"]
     if n >= 2:
-        tier = link_tier(fits["all_reduce"][n], "all_reduce", n,
-                         f"{when}: gloo all-reduce on {n} processes, alpha-beta fit over "
-                         f"{len(s['collectives']['all_reduce'][str(n)])} sizes")
+        tier, err = fit_tier(s["collectives"], f"{when}: gloo all-reduce, all-gather, reduce-scatter and send/recv "
+                                               f"on 2..{n} processes, one alpha-beta fit under comm_model's formulas")
+        tier = dataclasses.replace(tier, source=f"{tier.source} (largest error {err:.0%})")
     else:  # one process: nothing to communicate with
         tier = LinkTier(math.inf, 0.0, "one process: no links")
     shared = f"{n} processes at once, {s['threads']} thread each"

@@ -95,7 +95,7 @@ def memory_samples(copy_mb: int, window_s: float, windows: int) -> dict:
             "memory_solo_bytes_per_s": _solo_rate(work, moved, window_s, windows)}
 
 
-def _run_op(op: str, nbytes: int, group, members: list[int], rank: int, bufs: dict) -> None:
+def _run_op(op: str, group, members: list[int], rank: int, bufs: dict) -> None:
     k = len(members)
     if op == "all_reduce":
         dist.all_reduce(bufs["full"], group=group)
@@ -132,7 +132,7 @@ def collective_samples(sizes: list[int], repeats: int) -> dict:
                     t = 0.0
                     if mine is not None:
                         t0 = time.perf_counter()
-                        _run_op(op, nbytes, mine[1], mine[0], rank, bufs)
+                        _run_op(op, mine[1], mine[0], rank, bufs)
                         t = time.perf_counter() - t0
                     slowest = torch.tensor([t], dtype=torch.float64)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
