@@ -105,8 +105,30 @@ def test_groups_across_nodes_use_the_slower_tier_and_compression_shrinks_their_b
 def test_every_gpu_number_has_a_source_and_unknown_names_list_the_known_ones():
     for spec in GPUS.values():
         numeric = [f.name for f in dataclasses.fields(spec) if isinstance(getattr(spec, f.name), (int, float, dict))
-                   and f.name not in ("gpus_per_node", "sources")]
+                   and f.name not in ("name", "sources")]
         assert set(numeric) <= set(spec.sources), spec.name
         assert spec.peak_flops["bf16"] > spec.peak_flops["fp32"]
     with pytest.raises(ValueError, match="a100-80g, h100, h200, mi300x"):
         cluster("v100", 8)
+
+
+@pytest.mark.parametrize("flavor", ["debug", "tiny", "moe-debug", "dsv3-debug"])
+def test_activation_formula_matches_what_autograd_saves(flavor):
+    # The per-token bytes the cost model assumes for every block plus the head's norm, against
+    # the bytes saved for backward by a real fp32 forward on CPU: the difference of two sequence
+    # lengths, so constants (the rotary tables) cancel.
+    import torch
+
+    from trainforge.model.llama import build_model
+    from trainforge.plan.memory_model import block_activation_elements
+    from trainforge.precision.memory import measure_activation_bytes
+
+    cfg = FLAVORS[flavor]
+    model = build_model(cfg, seed=0)
+    saved = {}
+    for T in (32, 64):
+        tokens = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+        saved[T] = sum(measure_activation_bytes(model, lambda: model(tokens)).values())
+    measured_per_token = (saved[64] - saved[32]) / (2 * 32)
+    predicted = sum(block_activation_elements(cfg, i, 4) * 4 for i in range(cfg.n_layers)) + 3 * cfg.dim * 4
+    assert predicted == pytest.approx(measured_per_token, rel=0.02)

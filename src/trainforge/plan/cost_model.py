@@ -22,8 +22,9 @@ pp; routed experts split by ep (and, as the trainer does, kept out of FSDP: repl
 the ranks holding the same experts). Plus activations (``memory_model``) x the microbatches
 the schedule keeps alive (``pipeline_sim``), FSDP's two unsharded blocks in flight (compute
 dtype) and one block's unsharded gradient, DDP's gradient buckets (a second copy of the
-gradients) and autocast's low-precision weight copies. Over ``cluster.memory_bytes`` is
-infeasible.
+gradients) and autocast's low-precision weight copies, and a reserve (``RESERVED_BYTES``
+for the CUDA context and communication buffers, ``FRAGMENTATION`` of the tensors for the
+caching allocator). Over ``cluster.memory_bytes`` is infeasible.
 
 Communication per optimizer step (``comm_model``: alpha-beta, the tier from where each
 axis' group lies): TP, Megatron style, 4 all-reduces of a microbatch's activations per
@@ -71,6 +72,10 @@ from trainforge.plan.pipeline_sim import schedule_profile, stages_per_rank
 from trainforge.plan.spec import Cluster, Estimate, Layout, Workload
 
 FSDP_BLOCKS_IN_FLIGHT = 2  # the block running and the one prefetched
+# Memory no tensor accounts for (assumptions): the CUDA context, NCCL's buffers and
+# workspaces (~1 GiB), and the caching allocator's fragmentation (~5% of the tensors).
+RESERVED_BYTES = 2**30
+FRAGMENTATION = 0.05
 
 
 def codec_bytes_per_value(codec: str, dim: int) -> float:
@@ -138,14 +143,18 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         return _infeasible(layout, why)
     peak = cluster.peak_flops.get(pb.compute_dtype)
     if not peak:
-        return _infeasible(layout, f"{cluster.name} has no {pb.compute_dtype} peak in its table")
+        return _infeasible(layout, f"{cluster.name} has no {pb.compute_dtype} matmul peak (it has "
+                                   f"{', '.join(sorted(cluster.peak_flops)) or 'none'}): choose another precision")
     rate = peak * cluster.matmul_efficiency
 
     tp, pp, ep, m = layout.tp, layout.pp, layout.ep, layout.microbatches
     ac = layout.activation_checkpoint
     batch_size = workload.global_batch // (layout.dp * layout.grad_accum_steps)  # training.batch_size
     mb_tokens = batch_size // m * s  # tokens of one pipeline microbatch (the whole micro-step without pp)
-    fsdp = not (layout.dp_shard == 1 and tp == 1 and pp == 1)  # data_parallel_kind: ddp only when all are 1
+    # parallel/data_parallel.py's data_parallel_kind: none without data parallelism, DDP only when
+    # dp_shard, tp and pp are all 1, else FSDP2 (HSDP with dp_replicate > 1).
+    ddp = layout.dp > 1 and layout.dp_shard == 1 and tp == 1 and pp == 1
+    fsdp = layout.dp > 1 and not ddp
     shard = layout.dp_shard if fsdp else 1
     v = stages_per_rank(layout.pp_schedule) if pp > 1 else 1
     n_stages = v * pp
@@ -177,7 +186,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         if fsdp:
             state["unsharded_bytes"] = (block_dense / tp * (FSDP_BLOCKS_IN_FLIGHT * a + pb.reduce)
                                         if shard > 1 else 0.0)
-        else:
+        if ddp:
             state["ddp_bucket_bytes"] = params_local * pb.grad
         if not fsdp and a < pb.param:
             state["autocast_copy_bytes"] = params_local * a  # cast weights saved for backward
@@ -193,6 +202,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         if last:
             acts += head_acts * mb_tokens
         state["activations_bytes"] = acts
+        state["reserved_bytes"] = RESERVED_BYTES + FRAGMENTATION * sum(state.values())
 
         # Compute and exposed per-microbatch communication of this rank, one micro-step.
         flops = sum(table.flops_per_token[i] for i in layers) * ac_factor
@@ -225,7 +235,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         else:
             compressed = cm.all_reduce_s(rep_values * wire, rep_size, rep_link)
         edp_size, edp_link = links["edp"]
-        exposed_dp = max(0.0, hidden_dp - compute) + hidden_dp / max(1, len(layers)) + compressed
+        exposed_dp = max(0.0, hidden_dp - compute - memory_bound) + hidden_dp / max(1, len(layers)) + compressed
         # AdamW once per step: reads parameters, gradients and both moments, writes all but the gradients.
         optimizer_s = params_local * (pb.param + pb.grad + 2 * pb.optimizer_state + pb.master) * 1.75 \
             / cluster.memory_bandwidth_bytes_per_s
@@ -254,7 +264,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     model_flops = table.model_flops_per_token * workload.global_batch * s
     n = layout.n_gpus
     # Times of the slowest rank per step; bytes of the fullest rank.
-    breakdown = {k: v * micro for k, v in worst.items()
+    breakdown = {k: t * micro for k, t in worst.items()
                  if k.endswith("_s") and k not in ("busy_s", "exposed_dp_s", "expert_grad_comm_s", "optimizer_s")}
     breakdown["optimizer_s"] = max(r["optimizer_s"] for r in rows)
     breakdown.update({k: v for k, v in fullest.items() if k.endswith("_bytes")})

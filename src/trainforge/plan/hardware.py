@@ -75,7 +75,7 @@ def _hopper(name: str, memory_gib: float, hbm_tb_s: float, datasheet: str) -> GP
                  "memory_bytes": datasheet, "memory_bandwidth_bytes_per_s": datasheet,
                  "intra_bandwidth_bytes_per_s": f"{datasheet}: NVLink 4, 900 GB/s bidirectional = 450 GB/s each way",
                  "inter_bandwidth_bytes_per_s": _NDR, "intra_latency_s": _LATENCY, "inter_latency_s": _LATENCY,
-                 "link_efficiency": _NCCL_TESTS,
+                 "link_efficiency": _NCCL_TESTS, "gpus_per_node": f"HGX / DGX 8-GPU baseboard: {_NDR}",
                  "matmul_efficiency": f"{_SEMIANALYSIS}: large bf16 GEMMs reach roughly 0.7 of the dense peak on "
                                       "H100/H200 (0.72 taken)"})
 
@@ -100,6 +100,7 @@ GPUS: dict[str, GPUSpec] = {
                                                 "per GPU: https://docs.nvidia.com/dgx/dgxa100-user-guide/"
                                                 "introduction-to-dgxa100.html",
                  "intra_latency_s": _LATENCY, "inter_latency_s": _LATENCY, "link_efficiency": _NCCL_TESTS,
+                 "gpus_per_node": "DGX A100 / HGX A100 8-GPU baseboard",
                  "matmul_efficiency": "assumption: ~250 of 312 TFLOP/s for large bf16 cuBLAS GEMMs"}),
     # MI300X OAM 192 GB HBM3: 7 xGMI links of 64 GB/s each way to the other 7 GPUs.
     "mi300x": GPUSpec(
@@ -116,6 +117,7 @@ GPUS: dict[str, GPUSpec] = {
                                                 "bidirectional = 448 GB/s each way (peer-to-peer, fully connected)",
                  "inter_bandwidth_bytes_per_s": "assumption: 8x 400 Gb/s NICs per node as the H100 reference design",
                  "intra_latency_s": _LATENCY, "inter_latency_s": _LATENCY, "link_efficiency": _NCCL_TESTS,
+                 "gpus_per_node": f"{_MI300X_DATASHEET}: 8 GPUs per platform (fully connected xGMI)",
                  "matmul_efficiency": f"{_SEMIANALYSIS}: MI300X bf16 GEMMs reach a little under half the dense "
                                       "peak (0.47 taken)"}),
 }

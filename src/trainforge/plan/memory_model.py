@@ -7,19 +7,24 @@ activation dtype's size), derived for this repository's Llama block (RMSNorm, SD
 SwiGLU, no dropout) the way Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", eq. 1: 34·s·b·h + 5·a·s²·b bytes per GPT layer) count theirs:
 
-- attention: the block input x and its norm (2h), q (h), k and v (2·h_kv), the SDPA output
-  (h, also the output projection's input), SDPA's fp32 log-sum-exp (n_heads x 4 bytes).
-  SDPA / flash attention recomputes the s x s scores, so Korthikanti's 5·a·s²·b term is
-  gone. Latent attention (MLA) saves its low-rank latents and their norms as well.
-- feed-forward: the residual and its norm (2h), w1's and w3's outputs, silu(w1 x) and the
-  product fed to w2 (4·f). A MoE layer: the router's fp32 scores, the k dispatched copies
-  of each token in and out (2·k·h) and 4·f_e per routed (k) and shared expert.
+- attention: RMSNorm keeps its input, the normalised value and the scaled output (3h;
+  every norm here keeps 3 x its width), q (h), k and v (2·h_kv), the SDPA output (h, also
+  the output projection's input), SDPA's fp32 log-sum-exp (n_heads x 4 bytes). SDPA /
+  flash attention recomputes the s x s scores, so Korthikanti's 5·a·s²·b term is gone.
+  Latent attention (MLA) keeps its low-rank latents (normed: 3x), the rotary key and the
+  up-projected keys and values as well.
+- feed-forward: the norm (3h), w1's and w3's outputs, silu(w1 x) and the product fed to
+  w2 (4·f). A MoE layer: the router's fp32 scores (twice), the k dispatched copies of each
+  token in, out and weighted (3·k·h) and 4·f_e per routed (k) and shared expert.
 
-For GPT's shape (f = 4h, h_kv = h) that gives 24·h elements = 48·h bytes in 16 bits: more
-than Korthikanti's 34·h because SwiGLU keeps three f-wide tensors where GeLU keeps two, and
-less their dropout masks. Tensor parallelism with sequence parallelism (the trainer's
-default) divides all of it by tp. With activation checkpointing a block keeps only its
-input (h) and one block's full set lives again while it is recomputed in backward.
+For GPT's shape (f = 4h, h_kv = h) that gives 26·h elements = 52·h bytes in 16 bits: more
+than Korthikanti's 34·h because SwiGLU keeps three f-wide tensors where GeLU keeps two and
+an RMSNorm computed in fp32 keeps three tensors, less their dropout masks. Checked against
+what autograd saves (``precision.memory.measure_activation_bytes``) for the small flavors
+in ``tests/plan/test_cost_model.py``. Tensor parallelism with sequence parallelism (the
+trainer's default) divides all of it by tp. With activation checkpointing a block keeps
+only its input (h) and one block's full set lives again while it is recomputed in
+backward.
 
 The head (final norm, output projection, cross-entropy on fp32 logits) holds, for the
 microbatch in its loss, the bf16 logits, their fp32 copy and its gradient: V/tp x (a + 8)
@@ -121,18 +126,19 @@ def block_activation_elements(cfg: ModelConfig, layer: int, activation_bytes: in
     fp32 side tensors converted to elements of ``activation_bytes``."""
     h = cfg.dim
     fp32 = 4 / activation_bytes
+    H = cfg.n_heads
     if cfg.is_mla:
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        attn = (2 * h + 2 * cfg.q_lora_rank + 2 * cfg.n_heads * qk + (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-                + cfg.kv_lora_rank + 2 * cfg.n_heads * cfg.v_head_dim)
+        attn = (3 * h + 3 * cfg.q_lora_rank + 2 * H * qk + cfg.qk_rope_head_dim + 3 * cfg.kv_lora_rank
+                + H * (cfg.qk_nope_head_dim + cfg.v_head_dim) + 2 * H * cfg.v_head_dim)
     else:
-        attn = 4 * h + 2 * cfg.n_kv_heads * cfg.head_dim
-    attn += cfg.n_heads * fp32
+        attn = 3 * h + 2 * h + 2 * cfg.n_kv_heads * cfg.head_dim
+    attn += H * fp32
     if cfg.is_moe_layer(layer):
         k = cfg.n_activated_experts
-        ffn = 2 * h + 2 * k * h + 4 * cfg.moe_inter_dim * (k + cfg.n_shared_experts) + cfg.n_routed_experts * fp32
+        ffn = 3 * h + 3 * k * h + 4 * cfg.moe_inter_dim * (k + cfg.n_shared_experts) + 2 * cfg.n_routed_experts * fp32
     else:
-        ffn = 2 * h + 4 * cfg.ffn_hidden_dim
+        ffn = 3 * h + 4 * cfg.ffn_hidden_dim
     return attn + ffn
 
 
@@ -142,7 +148,7 @@ def head_activation_bytes_per_token(cfg: ModelConfig, activation_bytes: int, tp:
     h, v = cfg.dim, cfg.vocab_size
     logits = v / tp * (activation_bytes + 8)
     per_depth = block_activation_elements(cfg, cfg.n_layers, activation_bytes) * activation_bytes / tp + logits
-    return 2 * h * activation_bytes / tp + logits + cfg.mtp_depth * per_depth
+    return 3 * h * activation_bytes / tp + logits + cfg.mtp_depth * per_depth
 
 
 @dataclass(frozen=True)
