@@ -4,7 +4,9 @@ spares a second probe, and a real 2-process probe measures plausible figures."""
 
 from __future__ import annotations
 
+import json
 import random
+import statistics
 
 import pytest
 
@@ -145,12 +147,14 @@ def test_two_process_probe_measures_this_machine(tmp_path, monkeypatch):
     assert 1e8 < c.peak_flops["fp32"] < 1e13  # 0.1 GFLOP/s .. 10 TFLOP/s for one thread
     assert 1e8 < c.memory_bandwidth_bytes_per_s < 1e12
     assert c.intra.bandwidth_bytes_per_s > 1e6 and 0 < c.intra.latency_s < 0.1
+    # The fits describe their samples: over 44 fits on a shared 2-core VM (2..8 processes) the
+    # median relative residual per fit reached 0.42 and the largest single one 0.93 (4 KB
+    # samples, scheduler noise); the bounds sit above that spread.
+    samples = json.loads((tmp_path / probe.CACHE_FILE).read_text())[probe.machine_key(2)]["samples"]
     for op in probe.OPS:
         fit = c.collectives[op][2]
         assert fit.alpha_s > 0 and fit.beta_s_per_byte > 0
-        assert fit.max_rel_error < MAX_FIT_ERROR, (op, fit)
+        errors = [abs(fit.alpha_s + fit.beta_s_per_byte * n - t) / t for n, t in samples["collectives"][op]["2"]]
+        assert statistics.median(errors) < 0.6 and max(errors) < 1.5, (op, errors)
     monkeypatch.setattr(probe, "run_probe", lambda *a, **k: pytest.fail("probed again despite the cache"))
     assert probe.measured_cluster(2) == c
-
-
-MAX_FIT_ERROR = 1.0  # set from measured spread; see test_two_process_probe_measures_this_machine

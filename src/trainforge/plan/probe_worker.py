@@ -127,7 +127,7 @@ def collective_samples(sizes: list[int], repeats: int) -> dict:
                 numel = max(k, nbytes // 4 // k * k)  # divisible by k for the sharded ops
                 bufs = {"full": torch.ones(numel), "shard": torch.ones(numel // k), "recv": torch.empty(numel)}
                 times = []
-                for i in range(repeats + 1):  # the first is a warm-up (connection set-up, allocation)
+                for i in range(repeats + 2):  # two warm-ups (connection set-up, allocation)
                     dist.barrier()
                     t = 0.0
                     if mine is not None:
@@ -136,7 +136,7 @@ def collective_samples(sizes: list[int], repeats: int) -> dict:
                         t = time.perf_counter() - t0
                     slowest = torch.tensor([t], dtype=torch.float64)
                     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-                    if i:
+                    if i >= 2:
                         times.append(float(slowest))
                 rows.append([numel * 4, statistics.median(times)])
             out[op][str(k)] = rows
@@ -147,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="message sizes in bytes")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--matmul_n", type=int, default=1024)
     ap.add_argument("--copy_mb", type=int, default=256, help="copy size per process; > last-level cache")
     ap.add_argument("--window_s", type=float, default=0.3)
