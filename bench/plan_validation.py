@@ -18,7 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script with the measured half
+from plan_validation_measured import TABLE as MEASURED_TABLE  # noqa: E402
 
 GIB = float(1 << 30)
 
@@ -134,6 +138,7 @@ def print_published(t: dict[str, Any]) -> None:
 # (--machine measured against gloo runs on this machine) registers itself here.
 TABLES: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, Any]], None]]] = [
     ("published", published_table, print_published),
+    MEASURED_TABLE,  # runs only with TRAINFORGE_PLAN_MEASURED=1 (minutes of training runs)
 ]
 
 
