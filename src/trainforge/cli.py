@@ -583,7 +583,14 @@ def _advise(argv: list[str]) -> int:
     prepare_next_run(nxt, text, ckpt)
     print(f"next run: {nxt.run_dir} ({nxt.why})", file=sys.stderr)
     print("running: " + " ".join(nxt.argv), file=sys.stderr, flush=True)
-    return subprocess.run(nxt.argv).returncode
+    # With --json, stdout stays one JSON document: the run's own output goes to stderr.
+    out = None
+    if a.json:
+        try:
+            out = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            out = subprocess.DEVNULL
+    return subprocess.run(nxt.argv, stdout=out).returncode
 
 
 COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quantize": _quantize,

@@ -239,3 +239,28 @@ def _write(path: Path, text: str) -> Path:
 def test_newest_checkpoint_reads_the_step(tmp_path):
     run = make_run(tmp_path)
     assert newest_checkpoint(run) is None
+
+
+@pytest.mark.slow
+def test_apply_resumes_a_stopped_run_with_a_resume_exact_change(tmp_path, small_data, capsys):
+    """A real run (debug model, profiler every step) stopped at step 6 of 12: --apply
+    resumes it in RUN-advised from that checkpoint with profile_every 100 and finishes it."""
+    from tests.conftest import StopAt, debug_config
+    from trainforge.train.trainer import Trainer
+
+    cfg = debug_config(small_data, "--training.steps", "12", "--monitor.profile_every", "1",
+                       "--training.log_interval", "3", "--training.val_interval", "0")
+    run = tmp_path / "run"
+    t = Trainer(cfg, run, callbacks=[StopAt(6)], progress=False)
+    try:
+        t.fit()
+    finally:
+        t.close()
+    assert main(["advise", str(run), "--apply", "--json", "--no_hardware_probe"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["changes"] == {"monitor.profile_every": 100}
+    new = tmp_path / "run-advised"
+    steps = [json.loads(ln)["step"] for ln in (new / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(ln)]
+    assert min(steps) == 7 and max(steps) == 12  # continued from the step-6 checkpoint, not from 0
+    assert load_config(new / "config.toml").monitor.profile_every == 100

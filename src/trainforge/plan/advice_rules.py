@@ -60,6 +60,10 @@ PROFILE_EVERY_ADVISED = 100
 # The monitor's own host time (hooks, enrichment, sinks) above 5% of wall time; the
 # default monitor costs 0.6% (BENCHMARKS.md "Monitoring overhead").
 MONITOR_SHARE_HIGH = 0.05
+# MFU below half of what a well-shaped micro-batch reaches on the device
+# (predict.MFU_REACHABLE): far from compute-bound, so a larger micro-batch pays; above it
+# the gain is within what one more doubling of the batch would risk in memory and lr.
+MFU_LOW_SHARE = 0.5
 # A micro-batch under 4096 tokens leaves per-micro-batch fixed costs (Python, kernel
 # launches, hooks) a large share of the step; the advice grows it toward this size.
 TARGET_MICROBATCH_TOKENS = 4096
@@ -268,7 +272,10 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     b, t = int(ev.cfg("training.batch_size", 8)), int(ev.cfg("training.seq_len", 256))
     accum = int(ev.cfg("training.grad_accum_steps", 1))
     mfu, tps, step = ev.window_median("mfu"), ev.tokens_per_s, _step(ev)
+    reachable = predict.MFU_REACHABLE[ev.device]
     if not mfu or not tps or not step or b * t >= TARGET_MICROBATCH_TOKENS or ev.degree("pp") > 1:
+        return None
+    if mfu >= MFU_LOW_SHARE * reachable:
         return None
     k_max = max(1, TARGET_MICROBATCH_TOKENS // (b * t))
     k = 1 << int(math.log2(k_max))
@@ -279,7 +286,7 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     if k < 2:
         return None
     fixed = (ev.median("optimizer_s") or 0.0) + (ev.median("data_wait_s") or 0.0)
-    speedup = predict.batch_speedup(step, fixed, accum, k, keep_global, mfu)
+    speedup = predict.batch_speedup(step, fixed, accum, k, keep_global, mfu, reachable)
     if speedup < MIN_SPEEDUP:
         return None
     changes: dict[str, Any] = {"training.batch_size": b * k}
@@ -290,8 +297,8 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         + (f", grad_accum_steps {accum} -> {accum // k} (same global batch)" if keep_global else ""),
         f"{b * t} tokens per micro-batch at MFU {mfu:.1%}: per-micro-batch fixed costs dominate",
         [Evidence("tokens per micro-batch", b * t, TARGET_MICROBATCH_TOKENS, "<"),
-         Evidence("mfu", mfu, predict.MFU_REACHABLE, "<")], changes, speedup,
-        f"step = fixed + compute: compute at MFU {predict.MFU_REACHABLE:.0%} (reachable here) scales with "
+         Evidence("mfu", mfu, MFU_LOW_SHARE * reachable, "<")], changes, speedup,
+        f"step = fixed + compute: compute at MFU {reachable:.0%} (reachable on {ev.device}) scales with "
         f"tokens, the rest is per micro-batch; tokens/s grows until compute-bound",
         note="" if keep_global else "the global batch grows: the learning rate may need retuning")
 

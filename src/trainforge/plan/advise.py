@@ -114,8 +114,7 @@ def device_memory(ev: RunEvidence) -> tuple[float | None, str]:
     """(bytes, source) of the memory the run's peak is measured against: the CUDA device's
     when the run recorded CUDA allocator figures and a GPU is visible, else this host's RAM
     for a CPU run (peak RSS is what the trainer records there); (None, why) otherwise."""
-    cuda_run = any("gpu_memory_reserved_bytes" in r for r in ev.records[-3:])
-    if cuda_run:
+    if ev.device == "cuda":
         try:
             import torch
 
@@ -135,7 +134,7 @@ def hardware_capability(ev: RunEvidence) -> Any:
     """The precision probe's verdict for a CPU run on this machine (cached per CPU model;
     the first call measures for a second or two); None for other devices."""
     device = str(ev.cfg("training.device", "auto"))
-    if any("gpu_memory_reserved_bytes" in r for r in ev.records[-3:]) or device.startswith("cuda"):
+    if ev.device == "cuda" or device.startswith("cuda"):
         return None
     from trainforge.precision.hardware import cpu_capability
 
@@ -187,9 +186,10 @@ def next_run(advice: Advice, advised_file: Path, newest_checkpoint: tuple[Path, 
     elif newest_checkpoint[1] >= total:
         resume, why = False, f"fresh: the run finished all {total} steps (resuming would train none)"
     else:
-        resume, why = True, (f"resumed from {newest_checkpoint[0]} (step {newest_checkpoint[1]}): "
-                             f"{', '.join(s.rule for s in advice.applied)} leave{'s' if len(advice.applied) == 1 else ''}"
-                             " the trained numbers unchanged")
+        rules = ", ".join(s.rule for s in advice.applied)
+        verb = "leaves" if len(advice.applied) == 1 else "leave"
+        resume, why = True, (f"resumed from {newest_checkpoint[0]} (step {newest_checkpoint[1]}): {rules} {verb} "
+                             "the trained numbers unchanged")
     world = ev.world_size
     launcher = [sys.executable, "-m", "trainforge", "train"] if world == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",

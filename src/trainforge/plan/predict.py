@@ -20,12 +20,11 @@ from trainforge.model.config import FLAVORS, ModelConfig
 from trainforge.parallel.pipeline import even_boundaries
 from trainforge.parallel.stage_balance import choose_boundaries
 
-# MFU a well-shaped micro-batch reaches on a CPU: `tiny` at 8 x 256 tokens measured 0.13 of
-# the fp32 matmul probe on this 2-core Xeon (runs/ records), and 16 x 256 in
-# BENCHMARKS.md "Training throughput" about the same: the compute-bound ceiling the batch
-# rule grows toward. GPUs reach 0.4-0.5 (torchtitan's Llama-3 8B figures); a run already
-# above this is compute-bound for the rule.
-MFU_REACHABLE = 0.15
+# MFU a well-shaped micro-batch reaches, by device: on a CPU `tiny` at 8 x 256 tokens measured
+# 0.13 of the matmul probe on this 2-core Xeon (and about the same at 16 x 256 in
+# BENCHMARKS.md "Training throughput"); on GPUs torchtitan's Llama-3 8B runs reach 0.4-0.5.
+# The batch rule grows the micro-batch toward this ceiling and never predicts past it.
+MFU_REACHABLE = {"cpu": 0.15, "cuda": 0.40}
 # Share of a step in matmuls when the run has no profile (monitor.profile_every = 0): the
 # profiled `tiny` steps spend 55-65% of self time in aten::mm / addmm / bmm.
 MATMUL_SHARE_DEFAULT = 0.6
@@ -93,11 +92,19 @@ def resplit_speedup(stage_s: list[float], n_layers: int, split: str) -> tuple[fl
 
 def analytic_bubble(p: int, m: int, schedule: str) -> float:
     """Idle share of a p-stage pipeline step with m microbatches and free communication:
-    (p-1)/(m+p-1) for GPipe and 1F1B; (p-1)/(v m + p-1) interleaved (v = 2 here); zbv and
-    dualpipev: (p-1)/(6m + p-1), a fit to the replayed torch action lists
+    the schedule's own action list replayed with unit costs (``plan.pipeline_sim``, the
+    cost model's) where that module exists, else the closed forms: (p-1)/(m+p-1) for GPipe
+    and 1F1B (what the replay gives exactly); (p-1)/(v m + p-1) interleaved (v = 2); zbv
+    and dualpipev (p-1)/(6m + p-1), a fit to the replayed torch action lists
     (BENCHMARKS.md "Pipeline schedules": 0.020 at p=2, 0.059 at p=4, m=8)."""
     if p < 2:
         return 0.0
+    try:
+        from trainforge.plan.pipeline_sim import schedule_profile  # type: ignore[import-not-found]
+
+        return schedule_profile(schedule, p, m).bubble_fraction
+    except (ImportError, ValueError):
+        pass
     k = {"interleaved-1f1b": 2, "zbv": 6, "dualpipev": 6}.get(schedule, 1)
     return (p - 1) / (k * m + p - 1)
 
@@ -115,9 +122,13 @@ def bubble_speedup(bubble: float, p: int, m: int, new_m: int, schedule: str, new
 
 
 def wire_ratio(codec: str, block_size: int = 256) -> float:
-    """Bytes on the wire against fp32: ``bits`` per value plus one fp32 scale per block
-    (int8 at block 256: 0.254, int4: 0.129, as the hooks count them)."""
-    return (CODEC_BITS[codec] + 32 / block_size) / 32
+    """Bytes on the wire against fp32, from the codec itself (``Codec.nbytes``, what the
+    hooks send): ``bits`` per value plus one fp32 scale per block (int8 at block 256:
+    0.254, int4: 0.129)."""
+    from trainforge.compression.codecs import make_codec
+
+    n = 1 << 20
+    return make_codec(codec, block_size).nbytes(n) / (4 * n)
 
 
 def compression_speedup(step_s: float, comm_s: float, ratio: float) -> float:
@@ -135,13 +146,14 @@ def logits_bytes(batch: int, seq_len: int, vocab: int) -> float:
 # ------------------------------------------------------------------------ batch
 
 
-def batch_speedup(step_s: float, fixed_s: float, accum: int, k: int, keep_global: bool, mfu: float) -> float:
+def batch_speedup(step_s: float, fixed_s: float, accum: int, k: int, keep_global: bool, mfu: float,
+                  reachable: float) -> float:
     """Micro-batch x k. step = fixed (optimizer, data wait) + accum x per-micro-batch
-    overhead + compute, where compute is the step's tokens at ``MFU_REACHABLE`` (what
+    overhead + compute, where compute is the step's tokens at the ``reachable`` MFU (what
     scales with tokens); the overhead is what is left. Keeping the global batch
     (accum / k) divides the overhead by k; otherwise tokens per step grow k-fold for the
-    same overhead. Capped at ``MFU_REACHABLE / mfu`` (compute-bound)."""
-    compute = min(step_s * mfu / MFU_REACHABLE, max(step_s - fixed_s, 0.0))
+    same overhead. Capped at ``reachable / mfu`` (compute-bound)."""
+    compute = min(step_s * mfu / reachable, max(step_s - fixed_s, 0.0))
     per_mb = max(0.0, step_s - fixed_s - compute) / accum
     if keep_global:
         new_step = fixed_s + (accum // k) * per_mb + compute
@@ -149,7 +161,7 @@ def batch_speedup(step_s: float, fixed_s: float, accum: int, k: int, keep_global
     else:
         new_step = fixed_s + accum * per_mb + k * compute
         gain = k * step_s / max(new_step, 1e-9)
-    return max(1.0, min(gain, MFU_REACHABLE / max(mfu, 1e-9)))
+    return max(1.0, min(gain, reachable / max(mfu, 1e-9)))
 
 
 # ------------------------------------------------------------------------ monitoring

@@ -71,6 +71,11 @@ class RunEvidence:
         return self.window_median("tokens_per_s")
 
     @property
+    def device(self) -> str:
+        """"cuda" when the run recorded CUDA allocator figures, else "cpu"."""
+        return "cuda" if any("gpu_memory_reserved_bytes" in r for r in self.records[-3:]) else "cpu"
+
+    @property
     def world_size(self) -> int:
         deg = self.last.get("parallel_degree")
         if isinstance(deg, dict) and deg:
