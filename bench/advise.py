@@ -64,7 +64,8 @@ HEAVY_HEAD = ["--model.flavor", "debug", "--model.dim", "64", "--model.n_layers"
 CASES = {
     "pipeline": {"nproc": 2, "cause": "pipeline-split",
                  "args": [*HEAVY_HEAD, "--parallel.pp", "2", "--parallel.pp_split", "even",
-                          "--parallel.microbatches", "8", "--training.batch_size", "16", "--training.seq_len", "128", "--training.steps", "60"]},
+                          "--parallel.microbatches", "8", "--training.batch_size", "16", "--training.seq_len", "128",
+                          "--training.steps", "60"]},
     "compression": {"nproc": 2, "cause": "compression", "link": "100mbit",
                     "args": ["--model.flavor", "debug", "--parallel.dp_replicate", "2", "--training.batch_size", "4",
                              "--training.seq_len", "32", "--training.steps", "60",
