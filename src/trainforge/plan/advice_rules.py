@@ -53,8 +53,8 @@ COMM_SHARE_INT4 = 0.5
 MEMORY_HIGH = 0.85
 # Data wait (batch fetch / step) above 10%: the loader, not the model, sets the pace.
 DATA_WAIT_HIGH = 0.10
-# Profiling one step in fewer than every 20 pays the profiler's slowdown on >= 5% of steps
-# (on a small model a profiled step costs tens of ms more: PROFILED_STEP_SLOWDOWN).
+# Profiling one step in fewer than every 20 pays the profiler's cost on >= 5% of steps (a
+# profiled `debug` step costs ~10 ms more, most of it reducing the trace: bench/advise.py).
 PROFILE_EVERY_MIN = 20
 PROFILE_EVERY_ADVISED = 100
 # The monitor's own host time (hooks, enrichment, sinks) above 5% of wall time; the
@@ -339,23 +339,34 @@ def profiler(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     every = int(ev.cfg("monitor.profile_every", 0))
     if not 0 < every < PROFILE_EVERY_MIN or not ev.cfg("monitor.enabled", True):
         return None
-    step = _step(ev)
-    profiled = [r["step_s"] for r in ev.records if isinstance(r.get("top_ops"), dict) and r.get("step_s")]
-    plain = [r["step_s"] for r in ev.records if not isinstance(r.get("top_ops"), dict) and r.get("step_s")]
-    speedup, how = predict.profiler_speedup(every, profiled, plain, PROFILE_EVERY_ADVISED)
-    if step is None or speedup < MIN_SPEEDUP:
+    wall = ev.wall_per_step_s
+    if wall is None:
         return None
+    profiled = [r["step_s"] for r in ev.records if isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
+    plain = [r["step_s"] for r in ev.records if not isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
+    speedup, how = predict.profiler_speedup(every, PROFILE_EVERY_ADVISED, wall, ev.monitor_share, profiled, plain)
+    if speedup < MIN_SPEEDUP:
+        return None
+    evidence = [Evidence("monitor.profile_every", every, PROFILE_EVERY_MIN, "<")]
+    if ev.monitor_share is not None:
+        evidence.append(Evidence("monitor_s / wall", ev.monitor_share, MONITOR_SHARE_HIGH))
     return Suggestion(
         "profiler", f"profile less often: monitor.profile_every {every} -> {PROFILE_EVERY_ADVISED}",
-        f"torch.profiler runs on 1 step in {every}: each profiled step records every operator",
-        [Evidence("monitor.profile_every", every, PROFILE_EVERY_MIN, "<")],
-        {"monitor.profile_every": PROFILE_EVERY_ADVISED}, speedup, how, resume_exact=True)
+        f"torch.profiler runs on 1 step in {every}: each profiled step records every operator and its trace "
+        "is reduced to top operators", evidence, {"monitor.profile_every": PROFILE_EVERY_ADVISED}, speedup, how,
+        resume_exact=True)
+
+
+def _pos(v: Any) -> bool:
+    return isinstance(v, (int, float)) and v > 0
 
 
 def monitor_cost(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     share = ev.monitor_share
     if share is None or share < MONITOR_SHARE_HIGH:
         return None
+    if 0 < int(ev.cfg("monitor.profile_every", 0)) < PROFILE_EVERY_MIN:
+        return None  # a frequent profiler's trace reduction is that share: the profiler rule's
     every = int(ev.cfg("monitor.interval_steps", 10))
     changes: dict[str, Any] = {"monitor.interval_steps": 4 * every}
     if ev.cfg("monitor.activation_stats", False):

@@ -108,6 +108,16 @@ class RunEvidence:
         return max(0.0, (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]))
 
     @property
+    def wall_per_step_s(self) -> float | None:
+        """Wall seconds per optimizer step as tokens/s measures it: tokens per step / tokens/s
+        (``tokens`` is step x tokens per step)."""
+        tps = self.tokens_per_s
+        r = self.last
+        if not tps or not _num(r.get("tokens")) or not r.get("step"):
+            return None
+        return r["tokens"] / r["step"] / tps
+
+    @property
     def top_ops(self) -> dict[str, float]:
         for r in reversed(self.records):
             if isinstance(r.get("top_ops"), dict):
