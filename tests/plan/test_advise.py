@@ -275,7 +275,7 @@ def test_apply_resumes_a_stopped_run_with_a_resume_exact_change(tmp_path, small_
 def test_engine_stats_small_pool_unfused_and_poor_speculation(tmp_path):
     run = make_run(tmp_path, {"precision": {"policy": "bf16-mixed"}})
     stats = {"running": 0, "waiting": 0, "rejected": 0, "decode_tokens_per_s": 80.0, "fusions": {},
-             "quant_kernels": {"int8pack": 12}, "spec_drafted_tokens": 400, "spec_mean_accepted_length": 1.1,
+             "quant_kernels": {"int8pack": 12, "unpacked": 2}, "spec_drafted_tokens": 400, "spec_mean_accepted_length": 1.1,
              "kv_pool": {"blocks_total": 1000, "blocks_used": 0, "blocks_peak": 100}}
     f = tmp_path / "stats.json"
     f.write_text(json.dumps(stats))
@@ -283,4 +283,5 @@ def test_engine_stats_small_pool_unfused_and_poor_speculation(tmp_path):
     assert found["serve-kv-smaller"].changes == {"--n_blocks": 200}
     assert found["serve-fusion"].changes == {"--no_fuse": False}
     assert found["serve-speculative"].evidence[0].value == pytest.approx(1.1)
+    assert found["serve-kernel"].changes == {"--quant_kernel": "measure"}
     assert "serve-quantize" not in found  # already int8

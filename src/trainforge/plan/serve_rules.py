@@ -27,6 +27,9 @@ INT8_DECODE_SPEEDUP = 2.4
 # Speculative decoding that emits under 1.3 tokens per verification forward costs more in
 # drafting than it saves (each step runs the drafter k times and verifies k + 1 positions).
 SPEC_MIN_ACCEPTED = 1.3
+# Quantised layers on these kernels dequantise the weight on every call ("reference", the
+# fallback of infer/quantize/common.py; "unpacked": no kernel chosen): a packed kernel is faster.
+SLOW_KERNELS = ("unpacked", "reference")
 
 ServeRule = Callable[[ServeEvidence], "Suggestion | None"]
 
@@ -112,6 +115,18 @@ def fusion(ev: ServeEvidence) -> Suggestion | None:
                       scope="serve")
 
 
+def kernel_choice(ev: ServeEvidence) -> Suggestion | None:
+    slow = {k: n for k, n in (ev.quant_kernels or {}).items() if k.split(" ")[0] in SLOW_KERNELS}
+    if not slow:
+        return None
+    names = ", ".join(f"{k} x{n}" for k, n in slow.items())
+    return Suggestion("serve-kernel", "a measured quantised kernel: --quant_kernel measure",
+                      f"quantised layers dequantise their weights on every call ({names})",
+                      [Evidence("layers on the reference kernel", sum(slow.values()), 0)],
+                      {"--quant_kernel": "measure"}, None,
+                      "times the packed kernels for this device once (cached) and uses the fastest", scope="serve")
+
+
 def speculative(ev: ServeEvidence) -> Suggestion | None:
     acc = ev.spec_mean_accepted_length
     if acc is None or not ev.spec_drafted or acc >= SPEC_MIN_ACCEPTED:
@@ -122,4 +137,5 @@ def speculative(ev: ServeEvidence) -> Suggestion | None:
                       {"--speculative": None}, None, "the drafter's k forwards per step are saved", scope="serve")
 
 
-SERVE_RULES: tuple[ServeRule, ...] = (kv_pool_full, batch_rows, kv_pool_oversized, quantize, fusion, speculative)
+SERVE_RULES: tuple[ServeRule, ...] = (kv_pool_full, batch_rows, kv_pool_oversized, quantize, fusion, kernel_choice,
+                                      speculative)
