@@ -285,3 +285,11 @@ def test_engine_stats_small_pool_unfused_and_poor_speculation(tmp_path):
     assert found["serve-speculative"].evidence[0].value == pytest.approx(1.1)
     assert found["serve-kernel"].changes == {"--quant_kernel": "measure"}
     assert "serve-quantize" not in found  # already int8
+
+
+def test_low_mfu_from_communication_is_not_blamed_on_the_batch(tmp_path):
+    run = make_run(tmp_path, {"parallel": {"dp_replicate": 2}, "training": {"batch_size": 4, "seq_len": 32}},
+                   step_s=1.0, comm_share=0.9, collective_s=0.9, mfu=0.01,
+                   parallel_degree={"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1})
+    found = rules(advise(run))
+    assert "compression" in found and "batch" not in found

@@ -275,6 +275,10 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     reachable = predict.MFU_REACHABLE[ev.device]
     if not mfu or not tps or not step or b * t >= TARGET_MICROBATCH_TOKENS or ev.degree("pp") > 1:
         return None
+    # MFU of the compute part: time in collectives, data waits and the monitor is other
+    # rules' to cut, and a larger batch would not shrink it.
+    other = (ev.median("comm_share") or 0.0) + (ev.monitor_share or 0.0) + (ev.median("data_wait_s") or 0.0) / step
+    mfu = mfu / max(1.0 - other, 0.1)
     if mfu >= MFU_LOW_SHARE * reachable:
         return None
     k_max = max(1, TARGET_MICROBATCH_TOKENS // (b * t))
@@ -297,7 +301,7 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         + (f", grad_accum_steps {accum} -> {accum // k} (same global batch)" if keep_global else ""),
         f"{b * t} tokens per micro-batch at MFU {mfu:.1%}: per-micro-batch fixed costs dominate",
         [Evidence("tokens per micro-batch", b * t, TARGET_MICROBATCH_TOKENS, "<"),
-         Evidence("mfu", mfu, MFU_LOW_SHARE * reachable, "<")], changes, speedup,
+         Evidence("mfu (of the compute part of the step)", mfu, MFU_LOW_SHARE * reachable, "<")], changes, speedup,
         f"step = fixed + compute: compute at MFU {reachable:.0%} (reachable on {ev.device}) scales with "
         f"tokens, the rest is per micro-batch; tokens/s grows until compute-bound",
         note="" if keep_global else "the global batch grows: the learning rate may need retuning")
