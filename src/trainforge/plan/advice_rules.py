@@ -159,7 +159,10 @@ def pipeline_split(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         f"stage compute ms [{ms}]: the slowest stage sets the pace of every microbatch ({split} split)",
         [Evidence("stage max / mean", imbalance, STAGE_IMBALANCE)], {"parallel.pp_split": "auto"}, speedup,
         f"per-layer costs inferred from the stage times (uniform blocks, head on the last stage); the "
-        f"best contiguous split's slowest stage {1e3 * new_max:.0f} ms vs {1e3 * max(stages):.0f} ms")
+        f"best contiguous split's slowest stage {1e3 * new_max:.0f} ms vs {1e3 * max(stages):.0f} ms",
+        # A re-split moves layers between ranks and changes no number: the trainer's own
+        # re-balance (train/rebalance.py) resumes from a checkpoint into a new split exactly.
+        resume_exact=True)
 
 
 def pipeline_bubble(ev: RunEvidence, ctx: Context) -> Suggestion | None:

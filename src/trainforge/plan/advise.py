@@ -180,7 +180,8 @@ def next_run(advice: Advice, advised_file: Path, newest_checkpoint: tuple[Path, 
     total = int(ev.cfg("training.steps", 0))
     if not advice.resume_exact:
         inexact = [s.rule for s in advice.applied if not s.resume_exact]
-        resume, why = False, f"fresh: {', '.join(inexact)} change{'s' if len(inexact) > 1 else ''} what is trained"
+        verb = "changes" if len(inexact) == 1 else "change"
+        resume, why = False, f"fresh: {', '.join(inexact)} {verb} what is trained"
     elif newest_checkpoint is None:
         resume, why = False, f"fresh: {ev.run_dir} has no complete checkpoint"
     elif newest_checkpoint[1] >= total:
