@@ -15,12 +15,13 @@ each rank's step time is the pipeline's period. Measured bubble (per rank) =
 1 - (time inside its stages' forward/backward/loss calls) / (its step time), averaged
 over ranks, median over steps.
 
-Analytic value: torch's own action list for the schedule (``schedule.pipeline_order``,
-every rank's) replayed with F = I = W = 1 time unit per chunk (full backward B = I + W =
-2), chunks of a rank sharing its work (one unit = 1/v of it), no communication cost;
-bubble = 1 - busy / makespan, averaged over ranks. For gpipe and 1f1b this is exactly
-(p-1)/(m+p-1); for interleaved-1f1b the textbook value is (p-1)/(v·m+p-1); zero-bubble
-schedules approach 0 under F = I = W. Both textbook values are printed beside it.
+Analytic value (``trainforge.plan.pipeline_sim``, the planner's simulator): torch's own
+action list for the schedule (``schedule.pipeline_order``, every rank's) replayed with
+F = I = W = 1 time unit per chunk (full backward B = I + W = 2), chunks of a rank sharing
+its work (one unit = 1/v of it), no communication cost; bubble = 1 - busy / makespan,
+averaged over ranks. For gpipe and 1f1b this is exactly (p-1)/(m+p-1); for
+interleaved-1f1b the textbook value is (p-1)/(v·m+p-1); zero-bubble schedules approach 0
+under F = I = W. Both textbook values are printed beside it.
 
 Part 2, balancing. A model with a heavy head (4 blocks per stage, dim 64, vocab 8192:
 output projection + loss cost about six blocks) under 1f1b. Every rank profiles one
@@ -48,7 +49,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 from trainforge.model.config import ModelConfig
 from trainforge.model.llama import build_model
@@ -61,6 +61,8 @@ from trainforge.parallel.pipeline import (
     split_model,
 )
 from trainforge.parallel.stage_balance import average_layer_costs, plan_stages, profile_layer_costs
+# The replay lives in the planner's simulator, so the bench checks what the cost model uses.
+from trainforge.plan.pipeline_sim import one_f_one_b_order, simulated_bubble
 
 BALANCED = ModelConfig(dim=128, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden_dim=352,
                        max_seq_len=128)
@@ -70,70 +72,6 @@ BALANCED = ModelConfig(dim=128, n_layers=8, n_heads=4, n_kv_heads=2, vocab_size=
 UNEVEN = {p: ModelConfig(dim=64, n_layers=4 * p, n_heads=4, n_kv_heads=2, vocab_size=8192, ffn_hidden_dim=176,
                          max_seq_len=64) for p in (2, 4)}
 BATCH, MICROBATCHES = 16, 8
-
-
-def simulated_bubble(order: dict[int, list[_Action | None]], v: int) -> float:
-    """Replay every rank's compute actions with unit costs and zero-cost communication."""
-    ct = _ComputationType
-    unit = {ct.FORWARD: 1.0, ct.BACKWARD_INPUT: 1.0, ct.BACKWARD_WEIGHT: 1.0, ct.FULL_BACKWARD: 2.0}
-    acts: dict[int, list[_Action]] = {}
-    for rank, actions in order.items():
-        flat = []
-        for a in actions:
-            if a is None:
-                continue
-            flat.extend(a.sub_actions if a.sub_actions else [a])
-        acts[rank] = [a for a in flat if a.computation_type in unit]
-    num_stages = 1 + max(a.stage_index for a in sum(acts.values(), []))
-    done: dict[tuple, float] = {}
-    clock = {r: 0.0 for r in acts}
-    busy = {r: 0.0 for r in acts}
-    ptr = {r: 0 for r in acts}
-    while any(ptr[r] < len(acts[r]) for r in acts):
-        progressed = False
-        for r in acts:
-            while ptr[r] < len(acts[r]):
-                s, kind, mb = acts[r][ptr[r]][:3]
-                if kind == ct.FORWARD:
-                    deps, key = ([("F", s - 1, mb)] if s > 0 else []), ("F", s, mb)
-                elif kind in (ct.FULL_BACKWARD, ct.BACKWARD_INPUT):
-                    deps = [("F", s, mb)] + ([("G", s + 1, mb)] if s < num_stages - 1 else [])
-                    key = ("G", s, mb)
-                else:
-                    deps, key = [("G", s, mb)], ("W", s, mb)
-                if not all(d in done for d in deps):
-                    break
-                start = max([clock[r]] + [done[d] for d in deps])
-                cost = unit[kind] / v
-                clock[r] = done[key] = start + cost
-                busy[r] += cost
-                ptr[r] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("schedule replay deadlocked")
-    makespan = max(clock.values())
-    return statistics.fmean(1 - busy[r] / makespan for r in acts)
-
-
-def one_f_one_b_order(p: int, m: int) -> dict[int, list[_Action]]:
-    """1F1B's action order as ``Schedule1F1B._step_microbatches`` runs it: rank r does
-    min(m, p - r) forwards, then alternates backward and forward, then drains. (Torch
-    2.13's ``Schedule1F1B.pipeline_order`` numbers the last rank's forwards from 1, so it
-    cannot be replayed.)"""
-    ct = _ComputationType
-    order = {}
-    for r in range(p):
-        warm = min(m, p - r)
-        acts = [_Action(r, ct.FORWARD, i) for i in range(warm)]
-        fwd, bwd = warm, 0
-        while bwd < m:
-            acts.append(_Action(r, ct.FULL_BACKWARD, bwd))
-            bwd += 1
-            if fwd < m:
-                acts.append(_Action(r, ct.FORWARD, fwd))
-                fwd += 1
-        order[r] = acts
-    return order
 
 
 def textbook_bubble(schedule: str, p: int, m: int, v: int) -> float | None:

@@ -1,4 +1,4 @@
-"""``trainforge <command>``: prepare, train, generate, quantize, serve, report.
+"""``trainforge <command>``: prepare, train, generate, quantize, serve, report, plan.
 
 User errors (config, data, checkpoints) print one line naming the key or file and
 the fix, and exit with status 2; no traceback, nothing half-written. Every outcome
@@ -521,6 +521,137 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from trainforge.model.config import FLAVORS
+
+    p = ArgumentParser(prog="trainforge plan",
+                       description="Rank parallel layouts of a model on a cluster by predicted step time (the cost "
+                                   "model of plan/cost_model.py; shapes only, no weights are built).")
+    p.add_argument("--model", required=True, choices=sorted(FLAVORS), metavar="FLAVOR", help="model flavor")
+    p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
+    p.add_argument("--gpu", default="h100", help="h100, h200, a100-80g, mi300x, or measured (a probe of this "
+                                                 "machine, where available) (default h100)")
+    p.add_argument("--seq_len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--global_batch", type=int, default=None,
+                   help="sequences per optimizer step (default 2 x --gpus)")
+    p.add_argument("--precision", default="bf16-mixed", help="[precision] policy (default bf16-mixed)")
+    p.add_argument("--compression", default="none", help="[compression] codec on dp_replicate (default none)")
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON instead of a table")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="write the best layout as a TOML config that trainforge train --config reads")
+    a = p.parse_args(argv)
+    import dataclasses
+    import json
+
+    from trainforge.config import load_config
+    from trainforge.errors import ConfigError
+    from trainforge.plan.planner import config_toml, plan
+    from trainforge.plan.spec import Workload
+
+    if a.gpus < 1 or a.seq_len < 1 or a.top < 1:
+        raise ConfigError("--gpus, --seq_len and --top must be >= 1")
+    cluster = _plan_cluster(a.gpu, a.gpus)
+    batch = a.global_batch if a.global_batch is not None else 2 * a.gpus
+    if batch < 1:
+        raise ConfigError(f"--global_batch {batch}: must be >= 1")
+    base = FLAVORS[a.model]
+    cfg = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, a.seq_len))
+    workload = Workload(cfg, seq_len=a.seq_len, global_batch=batch, precision=a.precision,
+                        compression=a.compression, flavor=a.model)
+    try:
+        ranked = plan(workload, cluster)
+    except ValueError as e:  # an unknown precision policy or codec
+        raise ConfigError(str(e)) from None
+    shown = ranked[:a.top]
+    if a.json:
+        print(json.dumps({"model": a.model, "gpu": cluster.name, "gpus": a.gpus, "seq_len": a.seq_len,
+                          "global_batch": batch, "precision": a.precision, "compression": a.compression,
+                          "layouts": [_estimate_json(e) for e in shown]}, indent=1))
+    else:
+        _print_plan(shown, cluster, workload, len(ranked))
+    if a.output:
+        best = ranked[0] if ranked else None
+        if best is None or not best.feasible:
+            raise ConfigError(f"--output {a.output}: no layout fits ({best.why if best else 'none found'}); "
+                              "try more GPUs, a shorter --seq_len or a smaller --global_batch")
+        out = Path(a.output)
+        out.write_text(config_toml(workload, best, header=(
+            f"trainforge plan --model {a.model} --gpus {a.gpus} --gpu {cluster.name} --seq_len {a.seq_len} "
+            f"--global_batch {batch}\npredicted {best.step_s:.3f} s/step, "
+            f"{best.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
+            f"MFU {best.mfu:.1%}, {best.memory_bytes_per_gpu / 2**30:.1f} GiB/GPU")))
+        load_config(out)  # what train --config will do: fails here, not at launch, if a key is wrong
+        if not a.json:
+            print(f"best layout written to {out} (trainforge train --config {out}; add data.path and steps)")
+    return 0
+
+
+def _plan_cluster(gpu: str, n: int):
+    from trainforge.errors import ConfigError
+
+    if gpu == "measured":
+        try:
+            from trainforge.plan.probe import measured_cluster  # the probe of this machine, when it exists
+        except ImportError:
+            raise ConfigError("--gpu measured: the machine probe (trainforge.plan.probe) is not available in this "
+                              "version; name a GPU from the table (h100, h200, a100-80g, mi300x)") from None
+        return measured_cluster(n)
+    from trainforge.plan.hardware import cluster
+
+    try:
+        return cluster(gpu, n)
+    except ValueError as e:
+        raise ConfigError(f"--gpu {gpu}: {e}") from None
+
+
+def _layout_label(layout) -> str:
+    parts = [f"{k}={getattr(layout, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep")
+             if getattr(layout, k) > 1 or k == "dp_shard"]
+    return " ".join(parts)
+
+
+def _estimate_json(e) -> dict:
+    import dataclasses
+    import math
+
+    def num(x: float):
+        return x if math.isfinite(x) else None
+
+    return {"layout": dataclasses.asdict(e.layout), "feasible": e.feasible, "why": e.why,
+            "step_s": num(e.step_s), "memory_bytes_per_gpu": num(e.memory_bytes_per_gpu), "mfu": e.mfu,
+            "comm_share": e.comm_share, "bubble_fraction": e.bubble_fraction,
+            "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
+            "breakdown": {k: num(v) for k, v in e.breakdown.items()}}
+
+
+def _print_plan(shown, cluster, workload, n_total: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    n_ok = sum(e.feasible for e in shown)
+    table = Table(title=f"{workload.flavor} on {cluster.n_gpus} x {cluster.name}: seq_len {workload.seq_len}, "
+                        f"global batch {workload.global_batch}, {workload.precision}, compression "
+                        f"{workload.compression} ({n_total} layouts priced)")
+    for col in ("#", "layout", "microbatches / schedule", "grad accum", "act. ckpt", "GiB/GPU", "step s",
+                "tokens/s/GPU", "MFU", "comm", "bubble"):
+        table.add_column(col, justify="left" if col in ("layout", "microbatches / schedule") else "right")
+    for i, e in enumerate(shown, 1):
+        L = e.layout
+        sched = f"{L.microbatches} {L.pp_schedule}" if L.pp > 1 else "-"
+        mem = f"{e.memory_bytes_per_gpu / 2**30:.1f}" if e.memory_bytes_per_gpu == e.memory_bytes_per_gpu else "-"
+        if e.feasible:
+            nums = [f"{e.step_s:.3f}", f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.mfu:.1%}", f"{e.comm_share:.1%}",
+                    f"{e.bubble_fraction:.1%}"]
+        else:
+            nums = ["-", "-", "-", "-", f"[red]{e.why}[/red]"]
+        table.add_row(str(i), _layout_label(L), sched, str(L.grad_accum_steps),
+                      "full" if L.activation_checkpoint else "none", mem, *nums)
+    Console(width=max(160, Console().width)).print(table)
+    if n_ok == 0:
+        print("no layout fits: try more GPUs, a shorter --seq_len or a smaller --global_batch")
+
+
 def _advise(argv: list[str]) -> int:
     import json
     import subprocess
@@ -594,8 +725,7 @@ def _advise(argv: list[str]) -> int:
 
 
 COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quantize": _quantize,
-            "serve": _serve, "export": _export, "report": _report,
-            "advise": _advise}
+            "serve": _serve, "export": _export, "report": _report, "plan": _plan, "advise": _advise}
 # One line each for `trainforge --help`.
 SUMMARIES = {
     "prepare": "tokenise text into memory-mappable shards with a manifest",
@@ -605,6 +735,7 @@ SUMMARIES = {
     "export": "write a checkpoint as a Hugging Face directory (for vLLM)",
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "report": "write an HTML report of one or several runs (overlaid, config diff)",
+    "plan": "rank parallel layouts of a model on a cluster by predicted step time",
     "advise": "ranked suggestions from a run's measurements; writes advised.toml (--apply: next run)",
 }
 

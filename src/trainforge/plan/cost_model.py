@@ -1,0 +1,287 @@
+"""The cost model: one layout of one workload on one cluster -> predicted step time,
+memory per GPU, MFU, communication share and pipeline bubble (``Estimate``).
+
+    est = estimate(Workload(FLAVORS["llama-8b"], seq_len=8192, global_batch=64),
+                   Layout(dp_shard=8), cluster("h100", 8))
+
+Batch. ``global_batch`` sequences per optimizer step; each data-parallel rank takes
+global_batch / dp of them in ``grad_accum_steps`` micro-steps of ``training.batch_size``
+sequences, which a pipeline cuts into ``microbatches``.
+
+Compute. Per-block FLOPs (6 x active parameters + the attention products, ``ModelConfig.
+flops_per_token``'s split by layer; MoE blocks count only the experts a token uses, which
+expert parallelism moves but does not change), divided by tp, over peak[compute dtype] x
+matmul_efficiency. Activation checkpointing recomputes each block's forward (+1/3 of its
+FLOPs). Pipeline stages are split the way ``pp_split = auto`` would (balanced FLOPs,
+``memory_model.stage_boundaries``); the slowest rank sets the pace.
+
+Memory per rank (the most loaded one): parameters, gradients (the parameters' dtype),
+AdamW's two moments (and an fp32 master copy where parameters are stored low), sharded
+over dp_shard under FSDP2/HSDP and replicated under DDP; split by tp and, per stage, by
+pp; routed experts split by ep (and, as the trainer does, kept out of FSDP: replicated over
+the ranks holding the same experts). Plus activations (``memory_model``) x the microbatches
+the schedule keeps alive (``pipeline_sim``), FSDP's two unsharded blocks in flight (compute
+dtype) and one block's unsharded gradient, DDP's gradient buckets (a second copy of the
+gradients) and autocast's low-precision weight copies, and a reserve (``RESERVED_BYTES``
+for the CUDA context and communication buffers, ``FRAGMENTATION`` of the tensors for the
+caching allocator). Over ``cluster.memory_bytes`` is infeasible.
+
+Communication per optimizer step (``comm_model``: alpha-beta, the tier from where each
+axis' group lies): TP, Megatron style, 4 all-reduces of a microbatch's activations per
+block (2 forward, 2 backward; the reduce-scatter + all-gather pairs of sequence
+parallelism move the same bytes), 2 more with recomputation, 2 for the embedding and
+the loss. EP: 4 all-to-alls of the dispatched tokens per MoE block (2 more with
+recomputation). PP: each microbatch's activation forward and gradient back over each stage
+boundary. DP: DDP all-reduces the gradients every micro-step (no ``no_sync`` in the
+trainer); FSDP2 all-gathers the parameters for forward and again for backward and
+reduce-scatters the gradients, every micro-step (under a pipeline the all-gathers repeat
+per microbatch, the reduce-scatter once per step); HSDP then all-reduces the shard over
+dp_replicate. Expert gradients are all-reduced over their replicas after backward. A
+compressed codec on dp_replicate sends codec bytes (``codecs.make_codec(...).nbytes``;
+``adaptive`` counted at its widest, 8 bits; ``powersgd`` as rank-4 factors of dim x dim
+matrices).
+
+What overlaps. DP traffic hides behind compute except one block's share (the first
+all-gather and the last bucket's reduce wait for nobody) and whatever exceeds the compute
+time. Compressed collectives run blocking in the hooks (``compression/collective.py``)
+and the expert-gradient all-reduce runs after backward: exposed. TP and EP are exposed (no
+async TP) and sit inside each stage's time, so they stretch the pipeline too. Of the PP
+transfers, those on the fill-and-drain critical path are exposed (2 x (stages - 1)); the
+rest overlap the steady state.
+
+Memory-bound work: the elementwise kernels stream each saved activation about four times
+(written, read, its gradient written and read; six with recomputation) and the loss ~14
+bytes per logit, at HBM bandwidth, beside the GEMMs (not overlapped); AdamW streams its
+state once per step. Attention: flash attention on a causal mask does half the score and
+value products at roughly half the GEMM efficiency; counted as the full products (the
+model FLOPs) at the GEMM efficiency.
+
+step_s = micro-steps x (stage compute + memory-bound + TP + EP) / (1 - bubble) + exposed
+PP + exposed DP + expert reduce + optimizer. bubble: the schedule's own action list replayed (``pipeline_sim``).
+MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]).
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainforge.errors import ConfigError
+from trainforge.plan import comm_model as cm
+from trainforge.plan import memory_model as mm
+from trainforge.plan.pipeline_sim import schedule_profile, stages_per_rank
+from trainforge.plan.spec import Cluster, Estimate, Layout, Workload
+
+FSDP_BLOCKS_IN_FLIGHT = 2  # the block running and the one prefetched
+# Memory no tensor accounts for (assumptions): the CUDA context, NCCL's buffers and
+# workspaces (~1 GiB), and the caching allocator's fragmentation (~5% of the tensors).
+RESERVED_BYTES = 2**30
+FRAGMENTATION = 0.05
+
+
+def codec_bytes_per_value(codec: str, dim: int) -> float:
+    """Bytes one fp32 gradient value costs on the wire under ``[compression] codec``."""
+    if codec == "none":
+        return 4.0
+    if codec == "adaptive":
+        codec = "int8"  # its widest width (compression.max_bits default): an upper bound
+    if codec == "powersgd":
+        return 4.0 * 2 * 4 / dim  # rank-4 factors P (dim x 4) and Q (dim x 4) of a dim x dim matrix
+    from trainforge.compression.codecs import make_codec
+
+    n = 1 << 20
+    return make_codec(codec).nbytes(n) / n
+
+
+def layout_problem(workload: Workload, layout: Layout) -> str:
+    """Why ``layout`` cannot run ``workload`` (the trainer's own checks, their messages), or ""."""
+    from trainforge.parallel.dims import ParallelDims
+    from trainforge.parallel.pipeline import check_pipeline_config
+
+    cfg = workload.model
+    for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "microbatches", "grad_accum_steps"):
+        if getattr(layout, name) < 1:
+            return f"parallel.{name} = {getattr(layout, name)} must be >= 1"
+    try:
+        dims = ParallelDims(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.n_gpus, layout.ep)
+        if dims.dp % layout.ep:
+            return (f"parallel.ep = {layout.ep} must divide dp_replicate x dp_shard = {dims.dp} (expert-parallel "
+                    "ranks are data-parallel ranks)")
+        dims.check_model(cfg)
+        per_rank, rem = divmod(workload.global_batch, layout.dp * layout.grad_accum_steps)
+        if rem or per_rank < 1:
+            return (f"global batch {workload.global_batch} is not a multiple of dp x grad_accum_steps = "
+                    f"{layout.dp} x {layout.grad_accum_steps}")
+        if layout.pp > 1:
+            check_pipeline_config(cfg.n_layers, layout.pp, layout.pp_schedule, layout.microbatches,
+                                  batch_size=per_rank, tie_embeddings=cfg.tie_embeddings, mtp_depth=cfg.mtp_depth)
+        elif layout.microbatches != 1:
+            return f"parallel.microbatches = {layout.microbatches} without a pipeline (pp = 1): use 1"
+    except ConfigError as e:
+        return str(e).removeprefix("config key ")
+    if workload.compression == "powersgd" and not (layout.dp_shard == 1 and layout.tp == 1 and layout.pp == 1):
+        return "compression.codec = powersgd works with plain DDP only (dp_shard, tp and pp = 1)"
+    return ""
+
+
+def _infeasible(layout: Layout, why: str, memory: float = math.nan, breakdown: dict | None = None) -> Estimate:
+    return Estimate(layout=layout, step_s=math.inf, memory_bytes_per_gpu=memory, mfu=0.0, comm_share=0.0,
+                    bubble_fraction=0.0, tokens_per_s_per_gpu=0.0, feasible=False, why=why,
+                    breakdown=breakdown or {})
+
+
+def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
+    """Predict one layout (module docstring). Never raises for a bad layout: it comes
+    back ``feasible=False`` with ``why``. ValueError for an unknown precision, codec or
+    a layout using more GPUs than the cluster has."""
+    cfg, s = workload.model, workload.seq_len
+    if layout.n_gpus > cluster.n_gpus:
+        raise ValueError(f"layout uses {layout.n_gpus} GPUs, the cluster has {cluster.n_gpus}")
+    pb = mm.precision_bytes(workload.precision)
+    wire = codec_bytes_per_value(workload.compression, cfg.dim)
+    why = layout_problem(workload, layout)
+    if why:
+        return _infeasible(layout, why)
+    peak = cluster.peak_flops.get(pb.compute_dtype)
+    if not peak:
+        return _infeasible(layout, f"{cluster.name} has no {pb.compute_dtype} matmul peak (it has "
+                                   f"{', '.join(sorted(cluster.peak_flops)) or 'none'}): choose another precision")
+    rate = peak * cluster.matmul_efficiency
+
+    tp, pp, ep, m = layout.tp, layout.pp, layout.ep, layout.microbatches
+    ac = layout.activation_checkpoint
+    batch_size = workload.global_batch // (layout.dp * layout.grad_accum_steps)  # training.batch_size
+    mb_tokens = batch_size // m * s  # tokens of one pipeline microbatch (the whole micro-step without pp)
+    # parallel/data_parallel.py's data_parallel_kind: none without data parallelism, DDP only when
+    # dp_shard, tp and pp are all 1, else FSDP2 (HSDP with dp_replicate > 1).
+    ddp = layout.dp > 1 and layout.dp_shard == 1 and tp == 1 and pp == 1
+    fsdp = layout.dp > 1 and not ddp
+    shard = layout.dp_shard if fsdp else 1
+    v = stages_per_rank(layout.pp_schedule) if pp > 1 else 1
+    n_stages = v * pp
+    bounds = list(mm.stage_boundaries(cfg, s, n_stages, ac)) + [cfg.n_layers] if pp > 1 else [0, cfg.n_layers]
+    profile = schedule_profile(layout.pp_schedule, pp, m)
+    links = cm.axis_links(layout, cluster)
+    ac_factor = 4 / 3 if ac else 1.0
+    a = pb.activation
+    table = mm.layer_table(cfg, s, a)
+    emb_params, head_params = mm.embedding_params(cfg), mm.head_params(cfg)
+    head_acts = mm.head_activation_bytes_per_token(cfg, a, tp)
+
+    from trainforge.parallel.pipeline import stage_ids_for_rank
+
+    rows: list[dict[str, float]] = []
+    for rank in range(pp):
+        stages = stage_ids_for_rank(rank, pp, layout.pp_schedule, n_stages) if pp > 1 else [0]
+        layers = [i for st in stages for i in range(bounds[st], bounds[st + 1])]
+        first, last = 0 in stages, n_stages - 1 in stages
+        dense = sum(table.dense_params[i] for i in layers)
+        experts = sum(table.expert_params[i] for i in layers)
+        block_dense = max((table.dense_params[i] for i in layers), default=0)
+        dense += (emb_params if first else 0) + (head_params if last else 0)
+        dense_local = dense / tp  # every matrix (and the vocab) is split by tp; norms are a rounding error
+        experts_local = experts / ep
+        params_local = dense_local / shard + experts_local
+        state = {"params_bytes": params_local * pb.param, "grads_bytes": params_local * pb.grad,
+                 "optimizer_bytes": params_local * (2 * pb.optimizer_state + pb.master)}
+        if fsdp:
+            state["unsharded_bytes"] = (block_dense / tp * (FSDP_BLOCKS_IN_FLIGHT * a + pb.reduce)
+                                        if shard > 1 else 0.0)
+        if ddp:
+            state["ddp_bucket_bytes"] = params_local * pb.grad
+        if not fsdp and a < pb.param:
+            state["autocast_copy_bytes"] = params_local * a  # cast weights saved for backward
+
+        # Activations (memory_model docstring): per stage-microbatch alive, plus the head and a recompute.
+        per_layer = [table.activation_bytes_per_token[i] / tp for i in layers]
+        kept_by_stage = [(bounds[st + 1] - bounds[st]) * cfg.dim * a / tp if ac
+                         else sum(table.activation_bytes_per_token[bounds[st]:bounds[st + 1]]) / tp for st in stages]
+        stage_bytes = max(kept_by_stage) * mb_tokens
+        acts = profile.peak_in_flight * stage_bytes
+        if ac:
+            acts += max(per_layer) * mb_tokens
+        if last:
+            acts += head_acts * mb_tokens
+        state["activations_bytes"] = acts
+        state["reserved_bytes"] = RESERVED_BYTES + FRAGMENTATION * sum(state.values())
+
+        # Compute and exposed per-microbatch communication of this rank, one micro-step.
+        flops = sum(table.flops_per_token[i] for i in layers) * ac_factor
+        flops += table.head_flops_per_token if last else 0.0
+        compute = flops * mb_tokens * m / tp / rate
+        # Memory-bound kernels (norms, rotary, SwiGLU's product, residual adds, the loss): each saved
+        # activation written in forward, read in backward, its gradient written and read (4x; 6x with
+        # the recomputed forward), the logits' ~14 bytes per vocab entry; at HBM bandwidth, not hidden.
+        streamed = sum(per_layer) * (6 if ac else 4) + (cfg.vocab_size / tp * 14 if last else 0.0)
+        memory_bound = streamed * mb_tokens * m / cluster.memory_bandwidth_bytes_per_s
+        tp_size, tp_link = links["tp"]
+        tp_msgs = len(layers) * (6 if ac else 4) + 2 * (first + last)
+        tp_comm = m * tp_msgs * cm.all_reduce_s(mb_tokens * cfg.dim * a, tp_size, tp_link)
+        moe_layers = sum(table.moe[i] for i in layers)
+        ep_size, ep_link = links["ep"]
+        dispatched = mb_tokens * cfg.n_activated_experts * cfg.dim * a
+        ep_comm = m * moe_layers * (6 if ac else 4) * cm.all_to_all_s(dispatched, ep_size, ep_link)
+
+        # Data parallel, one micro-step (the module docstring's traffic and overlap rules).
+        shard_size, shard_link = links["dp_shard"]
+        rep_size, rep_link = links["dp_replicate"]
+        hidden_dp = compressed = 0.0
+        if fsdp:
+            gathers = 2 * (m if pp > 1 else 1)
+            hidden_dp += gathers * cm.all_gather_s(dense_local * a, shard_size, shard_link)
+            hidden_dp += cm.reduce_scatter_s(dense_local * pb.reduce, shard_size, shard_link)
+        rep_values = dense_local / shard  # what crosses dp_replicate: the shard (HSDP) or everything (DDP)
+        if workload.compression == "none":
+            hidden_dp += cm.all_reduce_s(rep_values * (pb.reduce if fsdp else pb.grad), rep_size, rep_link)
+        else:
+            compressed = cm.all_reduce_s(rep_values * wire, rep_size, rep_link)
+        edp_size, edp_link = links["edp"]
+        exposed_dp = max(0.0, hidden_dp - compute - memory_bound) + hidden_dp / max(1, len(layers)) + compressed
+        # AdamW once per step: reads parameters, gradients and both moments, writes all but the gradients.
+        optimizer_s = params_local * (pb.param + pb.grad + 2 * pb.optimizer_state + pb.master) * 1.75 \
+            / cluster.memory_bandwidth_bytes_per_s
+        rows.append({**state, "memory_bytes": sum(state.values()), "compute_s": compute,
+                     "memory_bound_s": memory_bound, "optimizer_s": optimizer_s, "tp_comm_s": tp_comm,
+                     "ep_comm_s": ep_comm, "dp_comm_s": hidden_dp + compressed, "exposed_dp_s": exposed_dp,
+                     "expert_grad_comm_s": cm.all_reduce_s(experts_local * pb.grad, edp_size, edp_link),
+                     "busy_s": compute + memory_bound + tp_comm + ep_comm})
+    worst = max(rows, key=lambda r: r["busy_s"])  # the slowest rank paces the pipeline
+    fullest = max(rows, key=lambda r: r["memory_bytes"])
+    memory = fullest["memory_bytes"]
+
+    # The step: micro-steps of the slowest rank stretched by the bubble, then what stays exposed.
+    pp_size, pp_link = links["pp"]
+    hop = mb_tokens * cfg.dim * a / tp  # sequence parallel: the (B, T/tp, dim) shard crosses
+    pp_total = 2 * m * v * cm.p2p_s(hop, pp_link) if pp > 1 else 0.0
+    pp_exposed = 2 * (n_stages - 1) * cm.p2p_s(hop, pp_link) if pp > 1 else 0.0
+    micro = layout.grad_accum_steps
+    bubble = profile.bubble_fraction
+    makespan = worst["busy_s"] / (1 - bubble) if bubble < 1 else math.inf
+    bubble_s = micro * (makespan - worst["busy_s"])
+    exposed_comm = micro * (worst["tp_comm_s"] + worst["ep_comm_s"] + pp_exposed + worst["exposed_dp_s"]) \
+        + worst["expert_grad_comm_s"]
+    step_s = (micro * (makespan + pp_exposed + worst["exposed_dp_s"]) + worst["expert_grad_comm_s"]
+              + max(r["optimizer_s"] for r in rows))
+    model_flops = table.model_flops_per_token * workload.global_batch * s
+    n = layout.n_gpus
+    # Times of the slowest rank per step; bytes of the fullest rank.
+    breakdown = {k: t * micro for k, t in worst.items()
+                 if k.endswith("_s") and k not in ("busy_s", "exposed_dp_s", "expert_grad_comm_s", "optimizer_s")}
+    breakdown["optimizer_s"] = max(r["optimizer_s"] for r in rows)
+    breakdown.update({k: v for k, v in fullest.items() if k.endswith("_bytes")})
+    breakdown["expert_grad_comm_s"] = worst["expert_grad_comm_s"]
+    breakdown.update(pp_comm_s=micro * pp_total, bubble_s=bubble_s, exposed_comm_s=exposed_comm,
+                     microbatch_tokens=float(mb_tokens), batch_size=float(batch_size),
+                     peak_in_flight=float(profile.peak_in_flight), model_flops=model_flops)
+    for axis, (size, link) in links.items():
+        breakdown[f"{axis}_inter_node"] = float(link.tier == "inter")
+    if memory > cluster.memory_bytes:
+        parts = {k: v for k, v in fullest.items() if k.endswith("_bytes") and k != "memory_bytes"}
+        largest = max(parts, key=parts.get)
+        return _infeasible(layout, f"needs {memory / 2**30:.1f} GiB per GPU, {cluster.name} has "
+                                   f"{cluster.memory_bytes / 2**30:.0f} GiB (largest part: "
+                                   f"{largest.removesuffix('_bytes')} "
+                                   f"{parts[largest] / 2**30:.1f} GiB)", memory, breakdown)
+    return Estimate(layout=layout, step_s=step_s, memory_bytes_per_gpu=memory,
+                    mfu=model_flops / (step_s * n * peak), comm_share=exposed_comm / step_s,
+                    bubble_fraction=bubble_s / step_s, tokens_per_s_per_gpu=workload.global_batch * s / step_s / n,
+                    breakdown=breakdown)

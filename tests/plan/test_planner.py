@@ -1,0 +1,89 @@
+"""The planner ranks what the cost model prices, and `trainforge plan` shows it: a table,
+valid JSON, and a TOML config that `trainforge train --config` loads with the batch
+semantics the trainer uses. Shapes only: nothing here builds a model."""
+
+import json
+
+import pytest
+
+from trainforge.cli import main
+from trainforge.config import load_config
+from trainforge.model.config import FLAVORS
+from trainforge.plan.hardware import cluster
+from trainforge.plan.planner import config_toml, enumerate_layouts, plan
+from trainforge.plan.spec import Workload
+
+
+def test_enumerated_layouts_use_every_gpu_and_split_the_batch_evenly():
+    w = Workload(FLAVORS["small"], seq_len=256, global_batch=16)
+    layouts = list(enumerate_layouts(w, 8))
+    assert layouts and all(lay.n_gpus == 8 for lay in layouts)
+    assert {lay.tp for lay in layouts} == {1, 2, 4, 8} and {lay.pp for lay in layouts} == {1, 2, 4, 8}
+    for lay in layouts:
+        assert (16 // lay.dp) % lay.grad_accum_steps == 0
+        assert ((16 // lay.dp) // lay.grad_accum_steps) % lay.microbatches == 0
+
+
+def test_a_model_that_fits_one_gpu_is_best_trained_data_parallel():
+    ranked = plan(Workload(FLAVORS["small"], seq_len=1024, global_batch=64, flavor="small"), cluster("h100", 8))
+    feasible = [e.feasible for e in ranked]
+    assert feasible[0] and feasible == sorted(feasible, reverse=True)  # feasible first
+    steps = [e.step_s for e in ranked if e.feasible]
+    assert steps == sorted(steps)
+    best = ranked[0].layout
+    assert (best.tp, best.pp, best.dp) == (1, 1, 8)
+
+
+def test_a_model_too_large_for_the_cluster_comes_back_infeasible_with_reasons():
+    ranked = plan(Workload(FLAVORS["llama-405b"], seq_len=8192, global_batch=16), cluster("h100", 8), top=5)
+    assert ranked and not any(e.feasible for e in ranked)
+    assert all(e.why for e in ranked) and "GiB per GPU" in ranked[0].why
+
+
+def test_cli_prints_a_table(capsys):
+    rc = main(["plan", "--model", "small", "--gpus", "8", "--gpu", "h100", "--seq_len", "1024", "--top", "3"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for words in ("small on 8 x h100", "tokens/s/GPU", "MFU", "bubble", "dp_shard="):
+        assert words in out
+
+
+def test_cli_json_is_valid_and_ranked(capsys):
+    rc = main(["plan", "--model", "llama-8b", "--gpus", "16", "--gpu", "a100-80g", "--seq_len", "4096",
+               "--global_batch", "32", "--top", "4", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["gpu"] == "a100-80g" and len(doc["layouts"]) == 4
+    steps = [row["step_s"] for row in doc["layouts"]]
+    assert all(row["feasible"] for row in doc["layouts"]) and steps == sorted(steps)
+    assert {"dp_shard", "tp", "pp", "microbatches", "pp_schedule"} <= doc["layouts"][0]["layout"].keys()
+
+
+def test_cli_output_is_a_config_train_loads_with_the_trainers_batch_semantics(tmp_path, capsys):
+    out = tmp_path / "best.toml"
+    rc = main(["plan", "--model", "llama-8b", "--gpus", "8", "--gpu", "h100", "--seq_len", "8192",
+               "--global_batch", "64", "--output", str(out)])
+    assert rc == 0 and out.is_file()
+    cfg = load_config(out)
+    par, tr = cfg.parallel, cfg.training
+    dp = par.dp_replicate * par.dp_shard
+    assert cfg.model.flavor == "llama-8b" and tr.seq_len == 8192
+    assert par.dp_replicate * par.dp_shard * par.tp * par.pp == 8
+    assert tr.batch_size * dp * tr.grad_accum_steps == 64  # tokens_per_step = batch_size x seq x accum x dp
+    assert cfg.precision.policy == "bf16-mixed"
+
+
+def test_config_toml_of_a_pipeline_layout_loads(tmp_path):
+    w = Workload(FLAVORS["llama-8b"], seq_len=2048, global_batch=32, flavor="llama-8b", compression="int8")
+    est = next(e for e in plan(w, cluster("h100", 16)) if e.layout.pp > 1 and e.feasible)
+    path = tmp_path / "pp.toml"
+    path.write_text(config_toml(w, est, header="pipeline"))
+    cfg = load_config(path)
+    assert cfg.parallel.pp == est.layout.pp and cfg.parallel.microbatches == est.layout.microbatches
+    assert cfg.training.batch_size % cfg.parallel.microbatches == 0 and cfg.compression.codec == "int8"
+
+
+@pytest.mark.parametrize("argv,words", [(["--gpu", "v100"], "h100"), (["--precision", "int3"], "bf16-mixed")])
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, words):
+    rc = main(["plan", "--model", "small", "--gpus", "8", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err
