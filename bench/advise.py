@@ -185,17 +185,19 @@ def run_case(name: str, spec: dict, tmp: Path, pairs: int, lock: str | None, dat
                   f"{after['tokens_per_s']:,.0f} tok/s -> x{ratio:.2f} (others' CPU {100 * before['other_cpu']:.0f}"
                   f"% / {100 * after['other_cpu']:.0f}%)", flush=True)
     fixed = advise(Path(rows[0]["after"]["run_dir"]))
-    top = advice["suggestions"][0] if advice["suggestions"] else None
+    auto = [s for s in advice["suggestions"] if s["auto"]]
+    top = auto[0] if auto else None
     ratios = [r["ratio"] for r in rows]
     return {"case": name, "link": label, "cause": spec["cause"],
             "named": top is not None and top["rule"] == spec["cause"],
             "advice": [{k: s[k] for k in ("rule", "title", "cause", "predicted_speedup", "changes", "applied",
-                                          "evidence")} for s in advice["suggestions"]],
+                                          "auto", "evidence")} for s in advice["suggestions"]],
             "apply_log": advice.get("apply_log", []), "pairs": rows, "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios),
-            "fixed_point": [{"rule": s["rule"], "large": s["large"], "predicted_speedup": s["predicted_speedup"]}
+            "fixed_point": [{"rule": s["rule"], "large": s["large"], "auto": s["auto"],
+                             "predicted_speedup": s["predicted_speedup"]}
                             for s in fixed["suggestions"]],
-            "fixed_point_holds": not any(s["large"] for s in fixed["suggestions"])}
+            "fixed_point_holds": not any(s["large"] and s["auto"] for s in fixed["suggestions"])}
 
 
 def main() -> None:
@@ -230,12 +232,12 @@ def main() -> None:
             print(f"| {r['case']} ({r['link']}) | {r['cause']} | no change advised | "
                   f"{r['pairs'][0]['before']['tokens_per_s']:,.0f} | - | - |")
             continue
-        top = r["advice"][0] if r["advice"] else None
+        top = next((s for s in r["advice"] if s["auto"]), None)
         pred = f" ({top['predicted_speedup']:.2f}x)" if top and top["predicted_speedup"] else ""
         b = statistics.median(p["before"]["tokens_per_s"] for p in r["pairs"])
         a = statistics.median(p["after"]["tokens_per_s"] for p in r["pairs"])
         fp = "holds" if r["fixed_point_holds"] else "large: " + ", ".join(s["rule"] for s in r["fixed_point"]
-                                                                           if s["large"])
+                                                                           if s["large"] and s["auto"])
         print(f"| {r['case']} ({r['link']}) | {r['cause']} | {top['rule'] if top else '-'}{pred} "
               f"| {b:,.0f} -> {a:,.0f} | x{r['ratio_median']:.2f} [{r['ratio_min']:.2f}] | {fp} |")
     results = [r for r in results if not r.get("no_change")] + [r for r in results if r.get("no_change")]

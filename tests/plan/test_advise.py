@@ -293,3 +293,11 @@ def test_low_mfu_from_communication_is_not_blamed_on_the_batch(tmp_path):
                    parallel_degree={"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1})
     found = rules(advise(run))
     assert "compression" in found and "batch" not in found
+
+
+def test_a_global_batch_change_is_shown_not_applied(tmp_path):
+    run = make_run(tmp_path, {"training": {"batch_size": 1, "seq_len": 64}}, mfu=0.01)
+    advice = advise(run)
+    s = rules(advice)["batch"]
+    assert s.changes == {"training.batch_size": 64} and not s.auto and "by hand" in s.note
+    assert s not in advice.applied and advice.changes == {}

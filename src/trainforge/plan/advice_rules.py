@@ -109,6 +109,9 @@ class Suggestion:
     scope: str = "train"
     needed: bool = False
     note: str = ""
+    # False: a hyperparameter change (the global batch) that advise shows but never applies:
+    # the optimisation is the user's to change, with the learning rate retuned.
+    auto: bool = True
 
     @property
     def large(self) -> bool:
@@ -307,7 +310,8 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
          Evidence("mfu (of the compute part of the step)", mfu, MFU_LOW_SHARE * reachable, "<")], changes, speedup,
         f"step = fixed + compute: compute at MFU {reachable:.0%} (reachable on {ev.device}) scales with "
         f"tokens, the rest is per micro-batch; tokens/s grows until compute-bound",
-        note="" if keep_global else "the global batch grows: the learning rate may need retuning")
+        note="" if keep_global else "changes the global batch (the optimisation): not applied; set it by hand "
+                                    "with a retuned learning rate", auto=keep_global)
 
 
 def _fit_memory(ev: RunEvidence, ctx: Context, k: int) -> int:

@@ -75,6 +75,9 @@ def apply_changes(config: dict[str, Any], suggestions: list[Suggestion]) -> tupl
     for s in suggestions:
         if s.scope != "train" or not s.changes:
             continue
+        if not s.auto:
+            skipped[s.rule] = "changes the optimisation (global batch): apply by hand"
+            continue
         clash = [k for k in s.changes if k in taken]
         if clash:
             skipped[s.rule] = f"{clash[0]} already set by {taken[clash[0]]}"
@@ -230,7 +233,7 @@ def to_json(advice: Advice, advised_file: Path | None = None) -> dict[str, Any]:
         "inference": [{"source": s.source, "kind": s.kind} for s in advice.serve],
         "suggestions": [{
             "rule": s.rule, "title": s.title, "cause": s.cause, "scope": s.scope, "large": s.large,
-            "needed": s.needed, "predicted_speedup": s.speedup, "gain": s.gain, "changes": s.changes,
+            "needed": s.needed, "auto": s.auto, "predicted_speedup": s.speedup, "gain": s.gain, "changes": s.changes,
             "resume_exact": s.resume_exact, "applied": s in advice.applied, "note": s.note,
             "not_applied": advice.not_applied.get(s.rule),
             "evidence": [{"metric": e.metric, "value": e.value, "threshold": e.threshold, "op": e.op}
