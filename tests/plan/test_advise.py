@@ -249,15 +249,15 @@ def test_newest_checkpoint_reads_the_step(tmp_path):
 
 @pytest.mark.slow
 def test_apply_resumes_a_stopped_run_with_a_resume_exact_change(tmp_path, small_data, capsys):
-    """A real run (debug model, profiler every step) stopped at step 6 of 12: --apply
+    """A real run (debug model, profiler every step) stopped at step 8 of 16: --apply
     resumes it in RUN-advised from that checkpoint with profile_every 100 and finishes it."""
     from tests.conftest import StopAt, debug_config
     from trainforge.train.trainer import Trainer
 
-    cfg = debug_config(small_data, "--training.steps", "12", "--monitor.profile_every", "1",
-                       "--training.log_interval", "3", "--training.val_interval", "0")
+    cfg = debug_config(small_data, "--training.steps", "16", "--monitor.profile_every", "1",
+                       "--training.log_interval", "2", "--training.val_interval", "0")
     run = tmp_path / "run"
-    t = Trainer(cfg, run, callbacks=[StopAt(6)], progress=False)
+    t = Trainer(cfg, run, callbacks=[StopAt(8)], progress=False)
     try:
         t.fit()
     finally:
@@ -268,7 +268,7 @@ def test_apply_resumes_a_stopped_run_with_a_resume_exact_change(tmp_path, small_
     new = tmp_path / "run-advised"
     steps = [json.loads(ln)["step"] for ln in (new / "metrics.jsonl").read_text().splitlines()
              if "loss" in json.loads(ln)]
-    assert min(steps) == 7 and max(steps) == 12  # continued from the step-6 checkpoint, not from 0
+    assert min(steps) == 9 and max(steps) == 16  # continued from the step-8 checkpoint, not from 0
     assert load_config(new / "config.toml").monitor.profile_every == 100
 
 
