@@ -7,10 +7,11 @@ applied and run again, with tokens/s before and after.
 Cases (each plants one cause; the advice must name it):
 
 - ``pipeline``: 2 pipeline stages (torchrun, gloo, 2 ranks x 1 thread) with
-  ``parallel.pp_split = even`` on a model whose head outweighs its blocks (dim 64, 8 blocks,
-  vocab 8192: the output projection + loss cost about six blocks), so the last stage is the
-  bottleneck; 8 microbatches of 2 sequences, so the schedule's own bubble is not the cause.
-  Expected advice: ``pipeline-split`` (pp_split = auto).
+  ``parallel.pp_split = even`` on a model whose head outweighs its blocks (dim 64, 4 blocks,
+  vocab 8192: in the running pipeline the output projection + loss cost about three
+  blocks), so the last stage is the bottleneck; 8 microbatches of 2 sequences, so the
+  schedule's own bubble is not the cause. Expected advice: ``pipeline-split`` with the
+  boundaries the measured stage times give (0,3).
 - ``compression``: DDP on 2 ranks (``parallel.dp_replicate = 2``) inside a network namespace
   whose loopback is shaped to 100 Mbit/s by ``tc qdisc ... tbf`` (``bench/shaped_link.py``:
   one shared medium; we run as root, so the namespace is real, not simulated: the label says
@@ -62,7 +63,7 @@ from trainforge.plan.run_evidence import read_run  # noqa: E402
 COMMON = ["--training.val_interval", "0", "--training.val_batches", "1", "--sample.max_new_tokens", "0",
           "--checkpoint.interval", "0", "--training.threads", "1", "--training.warmup_steps", "5",
           "--training.log_interval", "10"]
-HEAVY_HEAD = ["--model.flavor", "debug", "--model.dim", "64", "--model.n_layers", "8", "--model.n_heads", "4",
+HEAVY_HEAD = ["--model.flavor", "debug", "--model.dim", "64", "--model.n_layers", "4", "--model.n_heads", "4",
               "--model.n_kv_heads", "2", "--model.ffn_hidden_dim", "176"]
 CASES = {
     "pipeline": {"nproc": 2, "cause": "pipeline-split",

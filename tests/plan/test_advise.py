@@ -81,7 +81,7 @@ def test_even_split_with_a_heavy_head_gets_resplit_and_its_bubble_is_not_blamed_
                    parallel_degree={"pp": 2, "dp_replicate": 1, "dp_shard": 1, "tp": 1})
     found = rules(advise(run))
     s = found["pipeline-split"]
-    assert s.changes == {"parallel.pp_split": "auto"}
+    assert s.changes == {"parallel.pp_split": "0,7"} and s.resume_exact
     assert s.evidence[0].value == pytest.approx(0.10 / 0.07)
     # best split of [10 x 7, 10 + 60]: [0, 7] -> 70 / 70 ms
     assert s.speedup == pytest.approx(100 / 70, rel=1e-6)

@@ -147,7 +147,7 @@ def pipeline_split(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     stages = ev.stage_compute_s
     split = str(ev.cfg("parallel.pp_split", "auto"))
     if ev.degree("pp") < 2 or not stages or len(stages) < 2 or split == "auto":
-        return None
+        return None  # auto's boundaries are not recorded: nothing to infer layer costs from
     mean = sum(stages) / len(stages)
     if mean <= 0:
         return None
@@ -155,12 +155,18 @@ def pipeline_split(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     if imbalance < STAGE_IMBALANCE:
         return None
     n_layers = predict.model_shape(ev.config).n_layers
-    speedup, new_max = predict.resplit_speedup(stages, n_layers, split)
+    speedup, new_max, starts = predict.resplit_speedup(stages, n_layers, split)
+    if speedup < MIN_SPEEDUP:
+        return None  # the imbalance is the granularity of whole blocks: no split does better
     ms = ", ".join(f"{1e3 * t:.0f}" for t in stages)
+    # One stage per rank: the split measured in this run, written out (pp_split's start-up
+    # profile of one microbatch on one process can misjudge the head against the blocks
+    # as the running pipeline sees them). Virtual stages: let auto place them.
+    value = ",".join(map(str, starts)) if len(stages) == ev.degree("pp") else "auto"
     return Suggestion(
-        "pipeline-split", "re-split the pipeline stages by measured cost (parallel.pp_split = auto)",
+        "pipeline-split", f"re-split the pipeline stages by measured cost: parallel.pp_split = {value}",
         f"stage compute ms [{ms}]: the slowest stage sets the pace of every microbatch ({split} split)",
-        [Evidence("stage max / mean", imbalance, STAGE_IMBALANCE)], {"parallel.pp_split": "auto"}, speedup,
+        [Evidence("stage max / mean", imbalance, STAGE_IMBALANCE)], {"parallel.pp_split": value}, speedup,
         f"per-layer costs inferred from the stage times (uniform blocks, head on the last stage); the "
         f"best contiguous split's slowest stage {1e3 * new_max:.0f} ms vs {1e3 * max(stages):.0f} ms",
         # A re-split moves layers between ranks and changes no number: the trainer's own

@@ -77,16 +77,17 @@ def layer_costs_from_stages(stage_s: list[float], starts: list[int], n_layers: i
     return costs
 
 
-def resplit_speedup(stage_s: list[float], n_layers: int, split: str) -> tuple[float, float]:
-    """(speedup, predicted slowest stage s) of the best contiguous split of the inferred
-    per-layer costs (``stage_balance.choose_boundaries``, as ``pp_split = auto`` does);
-    a pipeline step runs at the pace of its slowest stage."""
+def resplit_speedup(stage_s: list[float], n_layers: int, split: str) -> tuple[float, float, list[int]]:
+    """(speedup, predicted slowest stage s, its stage starts) of the best contiguous split
+    of the inferred per-layer costs (``stage_balance.choose_boundaries``, the chooser
+    ``pp_split = auto`` uses, here fed with what the running pipeline measured rather than
+    a start-up profile); a pipeline step runs at the pace of its slowest stage."""
     starts = stage_starts(split, n_layers, len(stage_s))
     costs = layer_costs_from_stages(stage_s, starts, n_layers)
     new = choose_boundaries(costs, len(stage_s))
     ends = [*new[1:], n_layers]
     new_max = max(sum(costs[a:b]) for a, b in zip(new, ends))
-    return max(1.0, max(stage_s) / new_max), new_max
+    return max(1.0, max(stage_s) / new_max), new_max, list(new)
 
 
 def analytic_bubble(p: int, m: int, schedule: str) -> float:
