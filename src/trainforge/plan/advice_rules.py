@@ -64,6 +64,11 @@ MONITOR_SHARE_HIGH = 0.05
 # (predict.MFU_REACHABLE): far from compute-bound, so a larger micro-batch pays; above it
 # the gain is within what one more doubling of the batch would risk in memory and lr.
 MFU_LOW_SHARE = 0.5
+# ... and below 80% when the micro-batch grows by merging accumulation micro-steps
+# (batch_size x k, grad_accum_steps / k): the same global batch, so only speed and memory
+# change and a milder deficit pays (debug at 1 x 32 tokens x 16 measured MFU 0.07-0.09 here,
+# merged 0.13).
+MFU_LOW_SHARE_ACCUM = 0.8
 # A micro-batch under 4096 tokens leaves per-micro-batch fixed costs (Python, kernel
 # launches, hooks) a large share of the step; the advice grows it toward this size.
 TARGET_MICROBATCH_TOKENS = 4096
@@ -291,11 +296,12 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     # rules' to cut, and a larger batch would not shrink it.
     other = (ev.median("comm_share") or 0.0) + (ev.monitor_share or 0.0) + (ev.median("data_wait_s") or 0.0) / step
     mfu = mfu / max(1.0 - other, 0.1)
-    if mfu >= MFU_LOW_SHARE * reachable:
+    keep_global = accum > 1
+    low = (MFU_LOW_SHARE_ACCUM if keep_global else MFU_LOW_SHARE) * reachable
+    if mfu >= low:
         return None
     k_max = max(1, TARGET_MICROBATCH_TOKENS // (b * t))
     k = 1 << int(math.log2(k_max))
-    keep_global = accum > 1
     if keep_global:
         k = math.gcd(k, accum)  # the same global batch: batch_size x k, grad_accum_steps / k
     k = _fit_memory(ev, ctx, k)
@@ -313,7 +319,7 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         + (f", grad_accum_steps {accum} -> {accum // k} (same global batch)" if keep_global else ""),
         f"{b * t} tokens per micro-batch at MFU {mfu:.1%}: per-micro-batch fixed costs dominate",
         [Evidence("tokens per micro-batch", b * t, TARGET_MICROBATCH_TOKENS, "<"),
-         Evidence("mfu (of the compute part of the step)", mfu, MFU_LOW_SHARE * reachable, "<")], changes, speedup,
+         Evidence("mfu (of the compute part of the step)", mfu, low, "<")], changes, speedup,
         f"step = fixed + compute: compute at MFU {reachable:.0%} (reachable on {ev.device}) scales with "
         f"tokens, the rest is per micro-batch; tokens/s grows until compute-bound",
         note="" if keep_global else "changes the global batch (the optimisation): not applied; set it by hand "
