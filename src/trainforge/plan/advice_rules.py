@@ -54,7 +54,7 @@ MEMORY_HIGH = 0.85
 # Data wait (batch fetch / step) above 10%: the loader, not the model, sets the pace.
 DATA_WAIT_HIGH = 0.10
 # Profiling one step in fewer than every 20 pays the profiler's cost on >= 5% of steps (a
-# profiled `debug` step costs ~10 ms more, most of it reducing the trace: bench/advise.py).
+# profiled step costs 2-5% more: predict.PROFILED_STEP_SLOWDOWN), for little more insight.
 PROFILE_EVERY_MIN = 20
 PROFILE_EVERY_ADVISED = 100
 # The monitor's own host time (hooks, enrichment, sinks) above 5% of wall time; the
@@ -367,7 +367,7 @@ def profiler(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         return None
     profiled = [r["step_s"] for r in ev.records if isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
     plain = [r["step_s"] for r in ev.records if not isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
-    speedup, how = predict.profiler_speedup(every, PROFILE_EVERY_ADVISED, wall, ev.monitor_share, profiled, plain)
+    speedup, how = predict.profiler_speedup(every, PROFILE_EVERY_ADVISED, wall, profiled, plain)
     if speedup < MIN_SPEEDUP:
         return None
     evidence = [Evidence("monitor.profile_every", every, PROFILE_EVERY_MIN, "<")]
