@@ -371,8 +371,6 @@ def profiler(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     if speedup < MIN_SPEEDUP:
         return None
     evidence = [Evidence("monitor.profile_every", every, PROFILE_EVERY_MIN, "<")]
-    if ev.monitor_share is not None:
-        evidence.append(Evidence("monitor_s / wall", ev.monitor_share, MONITOR_SHARE_HIGH))
     return Suggestion(
         "profiler", f"profile less often: monitor.profile_every {every} -> {PROFILE_EVERY_ADVISED}",
         f"torch.profiler runs on 1 step in {every}: each profiled step records every operator and its trace "
