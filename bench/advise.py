@@ -23,7 +23,9 @@ Cases (each plants one cause; the advice must name it):
   rightly says nothing.)
   Expected advice: ``batch`` (batch_size 16, grad_accum_steps 1: the same global batch).
 - ``profiler``: one process, a small model with ``monitor.profile_every = 1``. Expected
-  advice: ``profiler``.
+  advice: ``profiler``. (Measured 2026-12-02: profiling every step of this model cost no
+  measurable tokens/s here, 0.85-1.27x over 4 pairs, and advise, reading profiled against
+  plain step times, now says nothing: see BENCHMARKS.md.)
 
 Method. Per case: before B0 -> ``trainforge advise B0 --apply`` (the advised run A0, in
 B0-advised; the link case runs the same advised.toml inside the namespace, as --apply cannot

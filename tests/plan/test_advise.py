@@ -276,7 +276,8 @@ def test_apply_resumes_a_stopped_run_with_a_resume_exact_change(tmp_path, small_
 def test_engine_stats_small_pool_unfused_and_poor_speculation(tmp_path):
     run = make_run(tmp_path, {"precision": {"policy": "bf16-mixed"}})
     stats = {"running": 0, "waiting": 0, "rejected": 0, "decode_tokens_per_s": 80.0, "fusions": {},
-             "quant_kernels": {"int8pack": 12, "unpacked": 2}, "spec_drafted_tokens": 400, "spec_mean_accepted_length": 1.1,
+             "quant_kernels": {"int8pack": 12, "unpacked": 2}, "spec_drafted_tokens": 400,
+             "spec_mean_accepted_length": 1.1,
              "kv_pool": {"blocks_total": 1000, "blocks_used": 0, "blocks_peak": 100}}
     f = tmp_path / "stats.json"
     f.write_text(json.dumps(stats))
