@@ -652,8 +652,80 @@ def _print_plan(shown, cluster, workload, n_total: int) -> None:
         print("no layout fits: try more GPUs, a shorter --seq_len or a smaller --global_batch")
 
 
+def _advise(argv: list[str]) -> int:
+    import json
+    import subprocess
+
+    from trainforge.config import config_from_dict, config_to_toml
+    from trainforge.errors import ConfigError
+    from trainforge.plan.advice_rules import Context
+    from trainforge.plan.advise import (ADVISED_FILE, advise, device_memory, hardware_capability, newest_checkpoint,
+                                        next_run, prepare_next_run, render, to_json)
+    from trainforge.plan.run_evidence import read_run
+
+    p = ArgumentParser(prog="trainforge advise",
+                       description="Ranked suggestions from a run's measurements (step time split, pipeline "
+                                   "stages and bubble, comm share, memory, MFU, data wait, profiler) and "
+                                   "optional inference measurements, each with its evidence and predicted "
+                                   "gain; writes RUN_DIR/advised.toml (the run's config with the training "
+                                   "changes applied, for `trainforge train --config`).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.toml + metrics.jsonl)")
+    p.add_argument("--inference", nargs="+", default=[], metavar="FILE",
+                   help="inference measurements: `trainforge generate --stats` JSON, a /metrics scrape of "
+                        "`trainforge serve`, or bench/inference.py --json output (serving advice)")
+    p.add_argument("--apply", action="store_true",
+                   help="start the next run from advised.toml in RUN_DIR-advised: resumed from the newest "
+                        "checkpoint when every change keeps resume exact, else fresh (it says which)")
+    p.add_argument("--json", action="store_true", help="print the advice as JSON instead of a table")
+    p.add_argument("--memory_limit_gb", type=float, default=None,
+                   help="device memory the peak is compared with (default: the GPU's, or this host's RAM)")
+    p.add_argument("--no_hardware_probe", action="store_true",
+                   help="skip the precision rule (it reads, or measures once, this CPU's bf16/fp16 probe)")
+    a = p.parse_args(argv)
+    run_dir = Path(a.run_dir)
+    ev = read_run(run_dir)
+    if a.memory_limit_gb is not None:
+        if a.memory_limit_gb <= 0:
+            raise TrainforgeError(f"--memory_limit_gb {a.memory_limit_gb}: must be > 0")
+        limit, source = a.memory_limit_gb * 2**30, "--memory_limit_gb"
+    else:
+        limit, source = device_memory(ev)
+    ctx = Context(limit, source, None if a.no_hardware_probe else hardware_capability(ev))
+    advice = advise(run_dir, a.inference, ctx, ev)
+    # The Config round trip: advised.toml is what `trainforge train --config` reads back.
+    try:
+        text = config_to_toml(config_from_dict(advice.advised, f"{run_dir}/config.toml + advice").validate())
+    except ConfigError as e:
+        raise TrainforgeError(f"the advised config does not validate ({e}); report this with {run_dir}/config.toml "
+                              "and drop the suggestion by hand") from None
+    advised_file = run_dir / ADVISED_FILE
+    advised_file.write_text(text, encoding="utf-8")
+    if a.json:
+        print(json.dumps(to_json(advice, advised_file), indent=1, default=str))
+    else:
+        render(advice, advised_file)
+    if not a.apply:
+        return 0
+    if not advice.applied:
+        print("--apply: no training change to apply; not starting a run", file=sys.stderr)
+        return 0
+    ckpt = newest_checkpoint(run_dir)
+    nxt = next_run(advice, advised_file, ckpt)
+    prepare_next_run(nxt, text, ckpt)
+    print(f"next run: {nxt.run_dir} ({nxt.why})", file=sys.stderr)
+    print("running: " + " ".join(nxt.argv), file=sys.stderr, flush=True)
+    # With --json, stdout stays one JSON document: the run's own output goes to stderr.
+    out = None
+    if a.json:
+        try:
+            out = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            out = subprocess.DEVNULL
+    return subprocess.run(nxt.argv, stdout=out).returncode
+
+
 COMMANDS = {"prepare": _prepare, "train": _train, "generate": _generate, "quantize": _quantize,
-            "serve": _serve, "export": _export, "report": _report, "plan": _plan}
+            "serve": _serve, "export": _export, "report": _report, "plan": _plan, "advise": _advise}
 # One line each for `trainforge --help`.
 SUMMARIES = {
     "prepare": "tokenise text into memory-mappable shards with a manifest",
@@ -664,6 +736,7 @@ SUMMARIES = {
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "report": "write an HTML report of one or several runs (overlaid, config diff)",
     "plan": "rank parallel layouts of a model on a cluster by predicted step time",
+    "advise": "ranked suggestions from a run's measurements; writes advised.toml (--apply: next run)",
 }
 
 

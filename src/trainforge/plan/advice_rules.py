@@ -1,0 +1,437 @@
+"""The advisor's training rules: each reads a run's evidence and returns a suggestion only
+when a measurement crosses its threshold, with that measurement, the threshold and a
+predicted gain.
+
+    for rule in TRAIN_RULES:
+        s = rule(ev, ctx)      # Suggestion | None
+
+A rule is a plain function of the evidence; every threshold is a named constant below with
+the reason for its value. A predicted gain is a tokens/s ratio (after / before) from a
+closed form stated in the rule; the formulas live in ``predict.py`` so a cost model can
+replace them (``predict.layout_speedup``). Rules never touch files: ``advise.py`` applies
+the changes and writes ``advised.toml``.
+
+Hand-written: DeepSpeed's autotuner and vLLM's auto_tune search by trial; no library
+turns one run's measurements into config changes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainforge.plan import predict
+from trainforge.plan.run_evidence import RunEvidence
+
+# A suggestion is "large" when it predicts at least this speedup (or is needed to fit in
+# memory): 10% is beyond the 2-3% run-to-run spread of tokens/s measured on this machine
+# (BENCHMARKS.md "Monitoring overhead": IQR +-2-3%), so a large one is worth a new run.
+LARGE_SPEEDUP = 1.10
+# Below this a speed suggestion is not shown at all: within the noise of one run.
+MIN_SPEEDUP = 1.03
+
+# Pipeline: slowest stage / mean stage above 1.15 costs >= 13% of the step (a 1F1B step
+# runs at the pace of the slowest stage); the auto split reaches 1.0-1.1 on the
+# benchmarks' models (BENCHMARKS.md "Pipeline schedules", part 2).
+STAGE_IMBALANCE = 1.15
+# Bubble (idle / step, mean over stages) above 0.25, once the idle that imbalance causes is
+# taken out: the analytic 1F1B bubble at the default m = 2p microbatches is 1/3 (p = 2:
+# 0.2 + ~0.08 of gloo/Python per action measured), so 0.25 means "more microbatches pay".
+BUBBLE_HIGH = 0.25
+# Microbatches per stage the advice aims at: the analytic bubble (p-1)/(m+p-1) is <= 0.2
+# at m = 4p for any p, and each microbatch stays large enough to keep its GEMMs shaped.
+MICROBATCHES_PER_STAGE = 4
+# Communication share (collective time / step, torch.profiler) above 0.25: compression of
+# the dp_replicate all-reduce then buys >= 1.2x with int8 (wire 0.254 of fp32).
+COMM_SHARE_HIGH = 0.25
+# ... and above 0.5 int4 (+ error feedback; wire 0.129 of fp32, no loss regret beyond the
+# seed spread in BENCHMARKS.md "Gradient compression") instead of int8.
+COMM_SHARE_INT4 = 0.5
+# Peak memory above 85% of the device's: the allocator's fragmentation and a longer batch
+# (validation, a longer document) leave no more headroom than that.
+MEMORY_HIGH = 0.85
+# Data wait (batch fetch / step) above 10%: the loader, not the model, sets the pace.
+DATA_WAIT_HIGH = 0.10
+# Profiling one step in fewer than every 20 pays the profiler's cost on >= 5% of steps (a
+# profiled step costs 2-5% more: predict.PROFILED_STEP_SLOWDOWN), for little more insight.
+PROFILE_EVERY_MIN = 20
+PROFILE_EVERY_ADVISED = 100
+# The monitor's own host time (hooks, enrichment, sinks) above 5% of wall time; the
+# default monitor costs 0.6% (BENCHMARKS.md "Monitoring overhead").
+MONITOR_SHARE_HIGH = 0.05
+# MFU below half of what a well-shaped micro-batch reaches on the device
+# (predict.MFU_REACHABLE): far from compute-bound, so a larger micro-batch pays; above it
+# the gain is within what one more doubling of the batch would risk in memory and lr.
+MFU_LOW_SHARE = 0.5
+# ... and below 80% when the micro-batch grows by merging accumulation micro-steps
+# (batch_size x k, grad_accum_steps / k): the same global batch, so only speed and memory
+# change and a milder deficit pays (debug at 1 x 32 tokens x 16 measured MFU 0.07-0.09 here,
+# merged 0.13).
+MFU_LOW_SHARE_ACCUM = 0.8
+# A micro-batch under 4096 tokens leaves per-micro-batch fixed costs (Python, kernel
+# launches, hooks) a large share of the step; the advice grows it toward this size.
+TARGET_MICROBATCH_TOKENS = 4096
+# A low-precision compute dtype the hardware probe measured at <= 0.8x fp32's matmul time.
+LOWP_FASTER = 0.8
+# fp16 steps the loss scaler skipped above 5%: that share of the compute is thrown away.
+SKIPPED_STEPS_HIGH = 0.05
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One measurement behind a suggestion: ``metric`` crossed ``threshold`` (``op``)."""
+
+    metric: str
+    value: float
+    threshold: float
+    op: str = ">"  # ">" (above is bad) or "<"
+    unit: str = ""
+
+    def text(self) -> str:
+        fmt = (lambda v: f"{v:.3g}") if self.unit != "bytes" else (lambda v: f"{v / 2**30:.2f} GiB")
+        return f"{self.metric} = {fmt(self.value)} {self.op} {fmt(self.threshold)}"
+
+
+@dataclass
+class Suggestion:
+    """One piece of advice. ``changes``: ``{"section.key": value}`` for the training config
+    (``scope == "train"``) or ``{"--flag": value}`` for ``trainforge serve`` (``"serve"``).
+    ``speedup``: predicted tokens/s after / before, None when the change is not about speed
+    (memory); ``gain``: how that number was predicted. ``needed``: the run is at risk
+    without it (memory). ``resume_exact``: resuming from the run's checkpoint with the
+    change trains exactly what a fresh run with it would from that step (data pipeline,
+    monitoring): nothing the model's numerics or the optimisation depends on."""
+
+    rule: str
+    title: str
+    cause: str
+    evidence: list[Evidence]
+    changes: dict[str, Any]
+    speedup: float | None
+    gain: str
+    resume_exact: bool = False
+    scope: str = "train"
+    needed: bool = False
+    note: str = ""
+    # False: a hyperparameter change (the global batch) that advise shows but never applies:
+    # the optimisation is the user's to change, with the learning rate retuned.
+    auto: bool = True
+
+    @property
+    def large(self) -> bool:
+        return self.needed or (self.speedup is not None and self.speedup >= LARGE_SPEEDUP)
+
+    def rank_key(self) -> tuple:
+        return (not self.needed, -(self.speedup or 0.0), self.rule)
+
+
+@dataclass
+class Context:
+    """What a rule may know beyond the run: the device memory (bytes) and the hardware
+    probe (``trainforge.precision.hardware.Capability``), both optional."""
+
+    memory_limit_bytes: float | None = None
+    memory_limit_source: str = ""
+    capability: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Rule = Callable[[RunEvidence, Context], "Suggestion | None"]
+
+
+def _step(ev: RunEvidence) -> float | None:
+    s = ev.median("step_s")
+    return s if s and s > 0 else None
+
+
+# ------------------------------------------------------------------------ pipeline
+
+
+def pipeline_split(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    stages = ev.stage_compute_s
+    split = str(ev.cfg("parallel.pp_split", "auto"))
+    if ev.degree("pp") < 2 or not stages or len(stages) < 2 or split == "auto":
+        return None  # auto's boundaries are not recorded: nothing to infer layer costs from
+    mean = sum(stages) / len(stages)
+    if mean <= 0:
+        return None
+    imbalance = max(stages) / mean
+    if imbalance < STAGE_IMBALANCE:
+        return None
+    n_layers = predict.model_shape(ev.config).n_layers
+    speedup, new_max, starts = predict.resplit_speedup(stages, n_layers, split)
+    if speedup < MIN_SPEEDUP:
+        return None  # the imbalance is the granularity of whole blocks: no split does better
+    ms = ", ".join(f"{1e3 * t:.0f}" for t in stages)
+    # One stage per rank: the split measured in this run, written out (pp_split's start-up
+    # profile of one microbatch on one process can misjudge the head against the blocks
+    # as the running pipeline sees them). Virtual stages: let auto place them.
+    value = ",".join(map(str, starts)) if len(stages) == ev.degree("pp") else "auto"
+    return Suggestion(
+        "pipeline-split", f"re-split the pipeline stages by measured cost: parallel.pp_split = {value}",
+        f"stage compute ms [{ms}]: the slowest stage sets the pace of every microbatch ({split} split)",
+        [Evidence("stage max / mean", imbalance, STAGE_IMBALANCE)], {"parallel.pp_split": value}, speedup,
+        f"per-layer costs inferred from the stage times (uniform blocks, head on the last stage); the "
+        f"best contiguous split's slowest stage {1e3 * new_max:.0f} ms vs {1e3 * max(stages):.0f} ms",
+        # A re-split moves layers between ranks and changes no number: the trainer's own
+        # re-balance (train/rebalance.py) resumes from a checkpoint into a new split exactly.
+        resume_exact=True)
+
+
+def pipeline_bubble(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    p = ev.degree("pp")
+    bubble = ev.median("bubble_fraction")
+    if p < 2 or bubble is None:
+        return None
+    stages = ev.stage_compute_s
+    # Idle caused by an unbalanced split is the split rule's to fix, not more microbatches.
+    if stages and max(stages) > 0 and str(ev.cfg("parallel.pp_split", "auto")) != "auto":
+        bubble_own = bubble - (1 - (sum(stages) / len(stages)) / max(stages))
+    else:
+        bubble_own = bubble
+    if bubble_own < BUBBLE_HIGH:
+        return None
+    schedule = str(ev.cfg("parallel.pp_schedule", "1f1b"))
+    m = int(ev.cfg("parallel.microbatches", 0) or 2 * p)
+    batch = int(ev.cfg("training.batch_size", 8))
+    n_stages = len(stages) if stages else p
+    target = MICROBATCHES_PER_STAGE * n_stages
+    divisors = [d for d in range(m + 1, batch + 1) if batch % d == 0]
+    new_m = next((d for d in divisors if d >= target), divisors[-1] if divisors else None)
+    ev_list = [Evidence("bubble_fraction" + (" (less imbalance idle)" if bubble_own != bubble else ""),
+                        bubble_own, BUBBLE_HIGH)]
+    if new_m is not None:
+        speedup = predict.bubble_speedup(bubble_own, p, m, new_m, schedule, schedule)
+        return Suggestion(
+            "pipeline-microbatches", f"more pipeline microbatches: {m} -> {new_m} (parallel.microbatches)",
+            f"pipeline idle {bubble_own:.0%} of the step with {m} microbatches on {p} stages ({schedule})",
+            ev_list, {"parallel.microbatches": new_m}, speedup,
+            f"analytic bubble {predict.analytic_bubble(p, m, schedule):.2f} -> "
+            f"{predict.analytic_bubble(p, new_m, schedule):.2f} ({schedule}), the measured excess over it kept")
+    if schedule in ("gpipe", "1f1b") and predict.model_shape(ev.config).n_layers >= 2 * p:
+        speedup = predict.bubble_speedup(bubble_own, p, m, m, schedule, "zbv")
+        return Suggestion(
+            "pipeline-schedule", f"zero-bubble schedule: {schedule} -> zbv (parallel.pp_schedule)",
+            f"pipeline idle {bubble_own:.0%}; training.batch_size = {batch} allows no more than {m} microbatches",
+            ev_list, {"parallel.pp_schedule": "zbv"}, speedup,
+            f"analytic bubble {predict.analytic_bubble(p, m, schedule):.2f} -> "
+            f"{predict.analytic_bubble(p, m, 'zbv'):.2f} (zbv replayed action list), measured excess kept")
+    return None
+
+
+# ------------------------------------------------------------------------ communication
+
+
+def compression(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    share = ev.median("comm_share")
+    step = _step(ev)
+    if share is None or step is None or ev.world_size < 2 or share < COMM_SHARE_HIGH:
+        return None
+    if str(ev.cfg("compression.codec", "none")) != "none" or ev.degree("dp_replicate") < 2:
+        return None  # compression hooks sit on the dp_replicate all-reduce (DDP) only
+    codec = "int4" if share >= COMM_SHARE_INT4 else "int8"
+    block = int(ev.cfg("compression.block_size", 256))
+    ratio = predict.wire_ratio(codec, block)
+    comm_s = ev.median("collective_s") or share * step
+    speedup = predict.compression_speedup(step, comm_s, ratio)
+    return Suggestion(
+        "compression", f"compress the gradient all-reduce: compression.codec = {codec} (+ error feedback)",
+        f"collectives take {share:.0%} of the step ({comm_s * 1e3:.0f} ms of {step * 1e3:.0f} ms) on the "
+        f"dp_replicate axis ({ev.degree('dp_replicate')} replicas)",
+        [Evidence("comm_share", share, COMM_SHARE_HIGH)], {"compression.codec": codec}, speedup,
+        f"comm time x (1 - {ratio:.3f}) saved ({codec}: {predict.CODEC_BITS[codec]} bits + one fp32 scale per "
+        f"{block} values, against fp32); the codec's own compute not counted")
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def memory(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    peak = ev.max("peak_memory_bytes")
+    if peak is None or not ctx.memory_limit_bytes:
+        return None
+    share = peak / ctx.memory_limit_bytes
+    if share < MEMORY_HIGH:
+        return None
+    shape = predict.model_shape(ev.config)
+    b, t = int(ev.cfg("training.batch_size", 8)), int(ev.cfg("training.seq_len", 256))
+    logits = predict.logits_bytes(b, t, shape.vocab_size)
+    evidence = [Evidence("peak memory / device memory", share, MEMORY_HIGH),
+                Evidence("peak_memory_bytes", peak, MEMORY_HIGH * ctx.memory_limit_bytes, unit="bytes")]
+    single = ev.degree("pp") == 1 and ev.degree("tp") == 1
+    fwd, step = ev.median("forward_s"), _step(ev)
+    if single and int(ev.cfg("training.loss_chunk_tokens", 0)) == 0 and logits >= 0.2 * peak:
+        return Suggestion(
+            "memory-chunked-loss", "chunked output projection + loss: training.loss_chunk_tokens = 1024",
+            f"peak {peak / 2**30:.2f} GiB of {ctx.memory_limit_bytes / 2**30:.2f} GiB "
+            f"({ctx.memory_limit_source}); the fp32 logits and their gradient alone are "
+            f"{logits / 2**30:.2f} GiB (vocab {shape.vocab_size})", evidence,
+            {"training.loss_chunk_tokens": 1024}, 1 / 1.02 if fwd else None,
+            f"saves ~{logits / 2**30:.2f} GiB; ~7% more forward FLOPs in the head (recomputed in backward)",
+            needed=True)
+    if str(ev.cfg("parallel.activation_checkpointing", "none")) == "none":
+        acts = sum(v for k, v in ev.last.items() if k.startswith("mem_activations_") and isinstance(v, (int, float)))
+        speedup = step / (step + fwd) if fwd and step else None
+        return Suggestion(
+            "memory-checkpointing", "activation checkpointing: parallel.activation_checkpointing = full",
+            f"peak {peak / 2**30:.2f} GiB of {ctx.memory_limit_bytes / 2**30:.2f} GiB ({ctx.memory_limit_source})",
+            evidence, {"parallel.activation_checkpointing": "full"}, speedup,
+            (f"saves most of the {acts / 2**30:.2f} GiB of saved activations; " if acts else "")
+            + "backward recomputes each block's forward (one more forward per step)", needed=True)
+    return None
+
+
+# ------------------------------------------------------------------------ batch and MFU
+
+
+def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    b, t = int(ev.cfg("training.batch_size", 8)), int(ev.cfg("training.seq_len", 256))
+    accum = int(ev.cfg("training.grad_accum_steps", 1))
+    mfu, tps, step = ev.window_median("mfu"), ev.tokens_per_s, _step(ev)
+    reachable = predict.MFU_REACHABLE[ev.device]
+    if not mfu or not tps or not step or b * t >= TARGET_MICROBATCH_TOKENS or ev.degree("pp") > 1:
+        return None
+    # MFU of the compute part: time in collectives, data waits and the monitor is other
+    # rules' to cut, and a larger batch would not shrink it.
+    other = (ev.median("comm_share") or 0.0) + (ev.monitor_share or 0.0) + (ev.median("data_wait_s") or 0.0) / step
+    mfu = mfu / max(1.0 - other, 0.1)
+    keep_global = accum > 1
+    low = (MFU_LOW_SHARE_ACCUM if keep_global else MFU_LOW_SHARE) * reachable
+    if mfu >= low:
+        return None
+    k_max = max(1, TARGET_MICROBATCH_TOKENS // (b * t))
+    k = 1 << int(math.log2(k_max))
+    if keep_global:
+        k = math.gcd(k, accum)  # the same global batch: batch_size x k, grad_accum_steps / k
+    k = _fit_memory(ev, ctx, k)
+    if k < 2:
+        return None
+    fixed = (ev.median("optimizer_s") or 0.0) + (ev.median("data_wait_s") or 0.0)
+    speedup = predict.batch_speedup(step, fixed, accum, k, keep_global, mfu, reachable)
+    if speedup < MIN_SPEEDUP:
+        return None
+    changes: dict[str, Any] = {"training.batch_size": b * k}
+    if keep_global:
+        changes["training.grad_accum_steps"] = accum // k
+    return Suggestion(
+        "batch", f"larger micro-batch: training.batch_size {b} -> {b * k}"
+        + (f", grad_accum_steps {accum} -> {accum // k} (same global batch)" if keep_global else ""),
+        f"{b * t} tokens per micro-batch at MFU {mfu:.1%}: per-micro-batch fixed costs dominate",
+        [Evidence("tokens per micro-batch", b * t, TARGET_MICROBATCH_TOKENS, "<"),
+         Evidence("mfu (of the compute part of the step)", mfu, low, "<")], changes, speedup,
+        f"step = fixed + compute: compute at MFU {reachable:.0%} (reachable on {ev.device}) scales with "
+        f"tokens, the rest is per micro-batch; tokens/s grows until compute-bound",
+        note="" if keep_global else "changes the global batch (the optimisation): not applied; set it by hand "
+                                    "with a retuned learning rate", auto=keep_global)
+
+
+def _fit_memory(ev: RunEvidence, ctx: Context, k: int) -> int:
+    """Largest k' <= k (halving) whose activations (k' x the measured ones) stay under MEMORY_HIGH."""
+    peak = ev.max("peak_memory_bytes")
+    acts = sum(v for key, v in ev.last.items() if key.startswith("mem_activations_") and isinstance(v, (int, float)))
+    if not ctx.memory_limit_bytes or not peak or not acts:
+        return k
+    while k >= 2 and peak + (k - 1) * acts > MEMORY_HIGH * ctx.memory_limit_bytes:
+        k //= 2
+    return k
+
+
+# ------------------------------------------------------------------------ data and monitoring
+
+
+def data_wait(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    step, wait = _step(ev), ev.median("data_wait_s")
+    share = wait / step if wait is not None and step else None
+    frac = ev.window_median("data_io_wait_frac")
+    metric, value = ("data_wait_s / step_s", share) if share is not None else ("data_io_wait_frac", frac)
+    if frac is not None and (value is None or frac > value):
+        metric, value = "data_io_wait_frac", frac
+    if value is None or value < DATA_WAIT_HIGH or not ev.cfg("data.cache.dir"):
+        return None  # prefetch and fetch workers belong to the tiered cache (data.cache.dir)
+    depth, workers = int(ev.cfg("data.prefetch_depth", 8)), int(ev.cfg("data.fetch_workers", 4))
+    return Suggestion(
+        "data-prefetch", f"fetch further ahead: data.prefetch_depth {depth} -> {2 * depth}, "
+        f"data.fetch_workers {workers} -> {min(2 * workers, 16)}",
+        f"the loop waited for data {value:.0%} of the step", [Evidence(metric, value, DATA_WAIT_HIGH)],
+        {"data.prefetch_depth": 2 * depth, "data.fetch_workers": min(2 * workers, 16)},
+        1 / (1 - min(value, 0.9)), "upper bound: the whole wait hidden behind compute", resume_exact=True)
+
+
+def profiler(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    every = int(ev.cfg("monitor.profile_every", 0))
+    if not 0 < every < PROFILE_EVERY_MIN or not ev.cfg("monitor.enabled", True):
+        return None
+    wall = ev.wall_per_step_s
+    if wall is None:
+        return None
+    profiled = [r["step_s"] for r in ev.records if isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
+    plain = [r["step_s"] for r in ev.records if not isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
+    speedup, how = predict.profiler_speedup(every, PROFILE_EVERY_ADVISED, wall, profiled, plain)
+    if speedup < MIN_SPEEDUP:
+        return None
+    evidence = [Evidence("monitor.profile_every", every, PROFILE_EVERY_MIN, "<")]
+    return Suggestion(
+        "profiler", f"profile less often: monitor.profile_every {every} -> {PROFILE_EVERY_ADVISED}",
+        f"torch.profiler runs on 1 step in {every}: each profiled step records every operator and its trace "
+        "is reduced to top operators", evidence, {"monitor.profile_every": PROFILE_EVERY_ADVISED}, speedup, how,
+        resume_exact=True)
+
+
+def _pos(v: Any) -> bool:
+    return isinstance(v, (int, float)) and v > 0
+
+
+def monitor_cost(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    share = ev.monitor_share
+    if share is None or share < MONITOR_SHARE_HIGH:
+        return None
+    if 0 < int(ev.cfg("monitor.profile_every", 0)) < PROFILE_EVERY_MIN:
+        return None  # a frequent profiler's trace reduction is that share: the profiler rule's
+    every = int(ev.cfg("monitor.interval_steps", 10))
+    changes: dict[str, Any] = {"monitor.interval_steps": 4 * every}
+    if ev.cfg("monitor.activation_stats", False):
+        changes["monitor.activation_stats"] = False
+    return Suggestion(
+        "monitor", f"sample model statistics less often: monitor.interval_steps {every} -> {4 * every}",
+        f"the monitor's own code took {share:.1%} of wall time", [Evidence("monitor_s / wall", share,
+                                                                            MONITOR_SHARE_HIGH)],
+        changes, 1 / (1 - 0.75 * min(share, 0.9)), "3/4 of the monitor's measured time saved", resume_exact=True)
+
+
+# ------------------------------------------------------------------------ precision
+
+
+def precision(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    cap, step = ctx.capability, _step(ev)
+    policy = str(ev.cfg("precision.policy", "fp32"))
+    if cap is None or step is None:
+        return None
+    skipped = ev.last.get("optimizer_skipped_steps")
+    n = ev.last.get("step") or 0
+    if policy == "fp16-mixed" and isinstance(skipped, (int, float)) and n and skipped / n >= SKIPPED_STEPS_HIGH:
+        bf16 = cap.support.get("bf16")
+        if bf16 is not None and bf16.fast:
+            return Suggestion(
+                "precision-skips", "bf16 instead of fp16: precision.policy = bf16-mixed",
+                f"the fp16 loss scaler skipped {skipped:.0f} of {n} steps (overflow)",
+                [Evidence("skipped steps / steps", skipped / n, SKIPPED_STEPS_HIGH)],
+                {"precision.policy": "bf16-mixed"}, 1 / (1 - skipped / n), "the skipped steps' compute recovered; "
+                f"{bf16.reason}")
+    if policy != "fp32":
+        return None
+    support = cap.support.get("bf16")
+    if support is None or not support.fast or support.slowdown is None or support.slowdown > LOWP_FASTER:
+        return None
+    share = predict.matmul_share(ev.top_ops, step)
+    speedup = 1 / (1 - share + share * support.slowdown)
+    return Suggestion(
+        "precision", "bf16 autocast: precision.policy = bf16-mixed",
+        f"the run is fp32 while bf16 matmuls run at {support.slowdown:.2f}x fp32's time on {cap.name}",
+        [Evidence("bf16 / fp32 matmul time (hardware probe)", support.slowdown, LOWP_FASTER, "<")],
+        {"precision.policy": "bf16-mixed"}, speedup,
+        f"matmul share {share:.0%} of the step ({'profiled' if ev.top_ops else 'assumed'}) x the probe's ratio")
+
+
+TRAIN_RULES: tuple[Rule, ...] = (memory, pipeline_split, pipeline_bubble, compression, batch_size, data_wait,
+                                 profiler, monitor_cost, precision)

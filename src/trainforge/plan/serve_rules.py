@@ -1,0 +1,141 @@
+"""The advisor's serving rules: ``trainforge serve`` / ``generate`` flags from inference
+measurements (``run_evidence.ServeEvidence``). Same contract as ``advice_rules``: a
+suggestion only past a named threshold, with its evidence and predicted gain; changes are
+command-line flags (``scope = "serve"``), not training config keys."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from trainforge.plan.advice_rules import MIN_SPEEDUP, Evidence, Suggestion
+from trainforge.plan.run_evidence import ServeEvidence
+
+# KV pool blocks in use at the peak above 90% of the pool: the next longer request waits
+# for blocks (admission reserves prompt + max_tokens up front), whatever batch rows are free.
+KV_FULL = 0.90
+# Requests queued while the KV pool peaked below 70%: batch rows, not memory, are short.
+KV_ROOM = 0.70
+# A pool whose peak stayed under 25% holds 4x the memory the load needed.
+KV_OVERSIZED = 0.25
+# Quantised variants must agree with fp32's greedy tokens this often (teacher-forced) to be
+# advised: the bar bench/inference.py and the test suite hold int8 / int4 to.
+AGREEMENT_MIN = 0.95
+# int8 weights against fp32 decode when no bench measurement is given: 2.4x on the
+# memory-bound 90m model (BENCHMARKS.md "Inference": 152.5 vs 62.3 tok/s); small models whose
+# weights fit the cache gain less (tiny 1.5x).
+INT8_DECODE_SPEEDUP = 2.4
+# Speculative decoding that emits under 1.3 tokens per verification forward costs more in
+# drafting than it saves (each step runs the drafter k times and verifies k + 1 positions).
+SPEC_MIN_ACCEPTED = 1.3
+# Quantised layers on these kernels dequantise the weight on every call ("reference", the
+# fallback of infer/quantize/common.py; "unpacked": no kernel chosen): a packed kernel is faster.
+SLOW_KERNELS = ("unpacked", "reference")
+
+ServeRule = Callable[[ServeEvidence], "Suggestion | None"]
+
+
+def kv_pool_full(ev: ServeEvidence) -> Suggestion | None:
+    share = ev.kv_peak_share
+    rejected = ev.rejected or 0
+    if share is None or (share < KV_FULL and not rejected):
+        return None
+    blocks = int(ev.blocks_total or 0)
+    evidence = [Evidence("KV blocks peak / pool", share, KV_FULL)]
+    if rejected:
+        evidence.append(Evidence("rejected requests", rejected, 0))
+    return Suggestion("serve-kv-pool", f"a larger KV pool: --n_blocks {2 * blocks}",
+                      f"the KV pool peaked at {share:.0%} of its {blocks} blocks"
+                      + (f"; {rejected:.0f} requests were refused" if rejected else ""),
+                      evidence, {"--n_blocks": 2 * blocks}, None,
+                      "admission waits for blocks no longer; memory: 2x the pool's bytes", scope="serve",
+                      needed=True)
+
+
+def batch_rows(ev: ServeEvidence) -> Suggestion | None:
+    share = ev.kv_peak_share
+    if not ev.waiting or share is None or share >= KV_ROOM:
+        return None
+    rows = int(ev.peak_batch or ev.running or 0)
+    if rows < 1:
+        return None
+    return Suggestion("serve-batch", f"more batch rows: --max_batch_size {2 * rows}",
+                      f"{ev.waiting:.0f} requests waited while the KV pool peaked at {share:.0%}: rows ran out "
+                      "before memory", [Evidence("waiting requests", ev.waiting, 0),
+                                        Evidence("KV blocks peak / pool", share, KV_ROOM, "<")],
+                      {"--max_batch_size": 2 * rows}, 2.0,
+                      "upper bound: decode reads the weights once per step for the whole batch, so tokens/s "
+                      "grows with rows until compute-bound (bench/inference.py: x4.6 at 32 rows vs 1)",
+                      scope="serve")
+
+
+def kv_pool_oversized(ev: ServeEvidence) -> Suggestion | None:
+    share = ev.kv_peak_share
+    if share is None or share >= KV_OVERSIZED or ev.waiting or ev.rejected or ev.kind == "prometheus":
+        return None  # a scrape is one instant, not the peak: no shrinking on it
+    blocks = int(ev.blocks_total or 0)
+    new = max(1, int(blocks * share * 2))
+    return Suggestion("serve-kv-smaller", f"a smaller KV pool: --n_blocks {new}",
+                      f"the KV pool peaked at {share:.0%} of {blocks} blocks",
+                      [Evidence("KV blocks peak / pool", share, KV_OVERSIZED, "<")], {"--n_blocks": new}, None,
+                      "frees memory (2x the measured peak kept); no speed change", scope="serve")
+
+
+def quantize(ev: ServeEvidence) -> Suggestion | None:
+    if ev.quant_kernels is None or ev.quant_kernels:
+        return None  # unknown, or already quantised
+    if ev.variants:
+        base = ev.variants.get("fp32", {}).get("decode_tok_s")
+        ok = [(v["decode_tok_s"] / base, name, v.get("agreement")) for name, v in ev.variants.items()
+              if name in ("int8", "int4") and base and v.get("agreement", 0) >= AGREEMENT_MIN]
+        if not ok:
+            return None
+        speedup, mode, agree = max(ok)
+        if speedup < MIN_SPEEDUP:
+            return None
+        return Suggestion("serve-quantize", f"quantised weights: --quantize {mode}",
+                          f"fp32 weights; {mode} decoded {speedup:.2f}x faster with {agree:.1%} greedy agreement",
+                          [Evidence(f"{mode} / fp32 decode tok/s", speedup, MIN_SPEEDUP),
+                           Evidence(f"{mode} greedy agreement", agree, AGREEMENT_MIN)], {"--quantize": mode},
+                          speedup, "measured by bench/inference.py on this machine", scope="serve")
+    return Suggestion("serve-quantize", "quantised weights: --quantize int8",
+                      "fp32 weights: decode reads 4 bytes per weight per token",
+                      [Evidence("quantised layers", 0, 1, "<")], {"--quantize": "int8"}, INT8_DECODE_SPEEDUP,
+                      "4x fewer weight bytes per token; 2.4x measured on a memory-bound 90M model (less when the "
+                      "weights fit the cache); check agreement with bench/inference.py --agreement_checkpoint",
+                      scope="serve")
+
+
+def fusion(ev: ServeEvidence) -> Suggestion | None:
+    if ev.fusions is None or ev.fusions or ev.kind != "engine-stats":
+        return None
+    return Suggestion("serve-fusion", "fuse QKV, gate+up and add+RMSNorm: drop --no_fuse",
+                      "no fused layers in the engine: each decode step dispatches ~26% more operators",
+                      [Evidence("fused layers", 0, 1, "<")], {"--no_fuse": False}, 1.05,
+                      "26% fewer operators per decode step (bench/inference.py); gain is the dispatch share",
+                      scope="serve")
+
+
+def kernel_choice(ev: ServeEvidence) -> Suggestion | None:
+    slow = {k: n for k, n in (ev.quant_kernels or {}).items() if k.split(" ")[0] in SLOW_KERNELS}
+    if not slow:
+        return None
+    names = ", ".join(f"{k} x{n}" for k, n in slow.items())
+    return Suggestion("serve-kernel", "a measured quantised kernel: --quant_kernel measure",
+                      f"quantised layers dequantise their weights on every call ({names})",
+                      [Evidence("layers on the reference kernel", sum(slow.values()), 0)],
+                      {"--quant_kernel": "measure"}, None,
+                      "times the packed kernels for this device once (cached) and uses the fastest", scope="serve")
+
+
+def speculative(ev: ServeEvidence) -> Suggestion | None:
+    acc = ev.spec_mean_accepted_length
+    if acc is None or not ev.spec_drafted or acc >= SPEC_MIN_ACCEPTED:
+        return None
+    return Suggestion("serve-speculative", "speculation does not pay here: drop --speculative",
+                      f"{acc:.2f} tokens per verification forward", [Evidence("mean accepted length", acc,
+                                                                              SPEC_MIN_ACCEPTED, "<")],
+                      {"--speculative": None}, None, "the drafter's k forwards per step are saved", scope="serve")
+
+
+SERVE_RULES: tuple[ServeRule, ...] = (kv_pool_full, batch_rows, kv_pool_oversized, quantize, fusion, kernel_choice,
+                                      speculative)
