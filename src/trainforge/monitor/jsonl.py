@@ -47,5 +47,11 @@ class JsonlSink:
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
+def is_number(v: Any) -> bool:
+    """A value a record can plot: an int or float, finite, not a bool (a non-finite value
+    is written as null, and JSON's true/false are not measurements)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import bisect
 import html
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Sequence
 
 from trainforge.errors import TrainforgeError
+from trainforge.monitor.jsonl import is_number as _num
 from trainforge.monitor.jsonl import read_jsonl
 from trainforge.monitor.report_config import config_html, read_config, table
 from trainforge.monitor.report_plots import Line, Plot, render
@@ -71,7 +71,7 @@ def _elapsed_s(train: list[dict[str, Any]]) -> dict[int, float] | None:
     docstring), or None when the records carry no clock, no tokens_per_s with tokens and
     no step_s."""
     def num(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        return _num(v) and v > 0
 
     out: dict[int, float] = {}
     t, prev = 0.0, 0
@@ -130,10 +130,6 @@ def load_runs(run_dirs: Sequence[str | Path]) -> list[Run]:
 
 
 # -- what is plotted ---------------------------------------------------------------------
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
 
 def _x(run: Run, step: int, x: str) -> float:
     if x == "step":

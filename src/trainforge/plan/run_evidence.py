@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.errors import TrainforgeError
+from trainforge.monitor.jsonl import is_number as _num
 
 
 @dataclass
@@ -127,10 +128,6 @@ class RunEvidence:
     @property
     def profiled_steps(self) -> int:
         return sum(isinstance(r.get("top_ops"), dict) for r in self.records)
-
-
-def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def read_run(run_dir: str | Path) -> RunEvidence:
