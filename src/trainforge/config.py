@@ -48,7 +48,7 @@ from trainforge.train.section import CheckpointSection, OptimizerSection, Traini
 __all__ = ["AdaptiveLRSection", "AugmentSection", "BadStepsSection", "CacheSection", "CheckpointSection",
            "CompressionSection", "Config", "DataSection", "DistributedSection", "EarlyStopSection", "ModelSection",
            "MonitorSection", "OptimizerSection", "ParallelSection", "PrecisionSection", "QATSection",
-           "SampleSection", "TrainingSection", "add_config_arguments", "config_from_dict", "config_help",
+           "SampleSection", "TrainingSection", "add_config_arguments", "config_from_dict",
            "config_tables", "config_to_dict", "config_to_toml", "join_values", "load_config", "overrides_from",
            "parse_overrides", "read_toml_file", "reject_unknown"]
 
@@ -305,9 +305,3 @@ def reject_unknown(extra: list[str], options: list[str] = ()) -> None:
         _apply(Config(), section, key, raw, from_cli=True)  # raises, naming the section or key and the closest one
     hint = _did_you_mean(f"--{name}", [*options, *kinds])
     raise ConfigError(f"unknown option '--{name}'{hint}; config overrides look like --section.key VALUE")
-
-
-def config_help() -> str:
-    """One plain line per key (``  --data.cache.memory_mb (default 1024): meaning``), for scripts and
-    docs; ``trainforge train --help`` shows the same keys grouped and wrapped (``add_config_arguments``)."""
-    return "\n".join(f"  --{k.key} (default {k.default!r}): {k.help}" for _, keys in config_tables() for k in keys)

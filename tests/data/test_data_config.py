@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainforge.config import config_help, config_to_toml, load_config
+from trainforge.cli import main as cli_main
+from trainforge.config import config_to_toml, load_config
 from trainforge.errors import ConfigError
 
 TOML = '''
@@ -23,7 +24,7 @@ transforms = [{name = "span_corruption", p = 0.5, rate = 0.15}, {name = "token_r
 '''
 
 
-def test_nested_tables_load_override_and_round_trip(tmp_path):
+def test_nested_tables_load_override_and_round_trip(tmp_path, capsys, monkeypatch):
     path = tmp_path / "run.toml"
     path.write_text(TOML)
     cfg = load_config(path, ["--data.cache.memory_mb", "64", "--data.augment.seed=9"])
@@ -41,7 +42,13 @@ def test_nested_tables_load_override_and_round_trip(tmp_path):
     over.write_text("[data.cache]\ndisk_mb = 5\n")
     again = load_config(over, base=tomllib.loads(resolved.read_text()))
     assert (again.data.cache.dir, again.data.cache.memory_mb, again.data.cache.disk_mb) == ("/tmp/tf-cache", 64, 5)
-    assert "--data.cache.memory_mb (default 1024)" in config_help()
+    # train --help lists the sub-table's keys with their defaults
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    out = capsys.readouterr().out
+    block = out[out.index("  --data.cache.memory_mb INT"):out.index("  --data.cache.disk_mb")]
+    assert "default: 1024)" in block
 
 
 @pytest.mark.parametrize("overrides, needle", [
