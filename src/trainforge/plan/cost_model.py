@@ -67,6 +67,7 @@ import math
 
 from trainforge.errors import ConfigError
 from trainforge.plan import comm_model as cm
+from trainforge.plan import gemm_efficiency as ge
 from trainforge.plan import memory_model as mm
 from trainforge.plan.pipeline_sim import schedule_profile, stages_per_rank
 from trainforge.plan.spec import Cluster, Estimate, Layout, Workload
@@ -145,7 +146,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     if not peak:
         return _infeasible(layout, f"{cluster.name} has no {pb.compute_dtype} matmul peak (it has "
                                    f"{', '.join(sorted(cluster.peak_flops)) or 'none'}): choose another precision")
-    rate = peak * cluster.matmul_efficiency
+    ge.stack(workload.stack)  # ValueError naming the stacks for an unknown one
 
     tp, pp, ep, m = layout.tp, layout.pp, layout.ep, layout.microbatches
     ac = layout.activation_checkpoint
@@ -161,7 +162,6 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     bounds = list(mm.stage_boundaries(cfg, s, n_stages, ac)) + [cfg.n_layers] if pp > 1 else [0, cfg.n_layers]
     profile = schedule_profile(layout.pp_schedule, pp, m)
     links = cm.axis_links(layout, cluster)
-    ac_factor = 4 / 3 if ac else 1.0
     a = pb.activation
     table = mm.layer_table(cfg, s, a)
     emb_params, head_params = mm.embedding_params(cfg), mm.head_params(cfg)
@@ -205,17 +205,19 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         state["reserved_bytes"] = RESERVED_BYTES + FRAGMENTATION * sum(state.values())
 
         # Compute and exposed per-microbatch communication of this rank, one micro-step.
-        flops = sum(table.flops_per_token[i] for i in layers) * ac_factor
-        flops += table.head_flops_per_token if last else 0.0
-        compute = flops * mb_tokens * m / tp / rate
+        compute = m * ge.compute_s(cfg, [table.flops_per_token[i] for i in layers], layers,
+                                   table.head_flops_per_token if last else 0.0, s, mb_tokens, tp, ep, ac, cluster,
+                                   peak, workload.stack)
         # Memory-bound kernels (norms, rotary, SwiGLU's product, residual adds, the loss): each saved
         # activation written in forward, read in backward, its gradient written and read (4x; 6x with
         # the recomputed forward), the logits' ~14 bytes per vocab entry; at HBM bandwidth, not hidden.
-        streamed = sum(per_layer) * (6 if ac else 4) + (cfg.vocab_size / tp * 14 if last else 0.0)
+        streamed = (sum(per_layer) * (6 if ac else 4) * ge.stream_factor(cluster, workload.stack)
+                    + (cfg.vocab_size / tp * ge.loss_bytes_per_logit(cluster, workload.stack) if last else 0.0))
         memory_bound = streamed * mb_tokens * m / cluster.memory_bandwidth_bytes_per_s
         tp_size, tp_link = links["tp"]
         tp_msgs = len(layers) * (6 if ac else 4) + 2 * (first + last)
-        tp_comm = m * tp_msgs * cm.all_reduce_s(mb_tokens * cfg.dim * a, tp_size, tp_link)
+        tp_comm = ge.tp_exposed_s(m * tp_msgs * cm.all_reduce_s(mb_tokens * cfg.dim * a, tp_size, tp_link),
+                                  compute, cluster, workload.stack)
         moe_layers = sum(table.moe[i] for i in layers)
         ep_size, ep_link = links["ep"]
         dispatched = mb_tokens * cfg.n_activated_experts * cfg.dim * a

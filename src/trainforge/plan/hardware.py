@@ -18,6 +18,7 @@ reaches; the cost model multiplies every peak by it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from trainforge.plan.spec import Cluster, LinkTier
@@ -59,6 +60,7 @@ class GPUSpec:
     link_efficiency: float = 0.8
     gpus_per_node: int = 8
     sources: dict[str, str] = field(default_factory=dict)
+    kernel_table: str = ""  # gemm_efficiency.KERNEL_TABLES key: GEMM shape curve, attention kernels, stacks
 
 
 def _hopper(name: str, memory_gib: float, hbm_tb_s: float, datasheet: str) -> GPUSpec:
@@ -70,7 +72,7 @@ def _hopper(name: str, memory_gib: float, hbm_tb_s: float, datasheet: str) -> GP
         memory_bytes=memory_gib * GiB, memory_bandwidth_bytes_per_s=hbm_tb_s * 1e12,
         intra_bandwidth_bytes_per_s=450 * GBps, intra_latency_s=5e-6,
         inter_bandwidth_bytes_per_s=50 * GBps, inter_latency_s=10e-6,
-        matmul_efficiency=0.72,
+        matmul_efficiency=0.72, kernel_table="hopper",
         sources={"peak_flops": f"{datasheet} (dense = half the sparse figures; tf32/fp32 dense as listed)",
                  "memory_bytes": datasheet, "memory_bandwidth_bytes_per_s": datasheet,
                  "intra_bandwidth_bytes_per_s": f"{datasheet}: NVLink 4, 900 GB/s bidirectional = 450 GB/s each way",
@@ -123,16 +125,35 @@ GPUS: dict[str, GPUSpec] = {
 }
 
 
+_TORCHTITAN_HW = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 820504e): 'H100 GPUs with "
+                  "96GB HBM2e ... at 500 W power limit ... the actual peak TFLOPs number is between SXM and NVL'")
+# Published runs on other boards of a table GPU (bench/plan_validation.py's rows); --gpu accepts them too.
+VARIANTS: dict[str, GPUSpec] = {
+    # Meta's Grand Teton H100: 96 GB HBM2e, 500 W. Peaks: the midpoint of SXM (989.4) and NVL (835.5 dense
+    # bf16) as the source puts it; HBM2e: 6 stacks at the H100 PCIe's rate (2.0 TB/s over 5 stacks).
+    "h100-96g-500w": dataclasses.replace(
+        GPUS["h100"], name="h100-96g-500w",
+        peak_flops={k: v * (989.4 + 835.5) / 2 / 989.4 for k, v in GPUS["h100"].peak_flops.items()},
+        memory_bytes=95 * GiB, memory_bandwidth_bytes_per_s=2.4e12,
+        sources={**GPUS["h100"].sources,
+                 "peak_flops": f"{_TORCHTITAN_HW}: the SXM/NVL midpoint, 912 dense bf16 TFLOP/s (NVL: 1,671 sparse "
+                               f"= 835.5 dense, {_H100_DATASHEET})",
+                 "memory_bytes": f"{_TORCHTITAN_HW} (95 GiB usable, assumption)",
+                 "memory_bandwidth_bytes_per_s": "assumption: 6 HBM2e stacks at the H100 PCIe's 2.0 TB/s per 5 "
+                                                 f"stacks = 2.4 TB/s ({_H100_DATASHEET})"}),
+}
+
+
 def cluster(gpu: str, n_gpus: int) -> Cluster:
     """``n_gpus`` of ``gpu`` (a ``GPUS`` key), ``gpus_per_node`` per node. ValueError
     naming the known GPUs for an unknown name, or for n_gpus < 1."""
     key = gpu.lower()
-    if key not in GPUS:
+    if key not in GPUS and key not in VARIANTS:
         raise ValueError(f"unknown GPU {gpu!r}: choose one of {', '.join(sorted(GPUS))} (or 'measured' for a "
-                         "probe of this machine)")
+                         f"probe of this machine; boards of published runs: {', '.join(sorted(VARIANTS))})")
     if n_gpus < 1:
         raise ValueError(f"--gpus {n_gpus}: need at least 1 GPU")
-    s = GPUS[key]
+    s = GPUS[key] if key in GPUS else VARIANTS[key]
     eff = s.link_efficiency
     intra = LinkTier(s.intra_bandwidth_bytes_per_s * eff, s.intra_latency_s,
                      f"{s.sources['intra_bandwidth_bytes_per_s']} x link_efficiency {eff}")
@@ -141,4 +162,4 @@ def cluster(gpu: str, n_gpus: int) -> Cluster:
     return Cluster(name=s.name, n_gpus=n_gpus, gpus_per_node=min(s.gpus_per_node, n_gpus),
                    peak_flops=dict(s.peak_flops), memory_bytes=s.memory_bytes,
                    memory_bandwidth_bytes_per_s=s.memory_bandwidth_bytes_per_s, intra=intra, inter=inter,
-                   sources=dict(s.sources), matmul_efficiency=s.matmul_efficiency)
+                   sources=dict(s.sources), matmul_efficiency=s.matmul_efficiency, kernel_table=s.kernel_table)

@@ -98,10 +98,11 @@ class PublishedRow:
     notes: tuple[str, ...] = ()
     in_target: bool = True
     excluded_why: str = ""
+    stack: str = "trainforge"  # the training software stack that ran it (gemm_efficiency.STACKS)
 
     def workload(self) -> Workload:
         return Workload(model=self.model, seq_len=self.seq_len, global_batch=self.global_batch,
-                        precision="bf16-mixed", flavor=self.flavor or self.model_name)
+                        precision="bf16-mixed", flavor=self.flavor or self.model_name, stack=self.stack)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +156,7 @@ def _megatron_rows() -> list[PublishedRow]:
                        "virtual_pipeline": None, "recompute": None, "sequence_parallel": None,
                        "distributed_optimizer": None, "global_batch": batch, "seq_len": 4096, "mfu": mfu},
             layout=layout, metric="tflops_per_gpu", value=tflops,
-            assumptions=_MEGATRON_ASSUMPTIONS, notes=_MEGATRON_NOTES))
+            assumptions=_MEGATRON_ASSUMPTIONS, notes=_MEGATRON_NOTES, stack="megatron"))
     return rows
 
 
@@ -163,8 +164,9 @@ def _megatron_rows() -> list[PublishedRow]:
 # torchtitan on H100 (Grand Teton, 96GB HBM2e, 500 W power limit).
 _TT_SEQ = ("seq_len = 8192: not in the table; the llama3 train_configs preset at the commit the benchmark "
            "names (torchtitan 9dec370 / 820504e / 3faaa1a) sets it")
-_TT_HW = ("H100 96GB HBM2e at 500 W: below the SXM peak the cluster table assumes (the source says the real "
-          "peak lies between SXM and NVL), so predictions lean high")
+_TT_HW = ("H100 96GB HBM2e at 500 W: predicted on hardware.VARIANTS['h100-96g-500w'] (the source says the real "
+          "peak lies between SXM and NVL: their midpoint; HBM2e bandwidth assumed 2.4 TB/s)")
+_TT_GPU = "h100-96g-500w"
 _SAC = ("selective (per-op) activation checkpointing -> activation_checkpoint = True (full; Layout has no "
         "selective mode): torchtitan's op policy recomputes every other matmul and the cheap ops, about half the "
         "forward, so the full-recompute prediction leans low by up to ~1/8")
@@ -174,9 +176,11 @@ def _tt(id: str, source: str, quote: str, flavor: str, n_gpus: int, published: d
         global_batch: int, value: float, precision: str = "bf16", assumptions: tuple[str, ...] = (),
         notes: tuple[str, ...] = (), in_target: bool = True, excluded_why: str = "",
         seq_len: int = 8192) -> PublishedRow:
+    # torch.compile on -> the compiled stack; off (or not stated, where the preset turns it on: see notes)
+    stack = "trainforge" if published.get("compile") is False else "trainforge-compile"
     return PublishedRow(id=id, source=source, quote=quote, model=FLAVORS[flavor], flavor=flavor,
                         model_name=f"Llama 3.1 {flavor.split('-')[1].upper()}", seq_len=seq_len,
-                        global_batch=global_batch, n_gpus=n_gpus, gpu="h100", precision=precision,
+                        global_batch=global_batch, n_gpus=n_gpus, gpu=_TT_GPU, precision=precision, stack=stack,
                         published=published, layout=layout, metric="tokens_per_s_per_gpu", value=value,
                         assumptions=(_TT_SEQ, *assumptions) if seq_len == 8192 else assumptions,
                         notes=(_TT_HW, *notes), in_target=in_target, excluded_why=excluded_why)
@@ -187,7 +191,7 @@ def _torchtitan_rows() -> list[PublishedRow]:
              "float8": False}
     fsdp128 = {**fsdp8, "fsdp": 128}
     no_compile = "torch.compile off"
-    compiled = "torch.compile on (not modelled)"
+    compiled = "torch.compile on (stack trainforge-compile)"
     fp8 = "Float8 linears: the cost model has no float8 training"
     rows = [
         _tt("torchtitan-8b-fsdp8", "torchtitan-2412", "Table 1 (8 GPUs, local batch 2, global 16, selective AC): "
@@ -285,7 +289,9 @@ def _llama3_rows() -> list[PublishedRow]:
                        "micro_batch_size": None, "schedule": None},
             layout=Layout(dp_shard=dp, tp=tp, pp=pp, microbatches=max(per_dp, 1), pp_schedule="interleaved-1f1b"),
             metric="tflops_per_gpu", value=tflops, assumptions=_L3_ASSUMPTIONS,
-            notes=("700 W H100 80GB HBM3, RoCE 400 Gb/s",), in_target=False,
+            notes=("700 W H100 80GB HBM3, RoCE 400 Gb/s",
+                   "stack megatron: Meta's own stack is not public; the nearest of ours (fused kernels, TP overlap)"),
+            stack="megatron", in_target=False,
             excluded_why="reported only: layout partly derived" if expressible else
             "context parallelism (CP 16) is not a Layout field"))
     return rows

@@ -46,6 +46,10 @@ class Cluster:
     # Fraction of the dense peak a well-shaped large GEMM reaches (measured by a probe, or a
     # published figure for the GPU); the cost model multiplies peak_flops by it.
     matmul_efficiency: float = 1.0
+    # Per-kernel figures of the device (``gemm_efficiency.KERNEL_TABLES`` key): GEMM rate by
+    # shape, flash-attention speed, and the training stack's terms. "" (a measured cluster):
+    # no size dependence, one matmul_efficiency for every FLOP.
+    kernel_table: str = ""
 
     @property
     def n_nodes(self) -> int:
@@ -56,7 +60,10 @@ class Cluster:
 class Workload:
     """What one optimizer step trains: ``global_batch`` sequences of ``seq_len`` tokens.
     ``precision``: a ``[precision] policy`` name (fp32, bf16-mixed, fp16-mixed, bf16...);
-    ``compression``: a ``[compression] codec`` name (none, int8, int4, adaptive, topk...)."""
+    ``compression``: a ``[compression] codec`` name (none, int8, int4, adaptive, topk...).
+    ``stack``: the training software stack (``gemm_efficiency.STACKS``: trainforge = eager
+    PyTorch FSDP2/DTensor, trainforge-compile, megatron); it sets kernel speeds and overlap on
+    clusters with a kernel table."""
 
     model: ModelConfig
     seq_len: int
@@ -64,6 +71,7 @@ class Workload:
     precision: str = "bf16-mixed"
     compression: str = "none"
     flavor: str = ""
+    stack: str = "trainforge"
 
 
 @dataclass(frozen=True)
