@@ -8,11 +8,15 @@ Batch. ``global_batch`` sequences per optimizer step; each data-parallel rank ta
 global_batch / dp of them in ``grad_accum_steps`` micro-steps of ``training.batch_size``
 sequences, which a pipeline cuts into ``microbatches``.
 
-Compute. Per-block FLOPs (6 x active parameters + the attention products, ``ModelConfig.
-flops_per_token``'s split by layer; MoE blocks count only the experts a token uses, which
-expert parallelism moves but does not change), divided by tp, over peak[compute dtype] x
-matmul_efficiency. Activation checkpointing recomputes each block's forward (+1/3 of its
-FLOPs). Pipeline stages are split the way ``pp_split = auto`` would (balanced FLOPs,
+Compute (``gemm_efficiency.compute_s``). Per-block FLOPs (6 x active parameters + the
+attention products, ``ModelConfig.flops_per_token``'s split by layer; MoE blocks count only
+the experts a token uses, which expert parallelism moves but does not change), divided by
+tp. On a cluster with a kernel table (the GPUs of ``hardware.py``): each GEMM of the block
+(projections, MLP or experts, head; forward and both backward GEMMs) at peak x
+matmul_efficiency x its shape factor (a wave model of cuBLAS fitted to a published H100
+table), the attention products at the stack's flash-attention kernel speed (causal half);
+without one (a measured cluster): every FLOP at peak[compute dtype] x matmul_efficiency.
+Activation checkpointing recomputes each block's forward (+1/3 of its FLOPs). Pipeline stages are split the way ``pp_split = auto`` would (balanced FLOPs,
 ``memory_model.stage_boundaries``); the slowest rank sets the pace.
 
 Memory per rank (the most loaded one): parameters, gradients (the parameters' dtype),
@@ -44,17 +48,21 @@ matrices).
 What overlaps. DP traffic hides behind compute except one block's share (the first
 all-gather and the last bucket's reduce wait for nobody) and whatever exceeds the compute
 time. Compressed collectives run blocking in the hooks (``compression/collective.py``)
-and the expert-gradient all-reduce runs after backward: exposed. TP and EP are exposed (no
-async TP) and sit inside each stage's time, so they stretch the pipeline too. Of the PP
+and the expert-gradient all-reduce runs after backward: exposed. TP and EP sit inside each
+stage's time, so they stretch the pipeline too; EP and, under the eager stacks (no async
+TP), TP are exposed; the ``megatron`` stack overlaps TP as Transformer Engine's userbuffers
+do (``gemm_efficiency.tp_exposed_s``: 1/16 waits, the rest hides behind the compute, what
+exceeds it waits, and the hidden part costs the GEMMs the communication kernels' SMs). Of the PP
 transfers, those on the fill-and-drain critical path are exposed (2 x (stages - 1)); the
 rest overlap the steady state.
 
 Memory-bound work: the elementwise kernels stream each saved activation about four times
-(written, read, its gradient written and read; six with recomputation) and the loss ~14
-bytes per logit, at HBM bandwidth, beside the GEMMs (not overlapped); AdamW streams its
-state once per step. Attention: flash attention on a causal mask does half the score and
-value products at roughly half the GEMM efficiency; counted as the full products (the
-model FLOPs) at the GEMM efficiency.
+(written, read, its gradient written and read; six with recomputation; fused kernels; the
+eager stack's separate kernels move ``EAGER_STREAM_FACTOR`` times that) and the loss ~14
+bytes per logit fused (44 for an fp32 ``F.cross_entropy``, 52 for Megatron's fp32
+vocab-parallel one), at HBM bandwidth, beside the GEMMs (not overlapped); AdamW streams its
+state once per step. The stack's byte factors apply on clusters with a kernel table only (a
+measured cluster's calibration holds its own).
 
 step_s = micro-steps x (stage compute + memory-bound + TP + EP) / (1 - bubble) + exposed
 PP + exposed DP + expert reduce + optimizer. bubble: the schedule's own action list replayed (``pipeline_sim``).

@@ -11,8 +11,8 @@ large): 1 for a big GEMM, lower for a small k, a partial last wave, or a short G
 four parameters are fitted (least squares on log rate) to one published measurement of
 cuBLAS on H100, nothing from the validation rows: OpenXLA's sm_90 matmul table
 (``H100_CUBLAS_POINTS``, bf16, 72 shapes from 256 to 4096 per dim, b x m x n x k): rms
-error 9.7 % in log rate, the large shapes within 5 %, the worst (small m, n with k = 4096,
-where cuBLAS splits k) 28 %. The level stays the GPU's ``matmul_efficiency`` (a large
+error 9.7 % in log rate, the shapes of 30 GFLOP and more within 7 %, the worst (small m, n
+with k = 4096, where cuBLAS splits k) 28 %. The level stays the GPU's ``matmul_efficiency`` (a large
 training-shaped GEMM); the factor multiplies it per GEMM. The block's GEMMs are its
 projections and MLP (forward, and the input- and weight-gradient GEMMs of backward, each
 with its own shape); MoE experts get the tokens routed to one expert; the head its own.

@@ -13,7 +13,11 @@ assumptions (a few microseconds per NCCL step over NVLink / xGMI, about twice th
 InfiniBand), not datasheet figures: they only matter for small messages.
 
 ``matmul_efficiency`` is the fraction of the dense bf16 peak a large, well-shaped GEMM
-reaches; the cost model multiplies every peak by it.
+reaches. ``kernel_table`` (H100/H200: "hopper") names the per-kernel figures of
+``gemm_efficiency``: each GEMM's shape factor multiplies that efficiency, attention runs at
+the training stack's flash-attention speed. A100 and MI300X have no table wired in: one
+efficiency for every FLOP. ``VARIANTS``: boards of published runs that differ from the table
+entry (torchtitan's 500 W HBM2e H100); ``--gpu`` accepts them too.
 """
 
 from __future__ import annotations
