@@ -7,7 +7,10 @@ metric (TFLOP/s per GPU or tokens/s per GPU), with the relative error and the me
 error over the target rows (bf16, layouts ``Layout`` can express; target <= 15 %). Then the
 memory check: DeepSpeed's documented ZeRO estimator outputs reproduced, and its ZeRO-3 model-
 state figure against our estimate's params + grads + optimizer for FSDP on the same inputs.
-No GPU, no network: a few milliseconds of arithmetic.
+Then which term moved which row (``term_table``: the cost model's terms switched on one at a
+time from one efficiency for every FLOP to the shipped model) and the one free level
+(``level_table``: matmul_efficiency fitted on one family, the other held out). Each row names
+its training stack (``Workload.stack``). No GPU, no network: seconds of arithmetic.
 
     python bench/plan_validation.py            # the tables
     python bench/plan_validation.py --json     # one JSON object on stdout (--json PATH: to a file)
@@ -16,10 +19,12 @@ No GPU, no network: a few milliseconds of arithmetic.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script with the measured half
 from plan_validation_measured import TABLE as MEASURED_TABLE  # noqa: E402
@@ -44,6 +49,15 @@ def _layout_text(layout) -> str:
     return " ".join(parts)
 
 
+def _kernel_sources() -> dict[str, str]:
+    from trainforge.plan import gemm_efficiency as ge
+    from trainforge.plan import hardware
+
+    out = {f"hopper {k}": v for k, v in ge.KERNEL_TABLES["hopper"].sources.items()}
+    out["h100-96g-500w peak"] = hardware.VARIANTS["h100-96g-500w"].sources["peak_flops"]
+    return out
+
+
 def published_table(estimate: Callable | None = None, cluster: Callable | None = None) -> dict[str, Any]:
     """Predicted vs published for every row, the median error, and the memory comparison.
     ``estimate``/``cluster`` default to ``trainforge.plan.cost_model.estimate`` and
@@ -59,7 +73,7 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
     for c in comps:
         r, e = c.row, c.estimate
         rows.append({"id": r.id, "source": r.source, "model": r.model_name, "gpus": r.n_gpus,
-                     "layout": _layout_text(r.layout), "precision": r.precision, "seq_len": r.seq_len,
+                     "gpu": r.gpu, "stack": r.stack, "layout": _layout_text(r.layout), "precision": r.precision, "seq_len": r.seq_len,
                      "global_batch": r.global_batch, "metric": r.metric, "published": r.value,
                      "predicted": round(c.predicted, 2), "rel_error": round(c.rel_error, 4),
                      "predicted_mfu": round(e.mfu, 4), "bubble": round(e.bubble_fraction, 4),
@@ -85,20 +99,21 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
             "median_abs_error_all_predicted": pub.median_abs_error(comps, target_only=False),
             "median_abs_error_by_family": {k: pub.median_abs_error(v) for k, v in families.items()},
             "target": pub.TARGET_MEDIAN_ERROR, "n_target_rows": sum(r["in_target"] for r in rows),
-            "sources": pub.SOURCES, "memory": memory, "deepspeed_doc_cases": doc, "deepspeed_source": mem.SOURCE}
+            "sources": pub.SOURCES, "kernel_sources": _kernel_sources(), "memory": memory, "deepspeed_doc_cases": doc, "deepspeed_source": mem.SOURCE}
 
 
 def print_published(t: dict[str, Any]) -> None:
     print("Cost model vs published training throughput (bf16 rows in the median; * = not counted; "
           "(over) = predicted memory above the GPU's, though the run fitted)")
-    print(f"{'row':<44} {'GPUs':>6} {'layout':<34} {'metric':>8} {'published':>10} {'predicted':>10} "
-          f"{'error':>7} {'MFU':>5} {'bubble':>6} {'comm':>5} {'GiB':>6}")
+    print(f"{'row':<44} {'GPUs':>6} {'stack':<18} {'layout':<34} {'metric':>8} {'published':>10} "
+          f"{'predicted':>10} {'error':>7} {'MFU':>5} {'bubble':>6} {'comm':>5} {'GiB':>6}")
     for r in t["rows"]:
         metric = "TFLOP/s" if r["metric"] == "tflops_per_gpu" else "tok/s"
         mark = " " if r["in_target"] else "*"
         fit = "" if r["fits_memory"] else " (over)"
         fit += "" if r["feasible"] else f" infeasible: {r['why']}"
-        print(f"{r['id']:<43}{mark} {r['gpus']:>6} {r['layout']:<34} {metric:>8} {r['published']:>10.1f} "
+        print(f"{r['id']:<43}{mark} {r['gpus']:>6} {r['stack']:<18} {r['layout']:<34} {metric:>8} "
+              f"{r['published']:>10.1f} "
               f"{r['predicted']:>10.1f} {r['rel_error']:>+7.1%} {r['predicted_mfu']:>5.1%} {r['bubble']:>6.1%} "
               f"{r['comm_share']:>5.0%} {r['memory_gib']:>6.1f}{fit}")
     print(f"median |error| over {t['n_target_rows']} target rows: {t['median_abs_error']:.1%} "
@@ -132,12 +147,122 @@ def print_published(t: dict[str, Any]) -> None:
     for k, v in t["sources"].items():
         print(f"  {k}: {v}")
     print(f"  deepspeed: {t['deepspeed_source']}")
+    for k, v in t.get("kernel_sources", {}).items():
+        print(f"  {k}: {v}")
+
+
+# ---------------------------------------------------------------- which term moved which row
+# The cost model's terms switched on one at a time, cumulatively, from the model before them
+# (one matmul_efficiency for every FLOP, torchtitan's rows on the SXM entry) to the shipped one.
+# A what-if: the stack and kernel-table entries are swapped for the duration of one compare().
+TERM_STEPS = (
+    ("before: one efficiency, SXM board", dict(board=False, table=False, attention=False, stack_bytes=False,
+                                               overlap=False)),
+    ("+ torchtitan's 500 W HBM2e board", dict(board=True, table=False, attention=False, stack_bytes=False,
+                                              overlap=False)),
+    ("+ GEMM shape factor", dict(board=True, table=True, attention=False, stack_bytes=False, overlap=False)),
+    ("+ flash-attention kernels", dict(board=True, table=True, attention=True, stack_bytes=False, overlap=False)),
+    ("+ stack bytes (eager, fp32 loss)", dict(board=True, table=True, attention=True, stack_bytes=True,
+                                              overlap=False)),
+    ("+ Megatron TP overlap (shipped)", dict(board=True, table=True, attention=True, stack_bytes=True,
+                                             overlap=True)),
+)
+
+
+@contextlib.contextmanager
+def _terms(attention: bool, stack_bytes: bool, overlap: bool) -> Iterator[None]:
+    from trainforge.plan import gemm_efficiency as ge
+
+    stacks, tables = dict(ge.STACKS), dict(ge.KERNEL_TABLES)
+    try:
+        for name, st in stacks.items():
+            ge.STACKS[name] = dataclasses.replace(
+                st, stream_factor=st.stream_factor if stack_bytes else 1.0,
+                loss_bytes_per_logit=st.loss_bytes_per_logit if stack_bytes else ge.FUSED_LOSS_BYTES,
+                tp_overlap=st.tp_overlap and overlap)
+        if not attention:  # the old count: full products at the GEMM level (0.72 x 3.5/6 for the causal half)
+            for name, t in tables.items():
+                flat = tuple((s, 0.42 * t.attention_peak_flops / 1e12, 0.42 * t.attention_peak_flops / 1e12)
+                             for s, _, _ in next(iter(t.attention.values())))
+                ge.KERNEL_TABLES[name] = dataclasses.replace(t, attention={k: flat for k in t.attention})
+        yield
+    finally:
+        ge.STACKS.clear()
+        ge.STACKS.update(stacks)
+        ge.KERNEL_TABLES.clear()
+        ge.KERNEL_TABLES.update(tables)
+
+
+def term_table() -> dict[str, Any]:
+    """Per target row, its error after each of ``TERM_STEPS``; medians per step and family."""
+    from trainforge.plan import cost_model, hardware
+    from trainforge.plan import published as pub
+
+    steps = []
+    for label, on in TERM_STEPS:
+        def cluster(gpu: str, n: int, on=on):
+            c = hardware.cluster(gpu if on["board"] else ("h100" if gpu == "h100-96g-500w" else gpu), n)
+            return c if on["table"] else dataclasses.replace(c, kernel_table="")
+
+        with _terms(on["attention"], on["stack_bytes"], on["overlap"]):
+            comps = [c for c in pub.compare(pub.ROWS, estimate=cost_model.estimate, cluster=cluster)
+                     if c.row.in_target]
+        fam = {k: pub.median_abs_error([c for c in comps if c.row.source.startswith(k)])
+               for k in ("megatron", "torchtitan")}
+        steps.append({"step": label, "median_abs_error": pub.median_abs_error(comps), **fam,
+                      "errors": {c.row.id: round(c.rel_error, 4) for c in comps}})
+    return {"steps": steps}
+
+
+def print_terms(t: dict[str, Any]) -> None:
+    steps = t["steps"]
+    print("Which term moved which row: error per target row as the terms are switched on, cumulatively")
+    print(f"{'row':<36}" + "".join(f"{i:>8}" for i in range(len(steps))))
+    for rid in steps[0]["errors"]:
+        print(f"{rid:<36}" + "".join(f"{s['errors'][rid]:>+8.1%}" for s in steps))
+    for key in ("median_abs_error", "megatron", "torchtitan"):
+        name = {"median_abs_error": "median |error|"}.get(key, f"  {key}")
+        print(f"{name:<36}" + "".join(f"{s[key]:>8.1%}" for s in steps))
+    for i, s in enumerate(steps):
+        print(f"  {i}: {s['step']}")
+
+
+def level_table(levels: tuple[float, ...] = tuple(x / 100 for x in range(50, 81))) -> dict[str, Any]:
+    """The one level left free (the GPU's matmul_efficiency, shipped 0.72 from a GEMM benchmark):
+    fitted on one family (the level with the least median |error| there) and scored on the other,
+    held out. A check of the stack terms, not what ships."""
+    from trainforge.plan import cost_model, hardware
+    from trainforge.plan import published as pub
+
+    by_level = {}
+    for e in levels:
+        comps = [c for c in pub.compare(pub.ROWS, estimate=cost_model.estimate,
+                                        cluster=lambda g, n, e=e: dataclasses.replace(hardware.cluster(g, n),
+                                                                                      matmul_efficiency=e))
+                 if c.row.in_target]
+        by_level[e] = {k: pub.median_abs_error([c for c in comps if c.row.source.startswith(k)])
+                       for k in ("megatron", "torchtitan")} | {"all": pub.median_abs_error(comps)}
+    out = []
+    for fit, held in (("megatron", "torchtitan"), ("torchtitan", "megatron")):
+        best = min(levels, key=lambda e: by_level[e][fit])
+        out.append({"fitted_on": fit, "level": best, "fitted_error": by_level[best][fit], "held_out": held,
+                    "held_out_error": by_level[best][held], "all": by_level[best]["all"]})
+    return {"fits": out}
+
+
+def print_levels(t: dict[str, Any]) -> None:
+    print("The one free level (matmul_efficiency; shipped 0.72) fitted on one family, the other held out:")
+    for f in t["fits"]:
+        print(f"  fitted on {f['fitted_on']:<10}: {f['level']:.2f} -> {f['fitted_on']} {f['fitted_error']:.1%}, "
+              f"{f['held_out']} (held out) {f['held_out_error']:.1%}, all 16 rows {f['all']:.1%}")
 
 
 # The tables this script prints, in order: (name, build, print). The measured half
 # (--machine measured against gloo runs on this machine) registers itself here.
 TABLES: list[tuple[str, Callable[[], dict[str, Any] | None], Callable[[dict[str, Any]], None]]] = [
     ("published", published_table, print_published),
+    ("terms", term_table, print_terms),
+    ("level", level_table, print_levels),
     MEASURED_TABLE,  # runs only with TRAINFORGE_PLAN_MEASURED=1 (minutes of training runs)
 ]
 

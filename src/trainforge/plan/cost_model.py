@@ -16,7 +16,8 @@ tp. On a cluster with a kernel table (the GPUs of ``hardware.py``): each GEMM of
 matmul_efficiency x its shape factor (a wave model of cuBLAS fitted to a published H100
 table), the attention products at the stack's flash-attention kernel speed (causal half);
 without one (a measured cluster): every FLOP at peak[compute dtype] x matmul_efficiency.
-Activation checkpointing recomputes each block's forward (+1/3 of its FLOPs). Pipeline stages are split the way ``pp_split = auto`` would (balanced FLOPs,
+Activation checkpointing recomputes each block's forward (+1/3 of its FLOPs). Pipeline
+stages are split the way ``pp_split = auto`` would (balanced FLOPs,
 ``memory_model.stage_boundaries``); the slowest rank sets the pace.
 
 Memory per rank (the most loaded one): parameters, gradients (the parameters' dtype),

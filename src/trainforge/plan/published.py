@@ -23,6 +23,11 @@ Sources (``SOURCES`` keys):
   from the SC'24 talk slide at https://glennklockwood.com/garden/llama-3.1 (GPUs, TP, CP,
   PP, tokens/batch, TFLOPS/GPU). Reported, not in the target median (layout partly derived).
 
+Stacks and boards. Each row names the software stack that ran it (``stack``:
+``gemm_efficiency.STACKS``: Megatron-Core + TE -> megatron, torchtitan -> trainforge or, with
+torch.compile, trainforge-compile) and the board: torchtitan's 500 W HBM2e H100s are
+``hardware.VARIANTS['h100-96g-500w']``, the others the SXM table entry.
+
 Shapes. torchtitan and Llama 3 rows are our ``llama-8b/70b/405b`` flavors. Megatron's GPT
 models are built with ``gpt_shape``: GPT's MLP (two d x 4d matrices, 8d^2 weights) becomes a
 SwiGLU of width 8d/3 rounded to a multiple of 8 (three d x f matrices, 3df = 8d^2): the same
