@@ -99,7 +99,8 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
             "median_abs_error_all_predicted": pub.median_abs_error(comps, target_only=False),
             "median_abs_error_by_family": {k: pub.median_abs_error(v) for k, v in families.items()},
             "target": pub.TARGET_MEDIAN_ERROR, "n_target_rows": sum(r["in_target"] for r in rows),
-            "sources": pub.SOURCES, "kernel_sources": _kernel_sources(), "memory": memory, "deepspeed_doc_cases": doc, "deepspeed_source": mem.SOURCE}
+            "sources": pub.SOURCES, "kernel_sources": _kernel_sources(), "memory": memory,
+            "deepspeed_doc_cases": doc, "deepspeed_source": mem.SOURCE}
 
 
 def print_published(t: dict[str, Any]) -> None:
@@ -155,22 +156,22 @@ def print_published(t: dict[str, Any]) -> None:
 # The cost model's terms switched on one at a time, cumulatively, from the model before them
 # (one matmul_efficiency for every FLOP, torchtitan's rows on the SXM entry) to the shipped one.
 # A what-if: the stack and kernel-table entries are swapped for the duration of one compare().
+_OFF = dict(board=False, table=False, attention=False, stack_bytes=False, overlap=False, chunks=False)
 TERM_STEPS = (
-    ("before: one efficiency, SXM board", dict(board=False, table=False, attention=False, stack_bytes=False,
-                                               overlap=False)),
-    ("+ torchtitan's 500 W HBM2e board", dict(board=True, table=False, attention=False, stack_bytes=False,
-                                              overlap=False)),
-    ("+ GEMM shape factor", dict(board=True, table=True, attention=False, stack_bytes=False, overlap=False)),
-    ("+ flash-attention kernels", dict(board=True, table=True, attention=True, stack_bytes=False, overlap=False)),
-    ("+ stack bytes (eager, fp32 loss)", dict(board=True, table=True, attention=True, stack_bytes=True,
-                                              overlap=False)),
-    ("+ Megatron TP overlap (shipped)", dict(board=True, table=True, attention=True, stack_bytes=True,
-                                             overlap=True)),
+    ("before: one efficiency, SXM board", _OFF),
+    ("+ torchtitan's 500 W HBM2e board", {**_OFF, "board": True}),
+    ("+ GEMM shape factor", {**_OFF, "board": True, "table": True}),
+    ("+ flash-attention kernels", {**_OFF, "board": True, "table": True, "attention": True}),
+    ("+ stack bytes (eager, fp32 loss)", {**_OFF, "board": True, "table": True, "attention": True,
+                                          "stack_bytes": True}),
+    ("+ Megatron TP overlap", {**_OFF, "board": True, "table": True, "attention": True, "stack_bytes": True,
+                               "overlap": True}),
+    ("+ TE's chunked GEMMs (shipped)", {k: True for k in _OFF}),
 )
 
 
 @contextlib.contextmanager
-def _terms(attention: bool, stack_bytes: bool, overlap: bool) -> Iterator[None]:
+def _terms(attention: bool, stack_bytes: bool, overlap: bool, chunks: bool) -> Iterator[None]:
     from trainforge.plan import gemm_efficiency as ge
 
     stacks, tables = dict(ge.STACKS), dict(ge.KERNEL_TABLES)
@@ -179,7 +180,7 @@ def _terms(attention: bool, stack_bytes: bool, overlap: bool) -> Iterator[None]:
             ge.STACKS[name] = dataclasses.replace(
                 st, stream_factor=st.stream_factor if stack_bytes else 1.0,
                 loss_bytes_per_logit=st.loss_bytes_per_logit if stack_bytes else ge.FUSED_LOSS_BYTES,
-                tp_overlap=st.tp_overlap and overlap)
+                tp_overlap=st.tp_overlap and overlap, tp_chunked=st.tp_chunked and chunks)
         if not attention:  # the old count: full products at the GEMM level (0.72 x 3.5/6 for the causal half)
             for name, t in tables.items():
                 flat = tuple((s, 0.42 * t.attention_peak_flops / 1e12, 0.42 * t.attention_peak_flops / 1e12)
@@ -204,7 +205,7 @@ def term_table() -> dict[str, Any]:
             c = hardware.cluster(gpu if on["board"] else ("h100" if gpu == "h100-96g-500w" else gpu), n)
             return c if on["table"] else dataclasses.replace(c, kernel_table="")
 
-        with _terms(on["attention"], on["stack_bytes"], on["overlap"]):
+        with _terms(on["attention"], on["stack_bytes"], on["overlap"], on["chunks"]):
             comps = [c for c in pub.compare(pub.ROWS, estimate=cost_model.estimate, cluster=cluster)
                      if c.row.in_target]
         fam = {k: pub.median_abs_error([c for c in comps if c.row.source.startswith(k)])

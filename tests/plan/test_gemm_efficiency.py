@@ -108,3 +108,18 @@ def test_gpu_entries_carry_the_kernel_table_and_its_sources():
     assert cluster("a100-80g", 8).kernel_table == ""  # no shape table wired in: one efficiency, as before
     assert {"gemm", "attention"} <= set(HOPPER.sources)
     assert "tensorflow/tensorflow" in HOPPER.sources["gemm"] and "2407.08608" in HOPPER.sources["attention"]
+
+
+def test_te_overlap_cuts_the_tp_gemms_into_chunks_that_run_slower():
+    shapes = ge._block_shapes(FLAVORS["llama-70b"], 0, 4096, 8, 1)
+    peak, bw = HOPPER.peak_flops, HOPPER.memory_bandwidth_bytes_per_s
+    whole = ge._harmonic_factor(HOPPER, shapes, peak, bw, ge.STACKS["trainforge"], 8)
+    chunked = ge._harmonic_factor(HOPPER, shapes, peak, bw, ge.STACKS["megatron"], 8)
+    assert 0.7 * whole < chunked < 0.97 * whole  # 512-row chunks, three in flight
+    # without tensor parallelism nothing is cut
+    one = ge._block_shapes(FLAVORS["llama-70b"], 0, 4096, 1, 1)
+    assert ge._harmonic_factor(HOPPER, one, peak, bw, ge.STACKS["megatron"], 1) == pytest.approx(
+        ge._harmonic_factor(HOPPER, one, peak, bw, ge.STACKS["trainforge"], 1))
+    # ring exchange: the column-parallel forward in tp chunks; pipelined reduce-scatter: 4 splits
+    assert ge._splits("col", 8, ge.STACKS["megatron"]) == (8, 1, 1)
+    assert ge._splits("row", 8, ge.STACKS["megatron"]) == (4, 8, 1)

@@ -31,7 +31,9 @@ fp32 unfused; TP collectives exposed (no async TP). ``trainforge-compile``: the 
 is such a fused count, factor 1); the loss is outside the compiled blocks. ``megatron``:
 Megatron-Core + Transformer Engine: fused kernels (factor 1), cuDNN fused attention,
 Megatron's fp32 vocab-parallel loss, and TP communication overlapped by userbuffers
-(``tp_exposed_s``).
+(``tp_exposed_s``), the GEMMs it overlaps with cut into chunks as TE cuts them (``_splits``:
+ring-exchanged all-gathers in tp chunks of m / tp rows, pipelined reduce-scatters in 4, three
+chunks in flight at once): smaller GEMMs, priced by the same wave model.
 
 Only a cluster with a ``kernel_table`` (a GPU from ``hardware.py``) gets these terms: a
 measured cluster (``probe.py``) is calibrated end to end, with its own stack in its one
@@ -138,7 +140,8 @@ FUSED_LOSS_BYTES = 14.0
 class Stack:
     """One training software stack (module docstring). ``tp_overlap``: TP collectives run
     beside the GEMMs (Transformer Engine userbuffers) on ``comm_sms`` SMs; ``tp_exposed_share``:
-    the part that waits anyway (TE's default methods, see ``tp_exposed_s``)."""
+    the part that waits anyway (TE's default methods, see ``tp_exposed_s``); ``tp_chunked``: the
+    GEMMs they overlap with are cut into chunks to do so (``_splits``)."""
 
     name: str
     attention_kernel: str
@@ -147,6 +150,7 @@ class Stack:
     tp_overlap: bool = False
     comm_sms: int = 0
     tp_exposed_share: float = 1.0
+    tp_chunked: bool = False  # the overlapped GEMMs run as chunks (``_splits``)
     description: str = ""
 
 
@@ -157,7 +161,9 @@ class Stack:
 # with the weight-gradient GEMM. Of the 8 collectives per block, 2 leave 1/4 exposed: 1/16.
 # The communication kernels take num_sm = 16 SMs while they run.
 TE_COMM_SMS = 16
-TE_TP_EXPOSED_SHARE = 2 * (1 / 4) / 8
+TE_PIPELINE_SPLITS = 4
+TE_STREAMS = 3  # _NUM_MAX_UB_STREAMS: chunk GEMMs in flight at once
+TE_TP_EXPOSED_SHARE = 2 * (1 / TE_PIPELINE_SPLITS) / 8
 
 STACKS: dict[str, Stack] = {
     "trainforge": Stack("trainforge", "flash-attention-2", EAGER_STREAM_FACTOR, 44.0,
@@ -165,7 +171,7 @@ STACKS: dict[str, Stack] = {
     "trainforge-compile": Stack("trainforge-compile", "flash-attention-2", 1.0, 44.0,
                                 description="trainforge / torchtitan with torch.compile on the blocks"),
     "megatron": Stack("megatron", "cudnn", 1.0, 52.0, tp_overlap=True, comm_sms=TE_COMM_SMS,
-                      tp_exposed_share=TE_TP_EXPOSED_SHARE,
+                      tp_exposed_share=TE_TP_EXPOSED_SHARE, tp_chunked=True,
                       description="Megatron-Core + Transformer Engine (fused kernels, --tp-comm-overlap)"),
 }
 
@@ -211,38 +217,65 @@ def gemm_shape_factor(t: KernelTable, m: int, n: int, k: int, peak_flops: float 
     return min(1.0, rate / (peak * t.tile_efficiency))
 
 
-def _block_shapes(cfg: ModelConfig, layer: int, tokens: int, tp: int, ep: int) -> list[tuple[int, int, int]]:
-    """Forward GEMMs (m, n, k) of one block on one TP rank (``tokens`` rows)."""
+def _block_shapes(cfg: ModelConfig, layer: int, tokens: int, tp: int, ep: int) -> list[tuple[int, int, int, str]]:
+    """Forward GEMMs (m, n, k, kind) of one block on one TP rank (``tokens`` rows); kind:
+    "col" (column-parallel: its input all-gathered under sequence parallelism), "row" (row-
+    parallel: its output reduce-scattered), "" (routed experts: no TP collective)."""
     h = cfg.dim
     if cfg.is_mla:  # latent attention: its projections, approximately, as dim-wide matrices
-        attn = [(tokens, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) // tp, h),
-                (tokens, h, cfg.n_heads * cfg.v_head_dim // tp)]
+        attn = [(tokens, cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) // tp, h, "col"),
+                (tokens, h, cfg.n_heads * cfg.v_head_dim // tp, "row")]
     else:
         hd = cfg.head_dim
-        attn = [(tokens, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd // tp, h), (tokens, h, cfg.n_heads * hd // tp)]
+        attn = [(tokens, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd // tp, h, "col"),
+                (tokens, h, cfg.n_heads * hd // tp, "row")]
     if cfg.is_moe_layer(layer):
         per_expert = max(1, tokens * cfg.n_activated_experts * ep // max(1, cfg.n_routed_experts))
         f = cfg.moe_inter_dim
-        mlp = [(per_expert, 2 * f, h), (per_expert, h, f)]
+        mlp = [(per_expert, 2 * f, h, ""), (per_expert, h, f, "")]
         if cfg.n_shared_experts:
             fs = f * cfg.n_shared_experts // tp
-            mlp += [(tokens, 2 * fs, h), (tokens, h, fs)]
+            mlp += [(tokens, 2 * fs, h, "col"), (tokens, h, fs, "row")]
     else:
         f = cfg.ffn_hidden_dim // tp
-        mlp = [(tokens, f, h), (tokens, f, h), (tokens, h, f)]
+        mlp = [(tokens, f, h, "col"), (tokens, f, h, "col"), (tokens, h, f, "row")]
     return attn + mlp
 
 
-def _harmonic_factor(t: KernelTable, shapes: list[tuple[int, int, int]], peak: float, bw: float) -> float:
+def _splits(kind: str, tp: int, st: Stack) -> tuple[int, int, int]:
+    """How many chunks the forward, input-gradient and weight-gradient GEMM of a ``kind``
+    GEMM is cut into by the stack's TP overlap (1: whole). Transformer Engine: the forward of a
+    column-parallel GEMM and the input gradient of a row-parallel one ring-exchange their
+    all-gather (tp chunks); a row-parallel forward pipelines its reduce-scatter (4 splits);
+    the rest (bulk overlap, weight gradients) run whole."""
+    if not (st.tp_overlap and st.tp_chunked) or tp <= 1 or not kind:
+        return 1, 1, 1
+    return (tp, 1, 1) if kind == "col" else (TE_PIPELINE_SPLITS, tp, 1)
+
+
+def _gemm_chunks_s(t: KernelTable, m: int, n: int, k: int, split: int, peak: float, bw: float) -> float:
+    """One GEMM cut into ``split`` chunks of m / split rows, ``TE_STREAMS`` of them in flight
+    at a time (their tiles share the waves)."""
+    if split <= 1:
+        return gemm_time_s(t, m, n, k, 1, peak, bw)
+    streams = min(TE_STREAMS, split)
+    return math.ceil(split / streams) * gemm_time_s(t, max(1, m // split), n, k, streams, peak, bw)
+
+
+def _harmonic_factor(t: KernelTable, shapes: list[tuple[int, int, int, str]], peak: float, bw: float,
+                     st: Stack | None = None, tp: int = 1) -> float:
     """FLOP-weighted harmonic mean of the shape factors of ``shapes`` and their backward
-    GEMMs (input gradient (m, k, n), weight gradient (k, n, m): the same FLOPs each)."""
+    GEMMs (input gradient (m, k, n), weight gradient (k, n, m): the same FLOPs each), each cut
+    as the stack's TP overlap cuts it (``_splits``)."""
     flops = time = 0.0
-    for m, n, k in shapes:
+    for m, n, k, kind in shapes:
         f = 2.0 * m * n * k
-        for mm, nn, kk in ((m, n, k), (m, k, n), (k, n, m)):
+        splits = _splits(kind, tp, st) if st is not None else (1, 1, 1)
+        for (mm, nn, kk), split in zip(((m, n, k), (m, k, n), (k, n, m)), splits):
             flops += f
-            time += f / gemm_shape_factor(t, mm, nn, kk, peak, bw)
-    return flops / time if time else 1.0
+            time += _gemm_chunks_s(t, mm, nn, kk, split, peak, bw)
+    rate = flops / time if time else peak * t.tile_efficiency
+    return min(1.0, rate / (peak * t.tile_efficiency))
 
 
 def _attention_fraction(t: KernelTable, kernel: str, seq_len: int) -> tuple[float, float]:
@@ -292,13 +325,13 @@ def compute_s(cfg: ModelConfig, block_flops: list[float], layers: list[int], hea
         att = attention_flops_per_token(cfg, seq_len)
         moe = cfg.is_moe_layer(layer)
         if moe not in factors:
-            factors[moe] = _harmonic_factor(t, _block_shapes(cfg, layer, tokens, tp, ep), peak, bw)
+            factors[moe] = _harmonic_factor(t, _block_shapes(cfg, layer, tokens, tp, ep), peak, bw, st, tp)
         total += (flops - att) * ac / (rate * factors[moe])
         # the kernel does the causal half: forward (twice with recomputation) and 2.5x it backward
         half_fwd = att / 6
         total += half_fwd * (2 if recompute else 1) / (peak * att_fwd) + 2.5 * half_fwd / (peak * att_bwd)
     if head_flops:
-        total += head_flops / (rate * _harmonic_factor(t, [(tokens, cfg.vocab_size // tp, cfg.dim)], peak, bw))
+        total += head_flops / (rate * _harmonic_factor(t, [(tokens, cfg.vocab_size // tp, cfg.dim, "")], peak, bw))
     return total * tokens / tp
 
 
