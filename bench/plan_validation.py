@@ -73,7 +73,8 @@ def published_table(estimate: Callable | None = None, cluster: Callable | None =
     for c in comps:
         r, e = c.row, c.estimate
         rows.append({"id": r.id, "source": r.source, "model": r.model_name, "gpus": r.n_gpus,
-                     "gpu": r.gpu, "stack": r.stack, "layout": _layout_text(r.layout), "precision": r.precision, "seq_len": r.seq_len,
+                     "gpu": r.gpu, "stack": r.stack, "layout": _layout_text(r.layout), "precision": r.precision,
+                     "seq_len": r.seq_len,
                      "global_batch": r.global_batch, "metric": r.metric, "published": r.value,
                      "predicted": round(c.predicted, 2), "rel_error": round(c.rel_error, 4),
                      "predicted_mfu": round(e.mfu, 4), "bubble": round(e.bubble_fraction, 4),

@@ -213,6 +213,10 @@ def test_cost_model_meets_the_published_target():
     err = pub.median_abs_error(comps)
     detail = ", ".join(f"{c.row.id} {c.rel_error:+.0%}" for c in comps if c.row.in_target)
     assert err <= pub.TARGET_MEDIAN_ERROR, f"median |error| {err:.1%} > {pub.TARGET_MEDIAN_ERROR:.0%}: {detail}"
+    # and each family on its own: one stack's terms must not pay for the other's
+    for family in ("megatron", "torchtitan"):
+        fam = pub.median_abs_error([c for c in comps if c.row.source.startswith(family)])
+        assert fam <= pub.TARGET_MEDIAN_ERROR, f"{family}: median |error| {fam:.1%}: {detail}"
 
 
 def test_every_published_layout_is_one_the_cost_model_accepts():
