@@ -53,7 +53,8 @@ and the expert-gradient all-reduce runs after backward: exposed. TP and EP sit i
 stage's time, so they stretch the pipeline too; EP and, under the eager stacks (no async
 TP), TP are exposed; the ``megatron`` stack overlaps TP as Transformer Engine's userbuffers
 do (``gemm_efficiency.tp_exposed_s``: 1/16 waits, the rest hides behind the compute, what
-exceeds it waits, and the hidden part costs the GEMMs the communication kernels' SMs). Of the PP
+exceeds it waits, the hidden part costs the GEMMs the communication kernels' SMs, and the
+GEMMs run as TE's chunks, priced in the compute). Of the PP
 transfers, those on the fill-and-drain critical path are exposed (2 x (stages - 1)); the
 rest overlap the steady state.
 
