@@ -536,6 +536,9 @@ def _plan(argv: list[str]) -> int:
                    help="sequences per optimizer step (default 2 x --gpus)")
     p.add_argument("--precision", default="bf16-mixed", help="[precision] policy (default bf16-mixed)")
     p.add_argument("--compression", default="none", help="[compression] codec on dp_replicate (default none)")
+    p.add_argument("--compile", action="store_true",
+                   help="predict for parallel.compile = true (torch.compile fuses the blocks' elementwise ops; "
+                        "written into --output) (default: eager)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON instead of a table")
     p.add_argument("--output", default=None, metavar="FILE",
@@ -558,7 +561,8 @@ def _plan(argv: list[str]) -> int:
     base = FLAVORS[a.model]
     cfg = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, a.seq_len))
     workload = Workload(cfg, seq_len=a.seq_len, global_batch=batch, precision=a.precision,
-                        compression=a.compression, flavor=a.model)
+                        compression=a.compression, flavor=a.model,
+                        stack="trainforge-compile" if a.compile else "trainforge")
     try:
         ranked = plan(workload, cluster)
     except ValueError as e:  # an unknown precision policy or codec
@@ -567,7 +571,7 @@ def _plan(argv: list[str]) -> int:
     if a.json:
         print(json.dumps({"model": a.model, "gpu": cluster.name, "gpus": a.gpus, "seq_len": a.seq_len,
                           "global_batch": batch, "precision": a.precision, "compression": a.compression,
-                          "layouts": [_estimate_json(e) for e in shown]}, indent=1))
+                          "stack": workload.stack, "layouts": [_estimate_json(e) for e in shown]}, indent=1))
     else:
         _print_plan(shown, cluster, workload, len(ranked))
     if a.output:
@@ -578,7 +582,7 @@ def _plan(argv: list[str]) -> int:
         out = Path(a.output)
         out.write_text(config_toml(workload, best, header=(
             f"trainforge plan --model {a.model} --gpus {a.gpus} --gpu {cluster.name} --seq_len {a.seq_len} "
-            f"--global_batch {batch}\npredicted {best.step_s:.3f} s/step, "
+            f"--global_batch {batch}{' --compile' if a.compile else ''}\npredicted {best.step_s:.3f} s/step, "
             f"{best.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
             f"MFU {best.mfu:.1%}, {best.memory_bytes_per_gpu / 2**30:.1f} GiB/GPU")))
         load_config(out)  # what train --config will do: fails here, not at launch, if a key is wrong

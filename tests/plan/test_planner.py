@@ -72,6 +72,21 @@ def test_cli_output_is_a_config_train_loads_with_the_trainers_batch_semantics(tm
     assert cfg.precision.policy == "bf16-mixed"
 
 
+def test_cli_compile_predicts_the_fused_stack_and_writes_parallel_compile(tmp_path, capsys):
+    argv = ["plan", "--model", "llama-8b", "--gpus", "8", "--gpu", "h100", "--seq_len", "8192",
+            "--global_batch", "64", "--top", "1", "--json"]
+    assert main(argv) == 0
+    eager = json.loads(capsys.readouterr().out)
+    out = tmp_path / "best.toml"
+    assert main(argv + ["--compile", "--output", str(out)]) == 0
+    fused = json.loads(capsys.readouterr().out)
+    assert (eager["stack"], fused["stack"]) == ("trainforge", "trainforge-compile")
+    # compile fuses the elementwise kernels: the same layout is predicted faster, and the
+    # config written is the one the prediction assumed
+    assert fused["layouts"][0]["step_s"] < eager["layouts"][0]["step_s"]
+    assert load_config(out).parallel.compile is True
+
+
 def test_config_toml_of_a_pipeline_layout_loads(tmp_path):
     w = Workload(FLAVORS["llama-8b"], seq_len=2048, global_batch=32, flavor="llama-8b", compression="int8")
     est = next(e for e in plan(w, cluster("h100", 16)) if e.layout.pp > 1 and e.feasible)

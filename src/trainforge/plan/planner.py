@@ -106,8 +106,8 @@ def _memory(est: Estimate) -> float:
 def config_tables(workload: Workload, est: Estimate) -> dict[str, dict[str, Any]]:
     """The TOML tables that train ``workload`` with ``est.layout``: model.flavor,
     training.seq_len and training.batch_size (sequences per data-parallel rank per
-    micro-step: global_batch / (dp x grad_accum_steps)), the layout's [parallel] keys,
-    precision and compression."""
+    micro-step: global_batch / (dp x grad_accum_steps)), the layout's [parallel] keys
+    (``compile`` for the trainforge-compile stack), precision and compression."""
     layout = est.layout
     tables = layout.overrides()
     batch_size = workload.global_batch // (layout.dp * layout.grad_accum_steps)
@@ -120,6 +120,8 @@ def config_tables(workload: Workload, est: Estimate) -> dict[str, dict[str, Any]
         tables["precision"] = {"policy": workload.precision}
     if workload.compression != "none":
         tables["compression"] = {"codec": workload.compression}
+    if workload.stack == "trainforge-compile":  # the stack the prediction assumed: torch.compile'd blocks
+        tables["parallel"]["compile"] = True
     return tables
 
 
