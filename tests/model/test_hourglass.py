@@ -298,3 +298,30 @@ def test_the_engine_refuses_an_hourglass_model():
     cache = StaticCache.for_model(model, batch_size=1, max_seq_len=16)  # trainforge generate's plain loop
     with pytest.raises(ConfigError, match="training forward only"):
         model(torch.tensor([[1, 2, 3]]), cache.advance(3), cache)
+
+
+def test_trainforge_train_runs_hourglass_tiny(tmp_path, small_data):
+    """The CLI end to end: the startup summary names the spec and FLOPs per stage, the
+    post-training sample is skipped (not an error), and the checkpoint's model config (the
+    spec's text through meta.json) is the one a resume accepts."""
+    import subprocess
+    import sys
+
+    from trainforge.train import checkpoint as ckpt
+
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "trainforge", "train", "--model.flavor", "hourglass-tiny",
+                        "--training.steps", "2", "--data.path", str(small_data), "--run_dir", str(run_dir),
+                        "--training.batch_size", "2", "--training.seq_len", "33", "--training.log_interval", "1",
+                        "--training.val_interval", "2", "--training.val_batches", "1", "--training.threads", "1"],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = r.stdout + r.stderr
+    assert "hourglass 2@1 4@2 2@1, mean pool" in log and "stage 1: 4@2" in log, log[-3000:]
+    assert "sample: skipped" in log
+    assert [rec["step"] for rec in read_jsonl(run_dir / "metrics.jsonl") if "loss" in rec] == [1, 2]
+    ck = run_dir / "checkpoints" / "step_0000002"
+    meta = ckpt.read_meta(ck)
+    cfg = dataclasses.replace(FLAVORS["hourglass-tiny"], vocab_size=512)
+    assert ModelConfig(**meta["model_config"]) == cfg
+    ckpt.check_model_compatible(meta, cfg, ck)  # what --resume runs
