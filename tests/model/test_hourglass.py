@@ -325,3 +325,25 @@ def test_trainforge_train_runs_hourglass_tiny(tmp_path, small_data):
     cfg = dataclasses.replace(FLAVORS["hourglass-tiny"], vocab_size=512)
     assert ModelConfig(**meta["model_config"]) == cfg
     ckpt.check_model_compatible(meta, cfg, ck)  # what --resume runs
+
+
+def test_hugging_face_export_refuses_an_hourglass(tmp_path):
+    from trainforge.infer.hf_export import save_hf_dir
+
+    model = build_model(hourglass_config("1@1 2@2/2 1@1"), seed=0)
+    with pytest.raises(ConfigError, match="no Hugging Face layout"):
+        save_hf_dir(tmp_path / "hf", model.state_dict(), model.cfg)
+    assert not (tmp_path / "hf").exists()
+
+
+def test_activation_checkpointing_keeps_the_math():
+    from trainforge.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    cfg = hourglass_config("1@1 1@2 1@6/2 1@2 1@1", "linear")
+    plain, wrapped = build_model(cfg, seed=0), build_model(cfg, seed=0)
+    apply_activation_checkpointing(wrapped, "full")
+    tokens = torch.randint(0, 512, (2, 13))
+    for m in (plain, wrapped):
+        m(tokens).square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -31,6 +31,12 @@
   reduce-scatter (the same bytes); the cost is that its norms and residual adds run on all
   T - k positions on every rank, for the few MTP blocks only. Without sequence parallel
   every tensor involved is already replicated and the hooks are not installed.
+- ``hourglass`` (model/hourglass.py; ``_parallelize_hourglass``): the shortened stages run
+  on their whole, replicated shortened sequence, their blocks split as above with the stream
+  Replicate (as the MTP modules'); the pool and up-projections run replicated. Under sequence
+  parallel the outermost shortening all-gathers its input and its upsampling hands each rank
+  its own sequence shard back, because the shift by k-1 and the pooling of k neighbours do
+  not commute with a sequence shard.
 
 Nothing here is hand-written communication: every collective comes from DTensor. Every
 parameter becomes a DTensor (foreach ops reject a mix of Tensors and DTensors). Gradients
