@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import debug_config, train_to
-from trainforge.config import load_config
+from trainforge.config import config_to_toml, load_config
 from trainforge.errors import ConfigError
 from trainforge.model import hourglass as hg
 from trainforge.model.config import FLAVORS, ModelConfig, model_config_from_section
@@ -162,6 +162,9 @@ def test_the_spec_is_a_toml_list_of_tables(tmp_path):
                    "--model.hourglass", "[{blocks=1}, {blocks=1, shorten=2}, {blocks=1, shorten=6, width_ratio=2}, "
                                         "{blocks=1, shorten=2}, {blocks=1}]")
     assert same == mc
+    saved = tmp_path / "config.toml"  # the run's resolved config, which --resume reads back
+    saved.write_text(config_to_toml(cfg))
+    assert load_config(saved).model == cfg.model
     assert resolve("--model.flavor", "hourglass-tiny", "--model.hourglass", "[]").hourglass == ""
 
 
