@@ -55,7 +55,8 @@ def test_changing_a_token_never_changes_earlier_logits(spec, pool, T):
     tokens = torch.randint(0, DEBUG.vocab_size, (2, T))
     for t in range(T):
         change = earliest_changed(model, tokens, t)
-        assert change[:t].max().item() == 0.0 if t else True, (spec, pool, t, change[:t])
+        if t:  # a leak moves a logit by > 1e-4 (the control below); identical inputs give ~0
+            assert change[:t].max().item() < 1e-6, (spec, pool, t, change[:t])
         assert change[t:].max().item() > 1e-4, (spec, pool, t)  # the token does reach the logits
 
 

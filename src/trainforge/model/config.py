@@ -294,7 +294,7 @@ def check_hourglass(cfg: ModelConfig, keys: dict[str, str] = _FIELD_KEYS) -> Non
                           "attention (its narrower stages scale dim, heads' width and the feed-forward); set "
                           "model.n_routed_experts = 0 and model.kv_lora_rank = 0, or leave model.hourglass unset")
     check_spec(parse_spec(cfg.hourglass), n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads,
-               n_kv_heads=cfg.n_kv_heads, ffn_hidden_dim=cfg.ffn_hidden_dim, n_layers_key=keys["n_layers"])
+               ffn_hidden_dim=cfg.ffn_hidden_dim, n_layers_key=keys["n_layers"])
 
 
 FLAVORS: dict[str, ModelConfig] = {

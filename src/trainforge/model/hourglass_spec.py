@@ -82,11 +82,12 @@ def stages_from_tables(tables: list[dict], key: str = KEY) -> tuple[HourglassSta
     return tuple(stages)
 
 
-def check_spec(stages: tuple[HourglassStage, ...], *, n_layers: int, dim: int, n_heads: int, n_kv_heads: int,
+def check_spec(stages: tuple[HourglassStage, ...], *, n_layers: int, dim: int, n_heads: int,
                ffn_hidden_dim: int, key: str = KEY, n_layers_key: str = "model.n_layers",
                error: type[TrainforgeError] = ConfigError) -> None:
     """Raise ``error`` naming ``key`` (and the stage) unless ``stages`` is a buildable hourglass
-    for this shape (module docstring); ``stages`` () is no hourglass and always passes."""
+    for this shape (module docstring); ``stages`` () is no hourglass and always passes. The
+    key/value heads are kept as they are in every stage (check_shape checked them)."""
     if not stages:
         return
     text = format_spec(stages)
@@ -134,7 +135,6 @@ def check_spec(stages: tuple[HourglassStage, ...], *, n_layers: int, dim: int, n
     if total != n_layers:
         raise bad(f"its stages hold {total} blocks but {n_layers_key} = {n_layers}: make the blocks add up "
                   f"to {n_layers}, or set {n_layers_key} = {total}")
-    del n_kv_heads  # the kv heads are kept as they are in every stage (check_shape checked them)
 
 
 def check_pool(pool: object, key: str = "model.hourglass_pool", error: type[TrainforgeError] = ConfigError) -> None:
