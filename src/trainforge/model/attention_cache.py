@@ -60,7 +60,15 @@ class CacheLayout(NamedTuple):
 def cache_layout(cfg) -> CacheLayout:
     """The paged pool's per-token shape for ``cfg``: standard attention (GQA) keeps
     ``n_kv_heads`` keys and values of ``head_dim``; latent attention (``cfg.is_mla``) one
-    latent of ``kv_lora_rank + qk_rope_head_dim`` (c_kv, then k_pe) and no values."""
+    latent of ``kv_lora_rank + qk_rope_head_dim`` (c_kv, then k_pe) and no values. An
+    hourglass model (``hourglass.py``) has no cached decoding yet: refused, naming the key, so
+    the engine stops when it sizes its pool instead of decoding wrong tokens."""
+    if getattr(cfg, "is_hourglass", False):
+        from trainforge.errors import ConfigError
+
+        raise ConfigError(f"model.hourglass = {cfg.hourglass!r}: the inference engine cannot decode hourglass models "
+                          "yet (their middle stage needs its own cache at the shortened rate); train and evaluate "
+                          "them with the training forward, or use a dense model")
     if cfg.is_mla:
         return CacheLayout(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0)
     return CacheLayout(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from trainforge.model.hourglass_spec import (HourglassStage, check_pool, check_spec, format_spec, parse_spec,
+                                             stage_of_layers, stages_from_tables)
 from trainforge.model.preflight import (MLA_KEYS, MODEL_KEYS, MOE_KEYS, check_mla, check_moe, check_mtp_depth,
                                       check_shape)
 
@@ -58,6 +60,10 @@ class ModelConfig:
     rope_mscale_all_dim: float = 0.0
     # Multi-token prediction (model/mtp.py)
     mtp_depth: int = 0  # MTP modules after the main model (DeepSeek-V3: 1); 0 = none
+    # Hourglass (model/hourglass.py): stages at shortened rates and narrower widths, as the
+    # canonical text of model/hourglass_spec.py ("2@1 4@2/2 2@1"); "" = every block at full rate.
+    hourglass: str = ""
+    hourglass_pool: str = "mean"  # "mean" or "linear": how each k positions become one
 
     def __post_init__(self) -> None:
         # Positive sizes first: 0 heads would otherwise be a ZeroDivisionError.
@@ -66,6 +72,55 @@ class ModelConfig:
             check_moe({f: getattr(self, f) for f in MOE_KEYS}, self.n_layers)
         check_mla({f: getattr(self, f) for f in MLA_KEYS})
         check_mtp_depth(self.mtp_depth)
+        check_hourglass(self)
+
+    # -- hourglass (model/hourglass_spec.py) ------------------------------------------------
+
+    @property
+    def is_hourglass(self) -> bool:
+        return bool(self.hourglass)
+
+    @property
+    def hourglass_stages(self) -> tuple[HourglassStage, ...]:
+        return parse_spec(self.hourglass)
+
+    def layer_stage(self, layer: int) -> HourglassStage:
+        """The stage block ``layer`` runs in (the full-rate stage of a dense model; the MTP
+        blocks, numbered from n_layers, run at the full rate)."""
+        stages = self.hourglass_stages
+        if not stages or layer >= self.n_layers:
+            return HourglassStage(self.n_layers)
+        return stages[stage_of_layers(stages)[layer]]
+
+    def layer_widths(self, layer: int) -> tuple[int, int]:
+        """(stream width, feed-forward width) of block ``layer``: dim and ffn_hidden_dim over
+        its stage's width_ratio."""
+        r = self.layer_stage(layer).width_ratio
+        return self.dim // r, self.ffn_hidden_dim // r
+
+    def stage_config(self, layer: int) -> ModelConfig:
+        """The config block ``layer`` is built from: this one at full rate, else a dense
+        config of its stage's widths (same heads, each dim / n_heads / width_ratio wide)."""
+        if not self.is_hourglass or self.layer_stage(layer).width_ratio == 1:
+            return self
+        d, ffn = self.layer_widths(layer)
+        return dataclasses.replace(self, dim=d, ffn_hidden_dim=ffn, hourglass="", mtp_depth=0)
+
+    def hourglass_params(self) -> int:
+        """Parameters of the shortenings and upsamplings (hourglass.py): per level, the pool's
+        projection (mean: width_out -> width_in, none when equal; linear: k·width_out -> width_in)
+        and the upsampling's width_in -> width_out (none when equal)."""
+        total = 0
+        stages = self.hourglass_stages
+        for outer, inner in zip(stages[:len(stages) // 2], stages[1:len(stages) // 2 + 1]):
+            k = inner.shorten // outer.shorten
+            d_out, d_in = self.dim // outer.width_ratio, self.dim // inner.width_ratio
+            if self.hourglass_pool == "linear":
+                total += k * d_out * d_in
+            elif d_out != d_in:
+                total += d_out * d_in
+            total += d_out * d_in if d_out != d_in else 0
+        return total
 
     @property
     def is_moe(self) -> bool:
@@ -91,11 +146,13 @@ class ModelConfig:
         """Width of the rotary tables: the decoupled rotary dims under MLA, else the head dim."""
         return self.qk_rope_head_dim if self.is_mla else self.head_dim
 
-    def attention_params(self) -> int:
-        """Parameters of one block's attention (latent norms included)."""
-        d, H = self.dim, self.n_heads
+    def attention_params(self, width: int | None = None) -> int:
+        """Parameters of one block's attention (latent norms included); ``width``: the stream
+        width of an hourglass stage (the heads are kept, each ``width / n_heads`` wide)."""
+        d, H = width or self.dim, self.n_heads
         if not self.is_mla:
-            return d * H * self.head_dim * 2 + d * self.n_kv_heads * self.head_dim * 2
+            head_dim = d // H
+            return d * H * head_dim * 2 + d * self.n_kv_heads * head_dim * 2
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         r = self.q_lora_rank
         q = d * r + r + r * H * qk if r else d * H * qk
@@ -112,12 +169,16 @@ class ModelConfig:
         emb = self.vocab_size * d
         out = 0 if self.tie_embeddings else self.vocab_size * d
         total = sum(self._block_params(i, active) for i in range(self.n_layers)) + d + out
+        total += self.hourglass_params()
         if mtp:
             total += self.mtp_params(active)
         return total + (emb if include_embedding else 0)
 
     def _block_params(self, layer: int, active: bool) -> int:
         """One ``TransformerBlock`` with index ``layer`` (MoE from ``n_dense_layers`` on)."""
+        if self.is_hourglass:  # dense, standard attention (check_hourglass), at the stage's width
+            d, ffn = self.layer_widths(layer)
+            return self.attention_params(d) + 3 * d * ffn + 2 * d
         d, attn = self.dim, self.attention_params()
         if not self.is_moe_layer(layer):
             return attn + 3 * d * self.ffn_hidden_dim + 2 * d
@@ -137,7 +198,10 @@ class ModelConfig:
         qk_nope + qk_rope dims, its values v_head_dim). The input embedding is a lookup,
         not a matmul, so it is excluded. Each MTP depth adds its block and projection, one
         more pass through the shared output projection and its attention (its k fewer
-        positions are ignored)."""
+        positions are ignored). An hourglass model counts per stage
+        (``hourglass_flops_per_token``)."""
+        if self.is_hourglass:
+            return sum(self.hourglass_flops_per_token(seq_len).values())
         n = self.num_params(include_embedding=False, active=True)
         n += self.mtp_depth * self.vocab_size * self.dim  # the shared head, once per depth
         if self.is_mla:
@@ -145,6 +209,62 @@ class ModelConfig:
         else:
             widths = 2 * self.dim
         return 6.0 * n + 6.0 * (self.n_layers + self.mtp_depth) * widths * seq_len
+
+    def block_flops_per_token(self, layer: int, seq_len: int) -> float:
+        """Training FLOPs of block ``layer`` per *input* token: 6 x its parameters plus its
+        attention products over its stage's context, at its width, divided by its stage's
+        shortening (it sees one position per ``shorten`` tokens). For a dense block this is
+        ``flops_per_token``'s per-layer term (plan/memory_model.py's block_flops_per_token)."""
+        stage = self.layer_stage(layer)
+        width, _ = self.layer_widths(layer)
+        if self.is_mla:
+            widths = self.n_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+        else:
+            widths = 2 * width
+        positions = seq_len / stage.shorten
+        return (6.0 * self._block_params(layer, active=True) + 6.0 * widths * positions) / stage.shorten
+
+    def hourglass_flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """Training FLOPs per input token by part, in the order they run: each stage's
+        blocks (its key "stage i: B blocks @k/r"), each level's shortening and upsampling
+        (their projections run once per shortened position: the upsampling projects before
+        it repeats, the same linear map), and the head (final norm + output projection,
+        and the MTP depths as ``flops_per_token`` counts them). Sums to ``flops_per_token``."""
+        stages = self.hourglass_stages
+        parts: dict[str, float] = {}
+        layer = 0
+        mid = len(stages) // 2
+        for i, s in enumerate(stages):
+            if 0 < i <= mid:
+                outer = stages[i - 1]
+                k = s.shorten // outer.shorten
+                d_out, d_in = self.dim // outer.width_ratio, self.dim // s.width_ratio
+                pool = k * d_out * d_in if self.hourglass_pool == "linear" else (d_out * d_in if d_out != d_in else 0)
+                parts[f"shorten to 1/{s.shorten}"] = 6.0 * pool / s.shorten
+            if i > mid:
+                inner = stages[i - 1]
+                d_out, d_in = self.dim // s.width_ratio, self.dim // inner.width_ratio
+                parts[f"upsample to 1/{s.shorten}"] = 6.0 * (d_out * d_in if d_out != d_in else 0) / inner.shorten
+            parts[f"stage {i}: {format_spec((s,))}"] = sum(self.block_flops_per_token(j, seq_len)
+                                                           for j in range(layer, layer + s.blocks))
+            layer += s.blocks
+        d = self.dim
+        head = 6.0 * self.vocab_size * d * (1 + self.mtp_depth) + 6.0 * d  # output (+ once per depth), norm
+        head += sum(6.0 * (3 * d + 2 * d * d) + self.block_flops_per_token(self.n_layers + k, seq_len)
+                    for k in range(self.mtp_depth))
+        parts["head"] = head
+        return parts
+
+    def describe_flops(self, seq_len: int) -> str:
+        """"61.2M training FLOPs/token at seq_len 256" (forward + backward); an hourglass model
+        adds the per-stage split ("stage 0: 2@1 8.9M, shorten to 1/2 0.2M, ...")."""
+        def n(x: float) -> str:
+            return f"{x / 1e9:.2f}G" if x >= 1e9 else f"{x / 1e6:.2f}M"
+        text = f"{n(self.flops_per_token(seq_len))} training FLOPs/token at seq_len {seq_len}"
+        if self.is_hourglass:
+            parts = self.hourglass_flops_per_token(seq_len).items()
+            text += " (" + ", ".join(f"{k} {n(v)}" for k, v in parts if v) + ")"  # leave out parameter-free pools
+        return text
 
     def describe_params(self) -> str:
         """"12.3M parameters" or, for MoE, "45.6M parameters (12.3M active)"; with MTP
@@ -156,7 +276,25 @@ class ModelConfig:
             text += f" ({n(self.num_params(active=True))} active per token)"
         if self.mtp_depth:
             text += f" ({n(self.mtp_params())} of them in MTP)"
+        if self.is_hourglass:
+            text += f" (hourglass {self.hourglass}, {self.hourglass_pool} pool)"
         return text
+
+
+def check_hourglass(cfg: ModelConfig, keys: dict[str, str] = _FIELD_KEYS) -> None:
+    """``cfg.hourglass`` / ``hourglass_pool`` against the shape (hourglass_spec.check_spec);
+    the hourglass runs dense blocks with standard attention only."""
+    check_pool(cfg.hourglass_pool)
+    if not cfg.hourglass:
+        return
+    if cfg.is_moe or cfg.is_mla:
+        from trainforge.errors import ConfigError
+
+        raise ConfigError(f"config key 'model.hourglass' = {cfg.hourglass!r} needs a dense model with standard "
+                          "attention (its narrower stages scale dim, heads' width and the feed-forward); set "
+                          "model.n_routed_experts = 0 and model.kv_lora_rank = 0, or leave model.hourglass unset")
+    check_spec(parse_spec(cfg.hourglass), n_layers=cfg.n_layers, dim=cfg.dim, n_heads=cfg.n_heads,
+               ffn_hidden_dim=cfg.ffn_hidden_dim, n_layers_key=keys["n_layers"])
 
 
 FLAVORS: dict[str, ModelConfig] = {
@@ -215,11 +353,28 @@ FLAVORS: dict[str, ModelConfig] = {
                                     v_head_dim=128, rope_factor=40.0, rope_original_max_seq_len=4096,
                                     rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=1.0,
                                     rope_mscale_all_dim=1.0, mtp_depth=1),
+    # Hourglass (model/hourglass.py): tiny's shape, the middle 4 blocks on half the tokens (k = 2,
+    # Dynamic Token Pooling's fixed-k anchor), mean pooling: tiny's parameters, 0.79x its FLOPs/token.
+    "hourglass-tiny": ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=8192, ffn_hidden_dim=704,
+                                  hourglass="2@1 4@2 2@1"),
+    # small's width, shortened twice (k = 2, then 2) with the 8 innermost blocks at half the width
+    # (dim 384): 18 blocks, +0.5% of small's parameters, 0.68x its FLOPs/token at seq_len 1024.
+    "hourglass-small": ModelConfig(dim=768, n_layers=18, n_heads=12, n_kv_heads=4, vocab_size=32000,
+                                   ffn_hidden_dim=2048, hourglass="2@1 3@2 8@4/2 3@2 2@1"),
 }
 
 # [model] keys that override a flavor (ModelSection's fields of the same names).
 OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "tie_embeddings", *MOE_KEYS, *MLA_KEYS,
-             "mtp_depth")
+             "mtp_depth", "hourglass", "hourglass_pool")
+
+
+def _section_value(section, key: str):
+    """``section``'s value of an OVERRIDES key as a ModelConfig field (None: unset); the
+    hourglass's TOML tables become the spec's canonical text ([] is no hourglass: "")."""
+    v = getattr(section, key)
+    if key == "hourglass" and v is not None:
+        return format_spec(stages_from_tables(v))
+    return v
 
 
 def model_config_from_section(section, vocab_size: int | None, seq_len: int | None = None) -> ModelConfig:
@@ -228,7 +383,7 @@ def model_config_from_section(section, vocab_size: int | None, seq_len: int | No
     ``vocab_size`` comes from the prepared data's tokenizer, so a flavor trains on
     any corpus; ``seq_len`` raises ``max_seq_len`` when training needs longer rope tables."""
     base = FLAVORS[section.flavor]
-    changes = {k: getattr(section, k) for k in OVERRIDES if getattr(section, k) is not None}
+    changes = {k: v for k in OVERRIDES if (v := _section_value(section, k)) is not None}
     if vocab_size is not None:
         changes["vocab_size"] = vocab_size
     if seq_len is not None and seq_len > base.max_seq_len:
@@ -239,6 +394,7 @@ def model_config_from_section(section, vocab_size: int | None, seq_len: int | No
         check_moe({f: changes.get(f, getattr(base, f)) for f in MOE_KEYS}, changes.get("n_layers", base.n_layers))
     check_mla({f: changes.get(f, getattr(base, f)) for f in MLA_KEYS})
     check_mtp_depth(changes.get("mtp_depth", base.mtp_depth))
+    # ModelConfig's own check_hourglass names model.hourglass / model.n_layers as the user set them.
     return dataclasses.replace(base, **changes)
 
 
@@ -267,7 +423,7 @@ def model_config_from_init(section, source: ModelConfig, where: str, source_keys
         wanted = {k: (getattr(flavor, k), f"model.flavor = {section.flavor!r} has {k} = {getattr(flavor, k)!r}")
                   for k in shape_keys}
     for k in shape_keys:
-        v = getattr(section, k)
+        v = _section_value(section, k)
         if v is not None:
             wanted[k] = (v, f"model.{k} = {v!r}")
     mismatches = [f"{why} but {where} has {source_keys.get(k, k)} {getattr(source, k)!r}"

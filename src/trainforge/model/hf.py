@@ -47,6 +47,7 @@ _LAYER_NAMES = (  # (ours, HF) relative to ``layers.{i}.`` / ``model.layers.{i}.
 
 def _key_table(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     """(our key, HF key, expected shape) for every weight of ``cfg``, output projection last."""
+    _refuse_hourglass(cfg)
     d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_hidden_dim
     layer_shapes = {
         "attention.wq.weight": (cfg.n_heads * hd, d),
@@ -65,6 +66,16 @@ def _key_table(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     table.append(("norm.weight", "model.norm.weight", (d,)))
     table.append(("output.weight", "lm_head.weight", (cfg.vocab_size, d)))
     return table
+
+
+def _refuse_hourglass(cfg: ModelConfig) -> None:
+    """An hourglass model (hourglass.py) is not a Llama: its shortened blocks are narrower and
+    its pools have no Hugging Face counterpart, so it is never written as one."""
+    if cfg.is_hourglass:
+        from trainforge.errors import ConfigError
+
+        raise ConfigError(f"model.hourglass = {cfg.hourglass!r}: hourglass models have no Hugging Face layout; "
+                          "keep the trainforge checkpoint (export a dense model)")
 
 
 def _convert(sd: dict[str, torch.Tensor], cfg: ModelConfig, src: int, what: str) -> dict[str, torch.Tensor]:
@@ -158,6 +169,7 @@ def to_hf_config_dict(cfg: ModelConfig, dtype: str = "float32") -> dict[str, Any
 
     ``dtype`` is the dtype the weights are stored in ("float32", "bfloat16", ...).
     Token ids (bos/eos/pad) belong to the tokenizer and are left to the caller."""
+    _refuse_hourglass(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainforge.errors import ConfigError
 from trainforge.model.config import ModelConfig
 from trainforge.model.norm import RMSNorm
 from trainforge.model.rope import apply_rope, model_rope_tables
@@ -166,7 +167,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        # An hourglass config (hourglass.py) builds each block at its stage's width.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg.stage_config(i), i) for i in range(cfg.n_layers)})
+        self.hourglass = None
+        if cfg.is_hourglass:
+            from trainforge.model.hourglass import HourglassTrunk
+
+            self.hourglass = HourglassTrunk(cfg)
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Multi-token prediction modules (mtp.py), keyed "0".."D-1" for depths 1..D; empty
@@ -203,6 +210,8 @@ class Transformer(nn.Module):
         cos, sin = model_rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        if self.hourglass is not None:
+            self.hourglass.reset_rope()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: AttentionCache | None = None, output_rows: slice | None = None,
@@ -232,8 +241,15 @@ class Transformer(nn.Module):
         cos, sin = self._rope(tokens.shape[1], positions)
         embed = self.tok_embeddings is not None and not tokens.is_floating_point()
         h = self.tok_embeddings(tokens) if embed else tokens  # (B, T, dim)
-        for name, layer in self.layers.items():
-            h = layer(h, cos, sin, cache.layer(int(name)) if cache is not None else None)
+        if self.hourglass is not None:
+            if cache is not None or positions is not None:
+                raise ConfigError(f"model.hourglass = {self.cfg.hourglass!r}: this model runs the training forward "
+                                  "only (tokens alone); decoding with an attention cache or explicit positions is "
+                                  "not implemented yet for hourglass models")
+            h = self.hourglass(h, self.layers, cos, sin)
+        else:
+            for name, layer in self.layers.items():
+                h = layer(h, cos, sin, cache.layer(int(name)) if cache is not None else None)
         if mtp:
             if positions is not None or cache is not None or output_rows is not None:
                 raise ValueError("mtp=True is the training forward: pass tokens alone (no positions, cache or "

@@ -15,7 +15,8 @@ from trainforge.config_base import _f, _require
 class ModelSection:
     flavor: str = _f("tiny", "named model shape: debug, tiny, small, llama-1b, llama-8b, llama-70b, llama-405b; "
                                         "mixture of experts: moe-debug, moe-tiny, moe-small; DeepSeek-V3 (latent "
-                                        "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b. With model.init_from, "
+                                        "attention + experts): dsv3-debug, dsv3-tiny, deepseek-v3-671b; hourglass "
+                                        "(shortened, narrower middle): hourglass-tiny, hourglass-small. With model.init_from, "
                                         "left at tiny the shape is the directory's; another flavor must match it")
     init_from: str | None = _f(None, "start from these weights (fine-tuning): a Hugging Face directory (config.json "
                                      "+ *.safetensors; Llama, DeepSeek-V3, Glm4Moe or Mixtral) or a trainforge "
@@ -67,6 +68,17 @@ class ModelSection:
     # Multi-token prediction (model/mtp.py).
     mtp_depth: int | None = _f(None, "multi-token prediction modules after the main model (DeepSeek-V3: 1), each "
                                      "predicting one token further; 0 = none. Loss weight: training.mtp_loss_weight")
+    # Hourglass (model/hourglass.py, model/hourglass_spec.py).
+    hourglass: list[dict] | None = _f(None, "hourglass stages in the order they run, outside in and back out, e.g. "
+                                            "[{blocks = 2}, {blocks = 4, shorten = 2, width_ratio = 2}, "
+                                            "{blocks = 2}]: each stage's blocks run on 1/shorten of the tokens "
+                                            "at width dim/width_ratio (both counted from the input). Each step "
+                                            "in shortens by an integer k >= 2 (shift right by k-1, pool k "
+                                            "positions, project down); the way out mirrors it (repeat each "
+                                            "position k times, project up, add the stream from before). The "
+                                            "blocks add up to model.n_layers; [] = dense")
+    hourglass_pool: Literal["mean", "linear"] | None = _f(None, "hourglass shortening: mean of each k positions, "
+                                                                "or a learned linear map of their concatenation")
 
     def validate(self) -> None:
         from trainforge.model.config import FLAVORS
@@ -81,3 +93,7 @@ class ModelSection:
                      "an existing directory (a Hugging Face model directory or a trainforge checkpoint/run "
                      "directory); check the path")
         _require(self.mtp_depth is None or self.mtp_depth >= 0, "model.mtp_depth", self.mtp_depth, "an integer >= 0")
+        if self.hourglass is not None:
+            from trainforge.model.hourglass_spec import stages_from_tables
+
+            stages_from_tables(self.hourglass)  # names the table and key; the shape is checked with the flavor

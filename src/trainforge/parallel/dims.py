@@ -83,6 +83,11 @@ class ParallelDims:
         if model_config.ffn_hidden_dim % self.tp:
             raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide model.ffn_hidden_dim = "
                               f"{model_config.ffn_hidden_dim}")
+        for r in sorted({s.width_ratio for s in getattr(model_config, "hourglass_stages", ())} - {1}):
+            if (model_config.ffn_hidden_dim // r) % self.tp:
+                raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide the feed-forward width "
+                                  f"model.ffn_hidden_dim / {r} = {model_config.ffn_hidden_dim // r} of the "
+                                  f"model.hourglass stages at width_ratio {r}")
         if self.ep > 1 and not model_config.is_moe:
             raise ConfigError(f"config key 'parallel.ep' = {self.ep} needs a mixture-of-experts model "
                               "(model.n_routed_experts > 0, e.g. model.flavor = moe-debug); use parallel.ep = 1")

@@ -200,6 +200,26 @@ def _check_microbatches(schedule: str, m: int, pp_size: int, num_stages: int) ->
                               f"whole rounds; use a multiple of parallel.pp = {pp_size}")
 
 
+def check_hourglass_split(model_config, starts: Sequence[int], pp_size: int) -> None:
+    """Refuse stage starts that cut an hourglass shortening (model/hourglass.py): the blocks
+    between a shortening and its upsampling, with both of them, must sit on one stage (the
+    upsampling adds the stream from before the shortening). A stage may begin at a level's
+    first block (it shortens first) or right after its last (the stage before upsamples)."""
+    if not getattr(model_config, "is_hourglass", False):
+        return
+    from trainforge.model.hourglass_spec import shortening_spans
+
+    spans = shortening_spans(model_config.hourglass_stages)
+    cut = [s for s in starts if any(a < s < b for a, b in spans)]
+    if cut:
+        allowed = [i for i in range(1, model_config.n_layers) if not any(a < i < b for a, b in spans)]
+        raise ConfigError(f"config key 'parallel.pp_split' = {','.join(map(str, starts))} (parallel.pp = {pp_size}) "
+                          f"starts a stage at block(s) {cut}, inside a shortened span of model.hourglass = "
+                          f"{model_config.hourglass!r} (blocks [first, last) per level: {spans}); a stage must "
+                          f"hold a shortening, its blocks and its upsampling whole: start stages only at 0 and "
+                          f"{allowed or 'nowhere else (use parallel.pp = 1)'}")
+
+
 # ---------------------------------------------------------------- splitting
 
 
@@ -217,6 +237,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, boundaries: Sequen
     if not 0 <= pp_rank < pp_size:
         raise ConfigError(f"pipeline rank {pp_rank} is outside parallel.pp = {pp_size}")
     starts = list(boundaries) if boundaries is not None else even_boundaries(cfg.n_layers, num_stages)
+    check_hourglass_split(cfg, starts, pp_size)
     ends = starts[1:] + [cfg.n_layers]
     return [_stage_module(model, starts[s], ends[s], s == 0, s == num_stages - 1)
             for s in stage_ids_for_rank(pp_rank, pp_size, schedule, num_stages)]
@@ -230,11 +251,18 @@ def _stage_module(model: nn.Module, start: int, end: int, first: bool, last: boo
     drop = [m for k, m in model.layers.items() if not start <= int(k) < end]
     drop += [] if first or mtp_last else [model.tok_embeddings]
     drop += [] if last else [model.norm, model.output, model.mtp]
+    # An hourglass level belongs to the stage holding its first block (check_hourglass_split
+    # keeps its whole span there).
+    trunk = getattr(model, "hourglass", None)
+    foreign = [] if trunk is None else [str(i) for i, (a, _) in enumerate(trunk.spans) if not start <= a < end]
+    drop += [m for k in foreign for m in (trunk.shorten[k], trunk.upsample[k])]
     for m in drop:
         memo[id(m)] = None
     stage = copy.deepcopy(model, memo)
     for k in [k for k in stage.layers.keys() if not start <= int(k) < end]:
         del stage.layers[k]
+    for k in foreign:
+        del stage.hourglass.shorten[k], stage.hourglass.upsample[k]
     if not last:
         stage.mtp = nn.ModuleDict()  # no MTP modules here, as in a model without them
     return stage

@@ -31,6 +31,12 @@
   reduce-scatter (the same bytes); the cost is that its norms and residual adds run on all
   T - k positions on every rank, for the few MTP blocks only. Without sequence parallel
   every tensor involved is already replicated and the hooks are not installed.
+- ``hourglass`` (model/hourglass.py; ``_parallelize_hourglass``): the shortened stages run
+  on their whole, replicated shortened sequence, their blocks split as above with the stream
+  Replicate (as the MTP modules'); the pool and up-projections run replicated. Under sequence
+  parallel the outermost shortening all-gathers its input and its upsampling hands each rank
+  its own sequence shard back, because the shift by k-1 and the pooling of k neighbours do
+  not commute with a sequence shard.
 
 Nothing here is hand-written communication: every collective comes from DTensor. Every
 parameter becomes a DTensor (foreach ops reject a mix of Tensors and DTensors). Gradients
@@ -129,8 +135,13 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
     # replicated tensors and the attention cache is None in training. Redistributing x to Replicate once here
     # (an all-gather with SP, a no-op otherwise) lets wq/wk/wv (w1/w3) share one DTensor
     # input, so their input-gradients are summed locally and all-reduced/reduce-scattered once.
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(block, model.cfg.is_mla, sequence_parallel))
+    for name, block in model.layers.items():
+        # An hourglass model's shortened blocks run on the whole, replicated shortened sequence
+        # (_parallelize_hourglass), as without sequence parallel.
+        sp = sequence_parallel and model.cfg.layer_stage(int(name)).shorten == 1
+        parallelize_module(block, tp_mesh, _block_plan(block, model.cfg.is_mla, sp))
+    if getattr(model, "hourglass", None) is not None:
+        _parallelize_hourglass(model.hourglass, tp_mesh, sequence_parallel)
     mtp = getattr(model, "mtp", None) or {}
     for module in mtp.values():
         # Replicated sequence, split matmuls (see _mtp_plan); the block as without SP.
@@ -217,6 +228,45 @@ def _sequence_shard_output(tp_mesh: DeviceMesh):
     """Forward hook: a block's local (B, T/tp, dim) output as the (B, T, dim) Shard(1) DTensor."""
     def hook(module, args, out):
         return out if isinstance(out, DTensor) else DTensor.from_local(out, tp_mesh, (Shard(1),), run_check=False)
+    return hook
+
+
+def _parallelize_hourglass(trunk: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """An hourglass trunk (model/hourglass.py): its shortened stages run replicated, on the
+    whole shortened sequence on every rank, with their blocks' heads and FFN hidden dim split
+    as usual (stream Replicate, as the MTP modules run). Why: the shift by k-1 and the pooling
+    of k neighbours do not commute with a sequence shard, and the shortened sequence (T/k) is
+    short, so its norms and residual adds cost little replicated. The pool and up-projections
+    (small) run replicated. Under sequence parallel the outermost shortening all-gathers its
+    (B, T/tp, dim) input, and its upsampling gathers the residual and hands each rank its own
+    shard of the result back; inner levels see replicated tensors only. Every collective is
+    DTensor's, so the backward is its too."""
+    for module in (*trunk.shorten.values(), *trunk.upsample.values()):
+        if module.proj is not None:
+            parallelize_module(module.proj, tp_mesh, _ReplicateParallel(use_local_output=True))
+    if not sequence_parallel:
+        return
+    trunk.shorten["0"].register_forward_pre_hook(_gather_sequence_arg(tp_mesh, 0))
+    trunk.upsample["0"].register_forward_pre_hook(_gather_sequence_arg(tp_mesh, 1))
+    trunk.upsample["0"].register_forward_hook(_shard_sequence_output(tp_mesh))
+
+
+def _gather_sequence_arg(tp_mesh: DeviceMesh, index: int):
+    """Forward pre-hook: argument ``index``, a (B, T/tp, dim) sequence shard (plain or the
+    Shard(1) DTensor a later pipeline stage's input is), as the full (B, T, dim) tensor."""
+    def hook(module, args):
+        x = args[index]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, tp_mesh, (Shard(1),), run_check=False)
+        return (*args[:index], x.full_tensor(), *args[index + 1:])
+    return hook
+
+
+def _shard_sequence_output(tp_mesh: DeviceMesh):
+    """Forward hook: a replicated (B, T, dim) output -> this rank's (B, T/tp, dim) shard."""
+    def hook(module, args, out):
+        return DTensor.from_local(out, tp_mesh, (Replicate(),), run_check=False).redistribute(
+            tp_mesh, (Shard(1),)).to_local()
     return hook
 
 

@@ -5,6 +5,7 @@ has loaded. Values in, text out: no object's repr (``ParallelDims(...)``) reache
 Sample (one process, ``--model.flavor debug``)::
 
     model: debug, 0.16M parameters, vocab 512
+    flops: 0.85M training FLOPs/token at seq_len 64
     layout: single process, no parallelism (cpu)
     precision: fp32 (params fp32, compute fp32, reduce fp32, optimizer state fp32)
     data: /data/stdlib-v512 (107,597 train tokens); seq_len 64, batch 8 = 512 tokens/step
@@ -47,15 +48,17 @@ def batch_text(tcfg: Any, dp: int, tokens_per_step: int) -> str:
 
 def startup_summary(*, model_name: str, params_text: str, vocab_size: int, dims: ParallelDims, device_type: str,
                     precision_preset: str, precision_text: str, data_label: str, train_tokens: int, tcfg: Any,
-                    tokens_per_step: int, start_step: int, peak_text: str) -> list[str]:
+                    tokens_per_step: int, start_step: int, peak_text: str, flops_text: str | None = None) -> list[str]:
     """The summary's lines. ``tcfg``: the ``[training]`` section; ``params_text``:
     ``ModelConfig.describe_params()``; ``precision_text``: ``PrecisionPolicy.describe()``;
-    ``peak_text``: ``PeakFlops.describe()``."""
+    ``peak_text``: ``PeakFlops.describe()``; ``flops_text``: ``ModelConfig.describe_flops(seq_len)``
+    (per stage for an hourglass model), a line of its own after the model's when given."""
     total_tokens = tcfg.steps * tokens_per_step
     epochs = f", {total_tokens / train_tokens:.2f} epochs" if train_tokens else ""
     resumed = f", from step {start_step}" if start_step else ""
     return [
         f"model: {model_name}, {params_text}, vocab {vocab_size:,}",
+        *([f"flops: {flops_text}"] if flops_text else []),
         f"layout: {layout_text(dims, device_type)}",
         f"precision: {precision_preset} ({precision_text})",
         f"data: {data_label} ({train_tokens:,} train tokens); {batch_text(tcfg, dims.dp, tokens_per_step)}",

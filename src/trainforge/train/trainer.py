@@ -188,7 +188,8 @@ class Trainer:
                     vocab_size=self.data.vocab_size, dims=self.dims, device_type=self.device.type,
                     precision_preset=cfg.precision.policy, precision_text=policy.describe(), data_label=data_label,
                     train_tokens=self.data.num_tokens("train"), tcfg=tcfg, tokens_per_step=self.tokens_per_step,
-                    start_step=self.step, peak_text=self.peak_flops.describe()):
+                    start_step=self.step, peak_text=self.peak_flops.describe(),
+                    flops_text=self.model_config.describe_flops(tcfg.seq_len)):
                 self.log.info(line)
 
     # -- control -------------------------------------------------------------------

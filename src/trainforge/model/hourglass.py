@@ -1,0 +1,152 @@
+"""The hourglass trunk (Nawrot et al. 2022, "Hierarchical Transformers Are More Efficient
+Language Models"): the middle blocks run on a shortened, optionally narrower sequence.
+
+``model.hourglass`` (``hourglass_spec.py``) lists the stages; each step inwards is a
+*shortening* by k = (inner shorten) / (outer shorten), each step outwards the matching
+*upsampling*::
+
+    shorten:  x (B, T, d)  --shift right by k-1--> pool each k positions --> project d -> d/r
+              -> (B, ceil(T/k), d/r)
+    upsample: y (B, ceil(T/k), d/r) --project d/r -> d--> repeat each position k times,
+              keep the first T --> + x (the stream from before the shortening) -> (B, T, d)
+
+Causality. The shift puts k-1 zero rows in front, so shortened position j pools input
+positions jk-k+1 .. jk (the zeros where those are < 0): nothing after jk. Upsampled position
+t reads shortened position t // k, whose inputs end at k * (t // k) <= t, so no position sees
+a later token; the residual brings each position's own stream back. The shortened
+sequence is ceil(T/k) long and every group is full of real (or shift) rows, so a length
+that k does not divide needs no padding at the end and a group's pool does not depend on
+where the sequence stops (``tests/model/test_hourglass.py`` checks every position of every
+tested spec, lengths not divisible by k included).
+
+Pooling (``model.hourglass_pool``): ``mean`` averages the k rows, then projects d -> d/r
+(no projection when r is 1); ``linear`` maps the k rows' concatenation (k·d) to d/r with one
+learned matrix (Nawrot's linear pooling). The upsampling projects before it repeats: the
+same linear map applied once per shortened position instead of k times.
+
+Rotary positions of shortened tokens: shortened token j gets rotary position j, its group
+index at the shortened rate, with tables over the stage's own head dim (d / r / n_heads).
+So a shortened stage is an ordinary causal LM over ceil(T/k) tokens at unit spacing, and a
+decode cache for it (issue 22, "Inference") stores one entry per k tokens at positions
+0, 1, 2, ... . Full-rate stages keep the model's tables.
+
+Not done yet: decoding with an attention cache (the middle stage would run once every k
+tokens with its own cache). ``Transformer.forward`` refuses a cache or explicit positions
+for an hourglass model and ``attention_cache.cache_layout`` refuses to size a pool for one,
+so the inference engine stops at construction instead of producing wrong tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainforge.model.config import ModelConfig
+from trainforge.model.hourglass_spec import shortening_spans
+from trainforge.model.rope import rope_tables
+
+
+class Shortening(nn.Module):
+    """Shift right by k-1, pool each k positions, project the width down (module docstring).
+    x (B, T, d_outer) -> (B, ceil(T/k), d_inner)."""
+
+    def __init__(self, k: int, d_outer: int, d_inner: int, pool: str):
+        super().__init__()
+        self.k, self.pool = k, pool
+        if pool == "linear":
+            self.proj: nn.Linear | None = nn.Linear(k * d_outer, d_inner, bias=False)
+        else:
+            self.proj = nn.Linear(d_outer, d_inner, bias=False) if d_outer != d_inner else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        n = -(-T // self.k)
+        # k-1 zero rows in front; n*k <= T + k - 1 rows, so every group holds only real or shift rows.
+        groups = F.pad(x, (0, 0, self.k - 1, 0))[:, :n * self.k].reshape(B, n, self.k, d)  # (B, n, k, d)
+        if self.pool == "linear":
+            return self.proj(groups.reshape(B, n, self.k * d))
+        h = groups.mean(dim=2)  # (B, n, d)
+        return self.proj(h) if self.proj is not None else h
+
+
+class Upsampling(nn.Module):
+    """Project the width up, repeat each position k times, add the stream from before the
+    shortening. x (B, ceil(T/k), d_inner), residual (B, T, d_outer) -> (B, T, d_outer)."""
+
+    def __init__(self, k: int, d_inner: int, d_outer: int):
+        super().__init__()
+        self.k = k
+        self.proj = nn.Linear(d_inner, d_outer, bias=False) if d_inner != d_outer else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x) if self.proj is not None else x
+        return residual + h.repeat_interleave(self.k, dim=1)[:, :residual.shape[1]]
+
+
+class HourglassTrunk(nn.Module):
+    """The shortenings and upsamplings of ``cfg.hourglass`` (keyed "0".. by level, outside
+    in) and their rotary tables; ``forward`` runs the model's blocks through them. The
+    blocks stay in ``Transformer.layers`` (numbered through the stages), so activation
+    checkpointing, FSDP units, TP plans and pipeline cuts see them as in a dense model."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        stages = cfg.hourglass_stages
+        mid = len(stages) // 2
+        self.spans = shortening_spans(stages)  # per level: (first block, last block + 1) inside it
+        self.shorten = nn.ModuleDict()
+        self.upsample = nn.ModuleDict()
+        self.rates: list[int] = []  # cumulative shortening of each level
+        for level, (outer, inner) in enumerate(zip(stages[:mid], stages[1:mid + 1])):
+            k = inner.shorten // outer.shorten
+            d_outer, d_inner = cfg.dim // outer.width_ratio, cfg.dim // inner.width_ratio
+            self.shorten[str(level)] = Shortening(k, d_outer, d_inner, cfg.hourglass_pool)
+            self.upsample[str(level)] = Upsampling(k, d_inner, d_outer)
+            self.rates.append(inner.shorten)
+            cos, sin = self._tables(level, inner.shorten, d_inner)
+            # Non-persistent, as the model's own tables: recomputed from the config.
+            self.register_buffer(f"rope_cos_{level}", cos, persistent=False)
+            self.register_buffer(f"rope_sin_{level}", sin, persistent=False)
+
+    def _tables(self, level: int, rate: int, width: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary rows at the shortened rate: position j is group j (module docstring)."""
+        n = -(-self.cfg.max_seq_len // rate)
+        head_dim = width // self.cfg.n_heads
+        if (torch.device(device) if device is not None else torch.get_default_device()).type == "meta":
+            return torch.empty(n, head_dim, device="meta"), torch.empty(n, head_dim, device="meta")
+        return rope_tables(head_dim, n, self.cfg.rope_theta, device=device)
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        """Recompute the tables in place (after building on the meta device)."""
+        stages = self.cfg.hourglass_stages
+        for level, rate in enumerate(self.rates):
+            cos, sin = self._tables(level, rate, self.cfg.dim // stages[level + 1].width_ratio,
+                                    device=getattr(self, f"rope_cos_{level}").device)
+            getattr(self, f"rope_cos_{level}").copy_(cos)
+            getattr(self, f"rope_sin_{level}").copy_(sin)
+
+    def forward(self, h: torch.Tensor, layers: nn.ModuleDict, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Run ``layers`` (all of the model's blocks, or a pipeline stage's contiguous part,
+        which starts and ends at the full rate: ``parallel/pipeline.py`` refuses other cuts)
+        on h (B, T, dim) with the full-rate rotary rows cos/sin (T, head_dim); the shortening
+        of a level runs just before its first block, the upsampling just after its last.
+        Returns (B, T, dim)."""
+        residuals: list[torch.Tensor] = []  # the streams from before each open shortening
+        tables = [(cos, sin)]
+        for name, block in layers.items():
+            j = int(name)
+            for level, (first, _) in enumerate(self.spans):
+                if first == j:  # outer levels first: spans are listed outside in
+                    residuals.append(h)
+                    h = self.shorten[str(level)](h)
+                    n = h.shape[1]
+                    tables.append((getattr(self, f"rope_cos_{level}")[:n], getattr(self, f"rope_sin_{level}")[:n]))
+            h = block(h, *tables[-1], None)
+            for level in reversed(range(len(self.spans))):
+                if self.spans[level][1] - 1 == j:  # inner levels first
+                    h = self.upsample[str(level)](h, residuals.pop())
+                    tables.pop()
+        return h
