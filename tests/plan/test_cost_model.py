@@ -9,6 +9,7 @@ import pytest
 
 from trainforge.model.config import FLAVORS
 from trainforge.plan import comm_model as cm
+from trainforge.plan import memory_model as mm
 from trainforge.plan.cost_model import estimate
 from trainforge.plan.hardware import GPUS, cluster
 from trainforge.plan.memory_model import precision_bytes
@@ -132,3 +133,16 @@ def test_activation_formula_matches_what_autograd_saves(flavor):
     measured_per_token = (saved[64] - saved[32]) / (2 * 32)
     predicted = sum(block_activation_elements(cfg, i, 4) * 4 for i in range(cfg.n_layers)) + 3 * cfg.dim * 4
     assert predicted == pytest.approx(measured_per_token, rel=0.02)
+
+
+def test_hourglass_blocks_are_priced_at_their_shortened_rate_and_pipelines_refused():
+    cfg = FLAVORS["hourglass-small"]
+    table = mm.layer_table(cfg, 1024, 2)
+    # the shortened middle runs on 1/k of the tokens: the planner's per-block sum is the model's own
+    # count (less the pooling projections), well under a full-rate stack of the same blocks
+    assert sum(table.flops_per_token) + table.head_flops_per_token == pytest.approx(cfg.flops_per_token(1024),
+                                                                                    rel=0.01)
+    w = Workload(cfg, seq_len=1024, global_batch=16)
+    est = estimate(w, Layout(pp=2, dp_shard=4, microbatches=4), cluster("h100", 8))
+    assert not est.feasible and "hourglass" in est.why and "pp_split" in est.why
+    assert estimate(w, Layout(dp_shard=8), cluster("h100", 8)).feasible

@@ -122,6 +122,11 @@ def layout_problem(workload: Workload, layout: Layout) -> str:
         if rem or per_rank < 1:
             return (f"global batch {workload.global_batch} is not a multiple of dp x grad_accum_steps = "
                     f"{layout.dp} x {layout.grad_accum_steps}")
+        if layout.pp > 1 and cfg.is_hourglass:
+            # the trainer refuses pp_split = auto for hourglass models (its profile times full-rate
+            # blocks) and the planner writes no explicit split: a pipeline layout would not start
+            return ("parallel.pp > 1 on an hourglass model needs an explicit parallel.pp_split that keeps "
+                    "each shortening on one stage; the planner does not place hourglass stages")
         if layout.pp > 1:
             check_pipeline_config(cfg.n_layers, layout.pp, layout.pp_schedule, layout.microbatches,
                                   batch_size=per_rank, tie_embeddings=cfg.tie_embeddings, mtp_depth=cfg.mtp_depth)

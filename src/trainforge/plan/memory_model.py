@@ -96,7 +96,10 @@ def _attention_widths(cfg: ModelConfig) -> int:
 
 def block_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int) -> float:
     """Training FLOPs (forward + backward) of one block per token: 6 x its active
-    parameters plus its attention products, as ``ModelConfig.flops_per_token`` counts."""
+    parameters plus its attention products, as ``ModelConfig.flops_per_token`` counts. An
+    hourglass block (shortened, narrower) counts per input token at its stage's rate and width."""
+    if cfg.is_hourglass and layer < cfg.n_layers:
+        return cfg.block_flops_per_token(layer, seq_len)
     return 6.0 * cfg._block_params(layer, active=True) + 6.0 * _attention_widths(cfg) * seq_len
 
 
