@@ -1,6 +1,6 @@
 """``training.seq_len_schedule``: the sequence length as a choice of the trainer, at a
-constant number of tokens per step (Li et al. 2022, "The Stability-Efficiency Dilemma":
-short sequences early are cheaper and stabler; Dynamic Token Pooling's runs grow it too).
+constant number of tokens per step (sequence length warmup: Li et al. 2022, "The
+Stability-Efficiency Dilemma"; short sequences early are cheaper per token and stabler).
 
 * ``fixed`` (default): every step at ``training.seq_len``; no component is registered,
   so the run is the one it was before this existed, bit for bit.
