@@ -66,8 +66,8 @@ class CachedShards:
 
 class ShardLoader:
     """(inputs, targets) batches, each (batch_size, T) int64 (T = seq_len, or the length
-    curriculum's); targets of padding are -100. ``ready_batches = 0`` assembles in the
-    caller's thread (validation, tests)."""
+    curriculum's; ``serve_seq_len``: (batch_size x seq_len / n, n)); targets of padding are
+    -100. ``ready_batches = 0`` assembles in the caller's thread (validation, tests)."""
 
     def __init__(self, plan: BatchPlan, store: ShardStore, metrics: DataMetrics | None = None,
                  augmenter: Augmenter | None = None, prefetch_depth: int = 0, fetch_workers: int = 1,
@@ -85,6 +85,7 @@ class ShardLoader:
         self._prefetcher: ShardPrefetcher | None = None
         self._staged: tuple | None = None  # CUDA: the next batch, already copying to the device
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._row_len = plan.seq_len  # tokens per served row (serve_seq_len)
         if isinstance(store, CachedShards):
             # Belady: the cache asks how far away each shard's next read is.
             store.cache.next_use = self._next_use
@@ -248,7 +249,23 @@ class ShardLoader:
             batch = (inputs, targets)
         if self._prefetcher is not None:
             self.metrics.depth(self._prefetcher.cached_ahead())
+        if self._row_len != self.plan.seq_len:
+            # (B, seq_len) -> (B x seq_len / n, n): row r's pieces in order, each input with its own
+            # next-token target (targets are the inputs shifted in the seq_len + 1 window).
+            batch = tuple(t.reshape(-1, self._row_len) for t in batch)
         return batch  # type: ignore[return-value]
+
+    def serve_seq_len(self, n: int) -> None:
+        """Serve each window as ``seq_len / n`` rows of ``n`` tokens from the next batch on
+        (``train/seq_len_schedule.py``). The same windows in the same order: the position,
+        the tokens per batch and every (input, target) pair are unchanged; only the context a
+        token sees is cut at multiples of ``n``. Applied as batches are taken, so batches
+        assembled ahead need no re-making."""
+        if n < 1 or self.plan.seq_len % n:
+            raise ValueError(f"a served length must divide the window's {self.plan.seq_len} tokens, got {n}")
+        if self.augmenter is not None and self.augmenter.changes_length:
+            raise ValueError("the augmentation already changes the sequence length (seq_curriculum)")
+        self._row_len = n
 
     # -- state, metrics, shutdown --------------------------------------------------------------
 

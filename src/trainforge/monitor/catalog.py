@@ -280,6 +280,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "rollbacks to an earlier checkpoint by the bad-step policy", when="bad_steps.enabled"),
     _s("lr_multiplier", "learning_rate_multiplier", "gauge", "1", "model",
        "adaptive LR multiplier applied on top of the schedule", when="adaptive_lr.enabled (on its events)"),
+    _s("seq_len", "sequence_length_tokens", "gauge", "tokens", "model",
+       "tokens per sequence the step trained at (its batch: batch_size x training.seq_len / seq_len sequences; "
+       "same tokens per step)", when="training.seq_len_schedule = linear or auto"),
     _s("predicted_final_loss", "predicted_final_loss", "gauge", "nats", "model",
        "learning-curve prediction of the final validation loss", when="early_stop.mode = predict"),
     _s("predicted_final_loss_std", "predicted_final_loss_std", "gauge", "nats", "model",

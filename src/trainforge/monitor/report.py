@@ -232,6 +232,8 @@ def build_plots(runs: list[Run], x: str = "step") -> tuple[list[Plot], list[str]
     add("Memory", "MiB", each(tuple((s, k, 1 / MIB, False) for s, k in MEMORY)))
     add("Communication share", "share of step time",
         each((("in collectives", "comm_share"), ("pipeline bubble", "bubble_fraction"))))
+    if any("seq_len" in r for run in runs for r in run.train):  # training.seq_len_schedule = linear or auto
+        add("Sequence length", "tokens per sequence", each((("seq_len", "seq_len", 1.0, False),)))
     add("Gradient norm", "L2 norm", each((("global, before clipping", "grad_norm"),)), logy=True)
     for run in runs:  # one plot per run: layer groups times runs would be too many lines to read
         groups = _groups(run.train, "grad_norm_group")

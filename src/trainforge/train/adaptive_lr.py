@@ -86,20 +86,7 @@ class AdaptiveLR:
         return self.multiplier
 
     def _diagnose(self, xs: list[float]) -> str | None:
-        n = len(xs)
-        mean = sum(xs) / n
-        scale = max(abs(mean), 1e-12)
-        t_mean = (n - 1) / 2
-        sxx = sum((t - t_mean) ** 2 for t in range(n))
-        slope = sum((t - t_mean) * (x - mean) for t, x in enumerate(xs)) / sxx
-        resid_sq = sum((x - (mean + slope * (t - t_mean))) ** 2 for t, x in enumerate(xs))
-        if math.sqrt(resid_sq / (n - 2)) > self.band_rel * scale:
-            return "oscillation"
-        half = n // 2
-        first, second = sum(xs[:half]) / half, sum(xs[n - half:]) / half
-        if (first - second) / scale < self.plateau_rel_delta:
-            return "plateau"
-        return None
+        return loss_trend(xs, self.plateau_rel_delta, self.band_rel)
 
     def apply(self, optimizer: torch.optim.Optimizer, scheduler: LRScheduler) -> None:
         """Set each param group's LR to the schedule's latest LR times the multiplier.
@@ -116,6 +103,26 @@ class AdaptiveLR:
         self._losses = [float(x) for x in state["losses"]]
         self._healthy_windows = int(state["healthy_windows"])
         self.last_event = None
+
+
+def loss_trend(xs: list[float], plateau_rel_delta: float, band_rel: float) -> str | None:
+    """The window test of the module docstring on losses ``xs`` (at least 4): "oscillation",
+    "plateau" or None (still improving). Shared with the sequence-length schedule's ``auto``
+    (``seq_len_schedule.py``), which passes ``band_rel = inf`` to use the plateau test alone."""
+    n = len(xs)
+    mean = sum(xs) / n
+    scale = max(abs(mean), 1e-12)
+    t_mean = (n - 1) / 2
+    sxx = sum((t - t_mean) ** 2 for t in range(n))
+    slope = sum((t - t_mean) * (x - mean) for t, x in enumerate(xs)) / sxx
+    resid_sq = sum((x - (mean + slope * (t - t_mean))) ** 2 for t, x in enumerate(xs))
+    if math.sqrt(resid_sq / (n - 2)) > band_rel * scale:
+        return "oscillation"
+    half = n // 2
+    first, second = sum(xs[:half]) / half, sum(xs[n - half:]) / half
+    if (first - second) / scale < plateau_rel_delta:
+        return "plateau"
+    return None
 
 
 class AdaptiveLRComponent(Component):

@@ -36,6 +36,10 @@ def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predic
         from trainforge.train.qat import QATComponent
 
         out.append(QATComponent(cfg.qat, model_parts, log=log))
+    if tcfg.seq_len_schedule != "fixed":
+        from trainforge.train.seq_len_schedule import SeqLenSchedule
+
+        out.append(SeqLenSchedule(tcfg))
     if isinstance(model_loss, Component):
         out.append(model_loss)
     if model_config is not None and model_config.is_moe:

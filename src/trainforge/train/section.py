@@ -15,7 +15,22 @@ class TrainingSection:
     steps: int = _f(300, "optimizer steps to run")
     batch_size: int = _f(8, "sequences per micro-batch")
     grad_accum_steps: int = _f(1, "micro-batches accumulated per optimizer step")
-    seq_len: int = _f(256, "tokens per sequence")
+    seq_len: int = _f(256, "tokens per sequence (the longest, under a seq_len_schedule)")
+    # A changing sequence length at constant tokens per step (train/seq_len_schedule.py).
+    seq_len_schedule: Literal["fixed", "linear", "auto"] = _f(
+        "fixed", "sequence length over training, at constant tokens per step (batch_size x seq_len: at half the "
+                 "length, twice the sequences): fixed = seq_len throughout; linear = ramp from seq_len_start to "
+                 "seq_len over seq_len_ramp_steps (rounded down to the lengths that divide seq_len); auto = start at "
+                 "seq_len_start and double when the training loss plateaus, up to seq_len")
+    seq_len_start: int = _f(0, "linear, auto: the first length, a multiple of seq_len_multiple dividing seq_len "
+                               "(auto: seq_len / seq_len_start a power of two); 0 = seq_len / 4")
+    seq_len_multiple: int = _f(8, "linear, auto: every length is a multiple of this (what the attention kernel or "
+                                  "compiled shapes want, e.g. 8 or 64) and divides seq_len")
+    seq_len_ramp_steps: int = _f(100, "linear: steps from seq_len_start to seq_len")
+    seq_len_plateau_window: int = _f(8, "auto: logging intervals judged by the plateau test (the adaptive LR's) "
+                                        "before each doubling")
+    seq_len_plateau_rel_delta: float = _f(0.01, "auto: a plateau is the window's second half improving on its "
+                                                "first by less than this fraction")
     lr: float = _f(1e-3, "peak learning rate, reached after warmup")
     lr_schedule: Literal["cosine", "wsd", "linear", "constant"] = _f(
         "cosine", "after the linear warmup: cosine or linear decay to min_lr_ratio at training.steps, wsd "
@@ -69,6 +84,9 @@ class TrainingSection:
                  "training.mtp_loss_weight_switch_step", self.mtp_loss_weight_switch_step,
                  "set together with training.mtp_loss_weight_final (the weight after the switch; "
                  f"now {self.mtp_loss_weight_final}): both or neither")
+        from trainforge.train.seq_len_ladder import check_schedule_keys
+
+        check_schedule_keys(self)  # training.seq_len_* of a linear or auto schedule
         _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
                  "training.device", self.device, "auto, cpu, cuda or cuda:N")
 
