@@ -77,7 +77,7 @@ def default_corpus_files() -> list[Path]:
 
     The excluded directories are pruned while walking, not filtered afterwards: under
     pyenv or a system Python, site-packages sits inside the stdlib root and can hold
-    thousands more files than the stdlib (a filtered ``rglob`` took 1.5 s of every ``trainforge
+    thousands more files than the stdlib (a filtered ``rglob`` took 0.5-1 s of every ``trainforge
     train`` start). Same list, same order as ``sorted(root.rglob("*.py"))`` minus the
     excluded directories: symlinked directories are not descended into (as ``rglob``),
     and a matching name is kept whatever kind of entry it is (as ``rglob``)."""
