@@ -346,18 +346,35 @@ def mtp_reference(tmp_path_factory, small_data):
     return ref
 
 
+MTP_DP_LAYOUTS = {"ddp2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"],
+                  "fsdp2-ep2": ["--parallel.dp_shard", "-1", "--parallel.ep", "2"]}  # plain FSDP2 also passes
+
+
+@pytest.fixture(scope="module")
+def mtp_dp_runs(tmp_path_factory, small_data):
+    """Both data-parallel layouts on 2 processes in ONE torchrun launch
+    (tests/parallel/workers/cli_many.py: one after another through the real CLI)."""
+    from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH
+    from tests.parallel.torchrun import run_train_many
+
+    root = tmp_path_factory.mktemp("mtp_dp")
+    return root, run_train_many(2, {
+        name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
+               "--training.batch_size", str(GLOBAL_BATCH // 2), *MTP_DP, *layout]
+        for name, layout in MTP_DP_LAYOUTS.items()})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"],
-                                    ["--parallel.dp_shard", "-1", "--parallel.ep", "2"]],
-                         ids=["ddp2", "fsdp2-ep2"])  # plain FSDP2 also passes (CI time: not repeated)
-def test_data_parallel_mtp_matches_single_process(tmp_path, small_data, mtp_reference, layout):
+@pytest.mark.parametrize("layout", list(MTP_DP_LAYOUTS))  # CI time: plain FSDP2 not repeated
+def test_data_parallel_mtp_matches_single_process(mtp_dp_runs, mtp_reference, layout):
     """A MoE model with 2 MTP depths on 2 processes (gloo) against 1 at the same global
     batch: losses within 1e-4 over 6 steps, the MTP losses too, every weight within 1e-5
     (with expert parallelism the MTP block's experts are split like the others)."""
-    from tests.parallel.test_data_parallel import GLOBAL_BATCH, assert_same_training, run, train_cmd
+    from tests.parallel.test_data_parallel import assert_same_training
 
-    got = tmp_path / "dp2"
-    run(train_cmd(2, got, small_data, "--training.batch_size", str(GLOBAL_BATCH // 2), *MTP_DP, *layout))
+    root, done = mtp_dp_runs
+    assert done[layout].returncode == 0
+    got = root / layout
     assert_same_training(got, mtp_reference)
     assert_same_records(got, mtp_reference, ("mtp_loss_2",))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.parallel.test_data_parallel import losses, run, train_cmd
-from tests.parallel.torchrun import run_torchrun
+from tests.parallel.torchrun import run_torchrun, run_train_many
 from trainforge.monitor.jsonl import read_jsonl
 
 WORKERS = Path(__file__).parent / "workers"
@@ -83,44 +83,79 @@ def interrupted_after_step_3(straight, resumed):
     metrics.write_text("".join(ln for ln in lines if json.loads(ln).get("step", 0) <= 3))
 
 
-@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
-def test_resume_with_error_feedback_is_bit_identical(layout, tmp_path, small_data):
-    nproc, extra = RESUME_LAYOUTS[layout]
-    extra = [*extra, "--compression.warmup_steps", "1"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(train_cmd(nproc, straight, small_data, *extra))
-    interrupted_after_step_3(straight, resumed)
-    assert (resumed / "checkpoints" / "step_0000003" / "compression" / "rank_00000.pt").is_file()
-    run(train_cmd(nproc, resumed, small_data, *extra) + ["--resume", str(resumed)])
-    assert losses(resumed) == losses(straight)  # exact: residuals, widths and RNG restored
+NO_STATE = ["--parallel.dp_replicate", "2", "--compression.codec", "int4", "--compression.warmup_steps", "1"]
+POWERSGD = ["--compression.codec", "powersgd", "--compression.warmup_steps", "2"]
 
 
-def test_resume_without_compression_state_differs(tmp_path, small_data):
-    """The control for the test above: residuals are what make resume exact."""
-    extra = ["--parallel.dp_replicate", "2", "--compression.codec", "int4", "--compression.warmup_steps", "1"]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(train_cmd(2, straight, small_data, *extra))
-    interrupted_after_step_3(straight, resumed)
-    # Make it a checkpoint saved without compression state (as by a run that had none):
-    # drop the files and their entries in meta.json, which lists every file's sha256.
-    ckpt_dir = resumed / "checkpoints" / "step_0000003"
+def drop_compression_state(ckpt_dir: Path) -> None:
+    """Make ``ckpt_dir`` a checkpoint saved without compression state (as by a run that had
+    none): drop the files and their entries in meta.json, which lists every file's sha256."""
     shutil.rmtree(ckpt_dir / "compression")
     meta = json.loads((ckpt_dir / "meta.json").read_text())
     meta["files"] = {k: v for k, v in meta["files"].items() if not k.startswith("compression/")}
     (ckpt_dir / "meta.json").write_text(json.dumps(meta))
-    r = run(train_cmd(2, resumed, small_data, *extra) + ["--resume", str(resumed)])
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory, small_data):
+    """The CLI runs of the resume tests and the PowerSGD baseline, by world size in one
+    torchrun launch each (tests/parallel/workers/cli_many.py: one after another through the
+    real CLI), four launches instead of seven: the uninterrupted runs, then their step-3
+    copies resumed. Returns (root: run directories by name, name -> CompletedProcess)."""
+    root = tmp_path_factory.mktemp("compressed_runs")
+
+    def fresh(name, *extra):
+        return train_cmd(1, root / name, small_data, *extra)[4:]  # the arguments after `trainforge train`
+
+    straight = {f"{n}-straight": (nproc, [*extra, "--compression.warmup_steps", "1"])
+                for n, (nproc, extra) in RESUME_LAYOUTS.items()}
+    straight["no-state-straight"] = (2, NO_STATE)
+    done = {}
+    for nproc in (2, 4):
+        runs = {name: fresh(name, *extra) for name, (n, extra) in straight.items() if n == nproc}
+        if nproc == 2:
+            runs["powersgd-ddp"] = fresh("powersgd-ddp", "--parallel.dp_replicate", "2", *POWERSGD)
+        done |= run_train_many(nproc, runs)
+    for name in straight:
+        interrupted_after_step_3(root / name, root / name.replace("-straight", "-resumed"))
+    drop_compression_state(root / "no-state-resumed" / "checkpoints" / "step_0000003")
+    for nproc in (2, 4):
+        runs = {}
+        for name, (n, extra) in straight.items():
+            resumed = name.replace("-straight", "-resumed")
+            if n == nproc:
+                runs[resumed] = [*fresh(resumed, *extra), "--resume", str(root / resumed)]
+        done |= run_train_many(nproc, runs)
+    return root, done
+
+
+@pytest.mark.parametrize("layout", list(RESUME_LAYOUTS))
+def test_resume_with_error_feedback_is_bit_identical(layout, resume_runs):
+    root, done = resume_runs
+    straight, resumed = root / f"{layout}-straight", root / f"{layout}-resumed"
+    assert done[f"{layout}-straight"].returncode == 0 and done[f"{layout}-resumed"].returncode == 0
+    assert (resumed / "checkpoints" / "step_0000003" / "compression" / "rank_00000.pt").is_file()
+    assert losses(resumed) == losses(straight)  # exact: residuals, widths and RNG restored
+
+
+def test_resume_without_compression_state_differs(resume_runs):
+    """The control for the test above: residuals are what make resume exact."""
+    root, done = resume_runs
+    straight, resumed = root / "no-state-straight", root / "no-state-resumed"
+    r = done["no-state-resumed"]
+    assert done["no-state-straight"].returncode == 0 and r.returncode == 0
     assert "no compression state" in r.stdout + r.stderr
     got, want = losses(resumed), losses(straight)
     assert all(got[s] == want[s] for s in (1, 2, 3)) and got[6] != want[6]
 
 
-def test_powersgd_baseline_under_ddp_and_refused_with_fsdp(tmp_path, small_data):
-    extra = ["--compression.codec", "powersgd", "--compression.warmup_steps", "2"]
-    run(train_cmd(2, tmp_path / "ddp", small_data, "--parallel.dp_replicate", "2", *extra))
-    last = [rec for rec in read_jsonl(tmp_path / "ddp" / "metrics.jsonl") if "wire_ratio_vs_fp32" in rec][-1]
+def test_powersgd_baseline_under_ddp_and_refused_with_fsdp(tmp_path, small_data, resume_runs):
+    root, done = resume_runs
+    assert done["powersgd-ddp"].returncode == 0
+    last = [rec for rec in read_jsonl(root / "powersgd-ddp" / "metrics.jsonl") if "wire_ratio_vs_fp32" in rec][-1]
     assert last["wire_ratio_vs_fp32"] < 0.9
     r = run(train_cmd(4, tmp_path / "hsdp", small_data, "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
-                      *extra), expect_rc=1)  # torchrun: a worker exited 2
+                      *POWERSGD), expect_rc=1)  # torchrun: a worker exited 2
     assert "compression.codec" in r.stderr and "plain DDP only" in r.stderr
     assert not (tmp_path / "hsdp").exists()  # refused before anything was written
 

@@ -1,6 +1,7 @@
 """Data parallelism through the real CLI under torchrun (gloo, CPU): DDP, FSDP2 and
 HSDP each match single-process training at the same global batch and seed, and a
-checkpoint saved at one layout resumes at others."""
+checkpoint saved at one layout resumes at others. The runs that share a world size share a
+torchrun launch (the ``runs`` fixture)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.parallel.torchrun import torchrun_env
+from tests.parallel.torchrun import run_train_many, torchrun_env
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.parallel.dims import ParallelDims
@@ -82,20 +83,63 @@ def reference(tmp_path_factory, small_data):
     return ref
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc, layout", [
-    (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]),  # DDP
-    (2, ["--parallel.dp_shard", "-1"]),  # FSDP2
-    (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),  # HSDP 2x2
+# (nproc, layout) of each data-parallel parity case.
+DP_CASES = {
+    "ddp2": (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]),
+    "fsdp2": (2, ["--parallel.dp_shard", "-1"]),
+    "hsdp2x2": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),
     # DDP with the chunked loss (3 chunks per rank, the last one short) against the plain loss
-    (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--training.loss_chunk_tokens", "48"]),
-], ids=["ddp2", "fsdp2", "hsdp2x2", "ddp2-chunked-loss"])
-def test_data_parallel_matches_single_process(tmp_path, small_data, reference, nproc, layout):
-    run_dir = tmp_path / "run"
-    r = run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // nproc), *layout))
+    "ddp2-chunked-loss": (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+                              "--training.loss_chunk_tokens", "48"]),
+}
+TP_CASES = {"tp2": (2, ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
+            "fsdp2xtp2": (4, ["--parallel.tp", "2", "--parallel.dp_shard", "2"])}
+RESHARD_TO = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_data):
+    """Every multi-process training run of this file that succeeds, in three torchrun launches
+    instead of ten (tests/parallel/workers/cli_many.py: each run through the real CLI, one after
+    another on the same ranks). Returns (root: run directories by name, name -> that run's
+    CompletedProcess). A launch costs more than a 6-step debug run on 2 cores."""
+    root = tmp_path_factory.mktemp("dp_runs")
+
+    def fresh(name, nproc, layout, *extra):
+        dp = nproc // 2 if "--parallel.tp" in layout else nproc
+        return ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
+                "--training.batch_size", str(GLOBAL_BATCH // dp), *layout, *extra]
+
+    cases = {**DP_CASES, **TP_CASES}
+    # 4 processes: the 4-process parity cases, and the HSDP 2x2 run interrupted at step 3
+    # (test_checkpoint_saved_at_one_layout_resumes_at_others).
+    done = run_train_many(4, {**{n: fresh(n, *c) for n, c in cases.items() if c[0] == 4},
+                              "hsdp-to-3": fresh("hsdp-to-3", *DP_CASES["hsdp2x2"], "--training.steps", "3")})
+    shutil.copytree(root / "hsdp-to-3", root / "resume2")
+    # 2 processes: the 2-process parity cases (fsdp2 keeps every checkpoint: it is also the
+    # uninterrupted run of test_distributed_resume_at_the_same_layout_is_bit_identical), and
+    # the HSDP checkpoint resumed as FSDP2 on 2 processes.
+    done |= run_train_many(2, {**{n: fresh(n, *c, *(["--checkpoint.keep_last", "5"] if n == "fsdp2" else []))
+                                  for n, c in cases.items() if c[0] == 2},
+                               "resume2": ["--resume", str(root / "resume2"), "--training.steps", "6",
+                                           "--training.batch_size", "4", *RESHARD_TO]})
+    # The FSDP2 run resumed at its own layout from its step-3 checkpoint.
+    shutil.copytree(root / "fsdp2", root / "fsdp2-resumed")
+    shutil.rmtree(root / "fsdp2-resumed" / "checkpoints" / "step_0000006")
+    done |= run_train_many(2, {"fsdp2-resumed": ["--resume", str(root / "fsdp2-resumed")]})
+    return root, done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DP_CASES))
+def test_data_parallel_matches_single_process(runs, reference, case):
+    root, done = runs
+    nproc, layout = DP_CASES[case]
+    run_dir = root / case
+    assert done[case].returncode == 0
     # The startup summary names the data-parallel kind the layout resolved to.
     kind = "HSDP over 2 x 2 ranks" if nproc == 4 else "FSDP2 over 2 ranks" if "-1" in layout else "DDP over 2 ranks"
-    assert f"layout: {kind}" in r.stderr
+    assert f"layout: {kind}" in done[case].stderr
     assert_same_training(run_dir, reference)
     assert (run_dir / "checkpoints" / "step_0000006" / dckpt.SHARDED_DIR).is_dir()
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
@@ -103,28 +147,24 @@ def test_data_parallel_matches_single_process(tmp_path, small_data, reference, n
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_at_one_layout_resumes_at_others(tmp_path, small_data, reference):
+def test_checkpoint_saved_at_one_layout_resumes_at_others(tmp_path, runs, reference):
     """HSDP 2x2 on 4 processes, interrupted at step 3; resumed on 1 process and on
     2 processes (FSDP2): both continue with the reference's losses and weights."""
-    base = tmp_path / "hsdp"
-    run(train_cmd(4, base, small_data, "--training.batch_size", "2", "--parallel.dp_replicate", "2",
-                  "--parallel.dp_shard", "2", "--training.steps", "3"))
+    root, done = runs
+    base = root / "hsdp-to-3"
+    assert done["hsdp-to-3"].returncode == 0 and done["resume2"].returncode == 0
     # The saved config holds the old layout; a resume at another layout overrides it.
-    other = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
-    for nproc, extra in ((1, ["--training.batch_size", "8", *other]), (2, ["--training.batch_size", "4", *other])):
-        run_dir = tmp_path / f"resume{nproc}"
-        shutil.copytree(base, run_dir)
-        launcher = [sys.executable, "-m", "trainforge"] if nproc == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "trainforge"]
-        run([*launcher, "train", "--resume", str(run_dir), "--training.steps", "6", *extra])
-        # Full state at step 3 reshards identically into one process.
-        if nproc == 1:
-            w3 = weights(base / "checkpoints" / "step_0000003")
-            ref3 = weights(reference / "checkpoints" / "step_0000003")
-            for k in ref3:
-                torch.testing.assert_close(w3[k], ref3[k], atol=WEIGHT_ATOL, rtol=0)
-        assert_same_training(run_dir, reference)
+    run_dir = tmp_path / "resume1"
+    shutil.copytree(base, run_dir)
+    run([sys.executable, "-m", "trainforge", "train", "--resume", str(run_dir), "--training.steps", "6",
+         "--training.batch_size", "8", *RESHARD_TO])
+    # Full state at step 3 reshards identically into one process.
+    w3 = weights(base / "checkpoints" / "step_0000003")
+    ref3 = weights(reference / "checkpoints" / "step_0000003")
+    for k in ref3:
+        torch.testing.assert_close(w3[k], ref3[k], atol=WEIGHT_ATOL, rtol=0)
+    assert_same_training(run_dir, reference)
+    assert_same_training(root / "resume2", reference)
 
 
 @pytest.mark.slow
@@ -158,29 +198,22 @@ def test_layout_must_fit_the_model():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, layout", [
-    (2, ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
-    (4, ["--parallel.tp", "2", "--parallel.dp_shard", "2"]),
-], ids=["tp2", "fsdp2xtp2"])
-def test_tensor_parallel_training_matches_single_process(tmp_path, small_data, reference, nproc, layout):
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tensor_parallel_training_matches_single_process(runs, reference, case):
     """TP through the trainer (sequence + loss parallel), alone and under FSDP2."""
-    run_dir = tmp_path / "run"
-    dp = nproc // 2
-    run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // dp), *layout))
-    assert_same_training(run_dir, reference)
+    root, done = runs
+    assert done[case].returncode == 0
+    assert_same_training(root / case, reference)
 
 
 @pytest.mark.slow
-def test_distributed_resume_at_the_same_layout_is_bit_identical(tmp_path, small_data):
+def test_distributed_resume_at_the_same_layout_is_bit_identical(runs):
     """FSDP2 x 2: a run resumed from its step-3 sharded checkpoint reproduces the
     uninterrupted run exactly (losses and final weights), as single-process runs do."""
-    full = tmp_path / "full"
-    run(train_cmd(2, full, small_data, "--training.batch_size", "4", "--checkpoint.keep_last", "5"))
-    resumed = tmp_path / "resumed"
-    shutil.copytree(full, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_0000006")
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
-         "train", "--resume", str(resumed)])
+    root, done = runs
+    full, resumed = root / "fsdp2", root / "fsdp2-resumed"
+    assert done["fsdp2-resumed"].returncode == 0
+    assert "step_0000003" in done["fsdp2-resumed"].stderr  # it resumed, from step 3
     assert losses(resumed) == losses(full)
     a = weights(full / "checkpoints" / "step_0000006")
     b = weights(resumed / "checkpoints" / "step_0000006")

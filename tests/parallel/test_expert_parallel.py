@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, assert_same_losses, losses, run, weights
-from tests.parallel.torchrun import WORKERS, run_torchrun
+from tests.parallel.torchrun import WORKERS, run_torchrun, run_train_many
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS
 from trainforge.parallel.dims import ParallelDims
@@ -74,13 +74,42 @@ def reference(tmp_path_factory, small_data):
     return ref
 
 
+EP_INT8 = ["--parallel.ep", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
+           "--compression.codec", "int8", "--compression.warmup_steps", "3"]
+EP_LAYOUTS = {  # (batch per rank, layout) on 4 processes
+    "ep2-fsdp4": (2, ["--parallel.dp_shard", "4"]),  # edp 2: expert grads summed over two ranks each
+    "ep2-fsdp2-pp2": (4, ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.pp_split", "0,2"]),
+}
+
+
+def fresh_args(run_dir, data, batch: int, *extra: str) -> list[str]:
+    return ["--run_dir", str(run_dir), "--data.path", str(data), *COMMON, "--training.batch_size", str(batch), *extra]
+
+
 @pytest.fixture(scope="module")
-def ep2_run(tmp_path_factory, small_data):
-    """2 processes, ep 2 (FSDP2 over dp_shard 2 for the non-expert parameters)."""
-    run_dir = tmp_path_factory.mktemp("ep2") / "run"
-    r = run(train_cmd(2, run_dir, small_data, "--training.batch_size", "4", "--parallel.ep", "2"))
-    assert "layout: FSDP2 over 2 ranks, EP 2" in r.stderr
-    return run_dir
+def runs2(tmp_path_factory, small_data):
+    """The 2-process runs from scratch in ONE torchrun launch (tests/parallel/workers/cli_many.py):
+    ep 2 (FSDP2 over dp_shard 2 for the non-expert parameters) and ep 2 under int8-compressed DDP.
+    Returns (root: run directories by name, name -> CompletedProcess)."""
+    root = tmp_path_factory.mktemp("ep_runs2")
+    return root, run_train_many(2, {"ep2": fresh_args(root / "ep2", small_data, 4, "--parallel.ep", "2"),
+                                    "ep-int8": fresh_args(root / "ep-int8", small_data, 4, *EP_INT8)})
+
+
+@pytest.fixture(scope="module")
+def ep2_run(runs2):
+    root, done = runs2
+    assert done["ep2"].returncode == 0
+    assert "layout: FSDP2 over 2 ranks, EP 2" in done["ep2"].stderr
+    return root / "ep2"
+
+
+@pytest.fixture(scope="module")
+def runs4(tmp_path_factory, small_data):
+    """The 4-process layouts of test_ep_layouts_match_single_process in ONE launch."""
+    root = tmp_path_factory.mktemp("ep_runs4")
+    return root, run_train_many(4, {n: fresh_args(root / n, small_data, b, "--parallel.ep", "2", *layout)
+                                    for n, (b, layout) in EP_LAYOUTS.items()})
 
 
 @pytest.mark.slow
@@ -98,14 +127,11 @@ def test_ep2_matches_single_process(reference, ep2_run):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, batch, layout", [
-    (4, 2, ["--parallel.dp_shard", "4"]),  # edp 2: expert grads summed over two ranks each
-    (4, 4, ["--parallel.pp", "2", "--parallel.dp_shard", "2", "--parallel.pp_split", "0,2"]),
-], ids=["ep2-fsdp4", "ep2-fsdp2-pp2"])
-def test_ep_layouts_match_single_process(tmp_path, small_data, reference, nproc, batch, layout):
-    run_dir = tmp_path / "run"
-    run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(batch), "--parallel.ep", "2", *layout))
-    assert_biases_moved(assert_same_training(run_dir, reference))
+@pytest.mark.parametrize("case", list(EP_LAYOUTS))
+def test_ep_layouts_match_single_process(runs4, reference, case):
+    root, done = runs4
+    assert done[case].returncode == 0
+    assert_biases_moved(assert_same_training(root / case, reference))
 
 
 @pytest.mark.slow
@@ -152,15 +178,14 @@ def test_ep_not_fitting_the_model_is_refused():
 
 
 @pytest.mark.slow
-def test_ep_composes_with_gradient_compression(tmp_path, small_data, reference):
+def test_ep_composes_with_gradient_compression(runs2, reference):
     """ep 2 with DDP for the non-expert parameters, whose gradients are int8-compressed
     from step 4 on (the expert gradients are reduced apart, in full precision): the same
     training as the reference until compression starts (losses and step-3 weights: the
     DDP parity case), close after."""
-    run_dir = tmp_path / "run"
-    run(train_cmd(2, run_dir, small_data, "--training.batch_size", "4", "--parallel.ep", "2",
-                  "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--compression.codec", "int8",
-                  "--compression.warmup_steps", "3"))
+    root, done = runs2
+    run_dir = root / "ep-int8"
+    assert done["ep-int8"].returncode == 0
     got, want = losses(run_dir), losses(reference)
     assert sorted(got) == list(range(1, 7))
     for s in got:

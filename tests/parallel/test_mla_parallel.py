@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.test_data_parallel import GLOBAL_BATCH, assert_same_training, run, train_cmd
+from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, assert_same_training, run, train_cmd
+from tests.parallel.torchrun import run_train_many
 
 # The debug flavor with latent attention (dense feed-forwards: MoE + TP is refused).
 MLA = ["--model.q_lora_rank", "32", "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
@@ -21,13 +22,33 @@ def mla_reference(tmp_path_factory, small_data):
     return ref
 
 
+LAYOUTS = {  # (nproc, dp, layout)
+    "tp2": (2, 1, ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
+    "fsdp2xtp2": (4, 2, ["--parallel.tp", "2", "--parallel.dp_shard", "2"]),
+    "pp2": (2, 1, ["--parallel.pp", "2", "--parallel.dp_shard", "1", "--parallel.microbatches", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, small_data):
+    """Runs the layouts of one world size in ONE torchrun launch (tests/parallel/workers/cli_many.py),
+    when a test first needs that world size. Returns (root, nproc -> {name: CompletedProcess})."""
+    root = tmp_path_factory.mktemp("mla_runs")
+    made: dict[int, dict] = {}
+
+    def get(nproc: int) -> dict:
+        if nproc not in made:
+            made[nproc] = run_train_many(nproc, {
+                name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
+                       "--training.batch_size", str(GLOBAL_BATCH // dp), *MLA, *layout]
+                for name, (n, dp, layout) in LAYOUTS.items() if n == nproc})
+        return made[nproc]
+    return root, get
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, dp, layout", [
-    (2, 1, ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
-    (4, 2, ["--parallel.tp", "2", "--parallel.dp_shard", "2"]),
-    (2, 1, ["--parallel.pp", "2", "--parallel.dp_shard", "1", "--parallel.microbatches", "2"]),
-], ids=["tp2", "fsdp2xtp2", "pp2"])
-def test_mla_parallel_training_matches_single_process(tmp_path, small_data, mla_reference, nproc, dp, layout):
-    run_dir = tmp_path / "run"
-    run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // dp), *MLA, *layout))
-    assert_same_training(run_dir, mla_reference)
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_mla_parallel_training_matches_single_process(launches, mla_reference, case):
+    root, get = launches
+    assert get(LAYOUTS[case][0])[case].returncode == 0
+    assert_same_training(root / case, mla_reference)

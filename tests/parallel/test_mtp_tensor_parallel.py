@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import GLOBAL_BATCH, LOSS_RTOL, assert_same_training, run, train_cmd
+from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, LOSS_RTOL, assert_same_training, run, train_cmd
+from tests.parallel.torchrun import run_train_many
 from tests.parallel.test_mla_parallel import MLA
 from trainforge.monitor.jsonl import read_jsonl
 
@@ -44,15 +45,39 @@ def references(tmp_path_factory, small_data):
     return get
 
 
+CASES = {  # (nproc, dp, model, layout)
+    "tp2": (2, 1, "dense", ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
+    "fsdp2xtp2": (4, 2, "dense", ["--parallel.tp", "2", "--parallel.dp_shard", "2"]),
+    "mla-tp2": (2, 1, "mla", ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
+}
+
+
+def model_args(model: str) -> tuple[list[str], int]:
+    return (DENSE, 2) if model == "dense" else (MLA_MTP, 1)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, small_data):
+    """Runs the cases of one world size in ONE torchrun launch (tests/parallel/workers/cli_many.py),
+    when a test first needs that world size. Returns (root, nproc -> {name: CompletedProcess})."""
+    root = tmp_path_factory.mktemp("mtp_tp_runs")
+    made: dict[int, dict] = {}
+
+    def get(nproc: int) -> dict:
+        if nproc not in made:
+            made[nproc] = run_train_many(nproc, {
+                name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
+                       "--training.batch_size", str(GLOBAL_BATCH // dp), *model_args(model)[0], *layout]
+                for name, (n, dp, model, layout) in CASES.items() if n == nproc})
+        return made[nproc]
+    return root, get
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, dp, model, layout", [
-    (2, 1, "dense", ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
-    (4, 2, "dense", ["--parallel.tp", "2", "--parallel.dp_shard", "2"]),
-    (2, 1, "mla", ["--parallel.tp", "2", "--parallel.dp_shard", "1"]),
-], ids=["tp2", "fsdp2xtp2", "mla-tp2"])
-def test_mtp_tensor_parallel_training_matches_single_process(tmp_path, small_data, references, nproc, dp, model,
-                                                             layout):
-    extra, depth = (DENSE, 2) if model == "dense" else (MLA_MTP, 1)
-    run_dir = tmp_path / "run"
-    run(train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // dp), *extra, *layout))
-    assert_same_mtp_training(run_dir, references(model, extra), depth)
+@pytest.mark.parametrize("case", list(CASES))
+def test_mtp_tensor_parallel_training_matches_single_process(launches, references, case):
+    root, get = launches
+    nproc, _, model, _ = CASES[case]
+    extra, depth = model_args(model)
+    assert get(nproc)[case].returncode == 0
+    assert_same_mtp_training(root / case, references(model, extra), depth)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tests.parallel.test_data_parallel import assert_same_training, run, train_cmd
-from tests.parallel.torchrun import WORKERS, with_worker
+from tests.parallel.test_data_parallel import COMMON, assert_same_training, run, train_cmd
+from tests.parallel.torchrun import WORKERS, run_train_many, with_worker
 from trainforge.monitor.jsonl import read_jsonl
 
 LAYERS = ["--model.n_layers", "4"]  # interleaved / V schedules need 2 stages per rank
@@ -23,15 +23,31 @@ def reference4(tmp_path_factory, small_data):
     return ref
 
 
+SCHEDULES = [("gpipe", 2), ("1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 4), ("dualpipev", 4)]
+PP2 = [*LAYERS, "--parallel.pp", "2", "--parallel.dp_shard", "1"]
+
+
+@pytest.fixture(scope="module")
+def pp2_runs(tmp_path_factory, small_data):
+    """Every 2-process pipelined run of this file that starts from scratch through the
+    plain CLI, in ONE torchrun launch (tests/parallel/workers/cli_many.py: one after another
+    on the same 2 ranks): one per schedule, and the run test_pipelined_checkpoint_resumes_in_one_process
+    resumes. Returns (root: run directories by name, name -> CompletedProcess)."""
+    root = tmp_path_factory.mktemp("pp2_runs")
+    common = ["--data.path", str(small_data), *COMMON, "--training.batch_size", "8", *PP2]
+    runs = {s: ["--run_dir", str(root / s), *common, "--parallel.pp_schedule", s, "--parallel.microbatches", str(m),
+                "--parallel.pp_split", "even"] for s, m in SCHEDULES}
+    runs["pp-resumable"] = ["--run_dir", str(root / "pp-resumable"), *common, "--parallel.microbatches", "2",
+                            "--training.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5"]
+    return root, run_train_many(2, runs)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 2), ("1f1b", 2), ("interleaved-1f1b", 4),
-                                                    ("zbv", 4), ("dualpipev", 4)])
-def test_pipeline_schedule_matches_single_process(tmp_path, small_data, reference4, schedule, microbatches):
-    run_dir = tmp_path / "run"
-    r = run(train_cmd(2, run_dir, small_data, "--training.batch_size", "8", *LAYERS, "--parallel.pp", "2",
-                      "--parallel.dp_shard", "1", "--parallel.pp_schedule", schedule,
-                      "--parallel.microbatches", str(microbatches), "--parallel.pp_split", "even"))
-    assert r.returncode == 0
+@pytest.mark.parametrize("schedule", [s for s, _ in SCHEDULES])
+def test_pipeline_schedule_matches_single_process(pp2_runs, reference4, schedule):
+    root, done = pp2_runs
+    run_dir = root / schedule
+    assert done[schedule].returncode == 0
     assert_same_training(run_dir, reference4)
     records = [x for x in read_jsonl(run_dir / "metrics.jsonl") if "loss" in x]
     assert all(0 <= x["bubble_fraction"] < 1 for x in records)
@@ -61,11 +77,11 @@ def test_dp2_tp2_pp2_on_8_processes_matches_single_process_and_reshards(tmp_path
 
 
 @pytest.mark.slow
-def test_pipelined_checkpoint_resumes_in_one_process(tmp_path, small_data, reference4):
+def test_pipelined_checkpoint_resumes_in_one_process(tmp_path, pp2_runs, reference4):
+    root, done = pp2_runs
+    assert done["pp-resumable"].returncode == 0
     base = tmp_path / "pp"
-    run(train_cmd(2, base, small_data, "--training.batch_size", "8", *LAYERS, "--parallel.pp", "2",
-                  "--parallel.dp_shard", "1", "--parallel.microbatches", "2", "--training.steps", "6",
-                  "--checkpoint.interval", "3", "--checkpoint.keep_last", "5"))
+    shutil.copytree(root / "pp-resumable", base)
     shutil.rmtree(base / "checkpoints" / "step_0000006")  # as if interrupted after step 3
     run([sys.executable, "-m", "trainforge", "train", "--resume", str(base), "--parallel.pp", "1"])
     assert_same_training(base, reference4)

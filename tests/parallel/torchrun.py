@@ -4,7 +4,9 @@ One thread per process: two threads per process collapse when several share 2 co
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +35,40 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout_s: float = 
         raise AssertionError(f"torchrun {script} x{nproc} failed (rc {r.returncode}):\n"
                              f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-6000:]}")
     return r
+
+
+def run_train_many(nproc: int, runs: dict[str, list[str]], timeout_s: float = 600.0
+                   ) -> dict[str, subprocess.CompletedProcess]:
+    """Several ``trainforge train`` argument lists (``runs``: name -> the arguments after
+    ``train``) in ONE torchrun launch of ``nproc`` ranks (workers/cli_many.py), one after
+    another through the real CLI. Returns, per name, that run's exit code and its part of
+    the launch's stdout and stderr, as if it had been launched alone. Fails (showing the
+    launch's output) if the launch fails or a run did not finish."""
+    order = [[name, ["train", *args]] for name, args in runs.items()]
+    r = run_torchrun(WORKERS / "cli_many.py", nproc, json.dumps(order), timeout_s=timeout_s, check=False)
+    out, err = _split_runs(r.stdout), _split_runs(r.stderr)
+    missing = [name for name in runs if name not in out or out[name][1] is None]
+    if r.returncode != 0 or missing:
+        raise AssertionError(f"torchrun cli_many x{nproc} failed (rc {r.returncode}; unfinished: {missing}):\n"
+                             f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-8000:]}")
+    return {name: subprocess.CompletedProcess(["train", *args], out[name][1], out[name][0], err[name][0])
+            for name, args in runs.items()}
+
+
+def _split_runs(text: str) -> dict[str, tuple[str, int | None]]:
+    """cli_many's output, cut at its marks: name -> (the run's text, exit code or None)."""
+    parts: dict[str, tuple[str, int | None]] = {}
+    name, lines = None, []
+    for line in text.splitlines(keepends=True):
+        m = re.match(r"@@cli_many (begin|end) (\S+)(?: (-?\d+))?$", line.strip())
+        if m is None:
+            lines.append(line)
+        elif m[1] == "begin":
+            name, lines = m[2], []
+            parts[name] = ("", None)
+        else:
+            parts[m[2]] = ("".join(lines), int(m[3]))
+            name, lines = None, []
+    if name is not None:  # a run that did not end: keep what it printed
+        parts[name] = ("".join(lines), None)
+    return parts

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -67,15 +68,25 @@ def iter_documents(files: list[Path], text_field: str = "text") -> Iterator[str]
                 yield text
 
 
+# Directories left out of the built-in corpus wherever they appear under the stdlib root.
+_CORPUS_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
+
+
 def default_corpus_files() -> list[Path]:
-    """The standard library's .py files, without tests and site-packages (~12 MB on 3.11)."""
+    """The standard library's .py files, without tests and site-packages (~12 MB on 3.11).
+
+    The excluded directories are pruned while walking, not filtered afterwards: under
+    pyenv or a system Python, site-packages sits inside the stdlib root and can hold
+    thousands more files than the stdlib (a filtered ``rglob`` took 0.5-1 s of every ``trainforge
+    train`` start). Same list, same order as ``sorted(root.rglob("*.py"))`` minus the
+    excluded directories: symlinked directories are not descended into (as ``rglob``),
+    and a matching name is kept whatever kind of entry it is (as ``rglob``)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
-    for f in sorted(root.rglob("*.py")):
-        rel = f.relative_to(root).parts
-        if any(part in ("site-packages", "dist-packages", "test", "tests", "idle_test") for part in rel):
-            continue
-        files.append(f)
+    for top, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _CORPUS_EXCLUDED_DIRS]
+        files.extend(Path(top, n) for n in (*names, *dirs) if n.endswith(".py"))
+    files.sort()  # Path order (part by part), which is rglob's sorted order
     if not files:
         raise DataError(f"built-in corpus: no Python sources under {root}; set data.path to prepared data")
     return files
