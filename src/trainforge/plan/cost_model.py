@@ -44,7 +44,8 @@ matrices).
 What overlaps. DP traffic hides behind compute except one block's share (the first
 all-gather and the last bucket's reduce wait for nobody) and whatever exceeds the compute
 time; on a cluster with ``comm_overlaps_compute`` False (a measured CPU with processes >=
-cores: gloo's threads take the cores the compute needs) all of it is added to the step. Compressed collectives run blocking in the hooks (``compression/collective.py``)
+cores: gloo's threads take the cores the compute needs) all of it is added to the step.
+Compressed collectives run blocking in the hooks (``compression/collective.py``)
 and the expert-gradient all-reduce runs after backward: exposed. TP and EP are exposed (no
 async TP) and sit inside each stage's time, so they stretch the pipeline too. Of the PP
 transfers, those on the fill-and-drain critical path are exposed (2 x (stages - 1)); the
@@ -57,7 +58,7 @@ state once per step. Attention: flash attention on a causal mask does half the s
 value products at roughly half the GEMM efficiency; counted as the full products (the
 model FLOPs) at the GEMM efficiency.
 
-CPU overheads (``Cluster``'s ``*_overhead_s``, measured by ``probe.calibrate``; 0 on the GPU
+CPU overheads (``Cluster``'s ``*_overhead_s``, measured by ``calibration.calibrate``; 0 on the GPU
 table): a fixed cost per forward + backward (per-op dispatch), the rank's share of the layers
 per pipeline microbatch, on the critical path like compute; under TP, DTensor's dispatch per
 pass and per token of the rank's shard (``tp_overhead``, apart from the collectives); and a

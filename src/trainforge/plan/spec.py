@@ -46,7 +46,7 @@ class Cluster:
     # Fraction of the dense peak a well-shaped large GEMM reaches (measured by a probe, or a
     # published figure for the GPU); the cost model multiplies peak_flops by it.
     matmul_efficiency: float = 1.0
-    # CPU time per step the FLOP and byte counts do not see, measured by ``probe.calibrate``
+    # CPU time per step the FLOP and byte counts do not see, measured by ``calibration.calibrate``
     # (0 for the GPU table): ``step_overhead_s`` once per optimizer step (the trainer's
     # clipping, bad-step guard, loss sync, logging, Python around the optimizer);
     # ``pass_overhead_s`` once per forward + backward of the whole model (per-op dispatch; a
