@@ -1,4 +1,4 @@
-"""torchrun worker (one process) of ``probe.calibrate``: the per-pass and per-step fixed costs
+"""torchrun worker of ``calibration.calibrate``: the per-pass and per-step fixed costs
 of one model on this CPU, plain and with every parameter a DTensor (the tensor-parallel plan
 on a one-rank mesh), written as JSON. Not a command on its own:
 
