@@ -59,7 +59,7 @@ TRAINER_STEPS, TRAINER_LOG_INTERVAL = 12, 4  # three logging windows; the first 
 
 @dataclass(frozen=True)
 class Calibration:
-    """The figures ``fit_calibration`` derives (module docstring), for one process alone."""
+    """The figures ``fit_calibration`` derives (module docstring) for one cluster's process count."""
 
     matmul_efficiency: float
     step_overhead_s: float
