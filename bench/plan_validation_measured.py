@@ -5,14 +5,21 @@ few steps with the real trainer under torchrun (gloo, one thread per process); t
 step time is the median after the warm-up steps (tokens per step / the per-step
 ``tokens_per_s`` of ``metrics.jsonl``; every step is its own logging window, so the trainer
 runs with its per-window profiler and memory tracking off: ``_plan_validation_worker.py``). The prediction is ``cost_model.estimate`` for the
-same workload and layout on ``probe.measured_cluster(N)``, N the layout's process count.
-Reported: the relative error per layout (target within 25%) and whether the measured-fastest
+same workload and layout on ``probe.measured_cluster(N)``, N the layout's process count
+("predicted"), and on the same cluster calibrated to the workload ("calibrated":
+``plan/calibration.py``: one-process trainer and model runs plus N-process contention,
+measured once before the layouts, never fitted to them). Reported: the relative error per layout (target within 25%) and whether the measured-fastest
 layout is among the two the cost model ranks first.
 
 Every training run holds ``/tmp/cpu.lock`` (the probe takes it itself), so on a shared
 machine no other heavy job runs at the same time; the load average is recorded per run.
 
     python bench/plan_validation_measured.py [--steps 12] [--warmup 4] [--json out.json]
+    python bench/plan_validation_measured.py --only "DDP 2,TP 2" --json part.json   # a few layouts
+    python bench/plan_validation_measured.py --reuse out.json   # predict again on saved measurements
+
+Each locked job (a layout's run, the calibration) stays under 5 minutes; ``--reuse`` keeps the
+saved measurements and calibration samples and only predicts again (seconds).
 """
 
 from __future__ import annotations
@@ -143,33 +150,26 @@ def measure(case: Case, steps: int, warmup: int, max_other_cores: float = 0.25, 
     return best
 
 
-def predict(case: Case, clusters: dict, calibrated: dict) -> dict:
+def predict(case: Case, clusters: dict, calibrated: dict, calibration: dict) -> dict:
+    """The case's estimate on ``measured_cluster(N)`` (uncalibrated) and on the same cluster
+    calibrated (``plan/calibration.py``: one-process runs of the workload's model, measured
+    once per table and shared by every N; ``calibration["samples"]`` when reused)."""
     from trainforge.plan import cost_model
-    from trainforge.plan.probe import calibrate, measured_cluster
+    from trainforge.plan.calibration import calibrate, measure_samples
+    from trainforge.plan.probe import measured_cluster
 
     n = case.n_procs
     if n not in clusters:
         clusters[n] = measured_cluster(n)
-        # One calibration for every layout (a property of the CPU and the model's shapes, not
-        # of N): the model's forward + backward at the 2-way data-parallel micro-batch on one
-        # thread, against the first profile's lone-process rate (probe.calibrate).
-        if "efficiency" not in calibrated:
-            calibrated["step_s"] = measure_train_step_s(workload(), GLOBAL_BATCH // 2)
-            first = calibrate(clusters[n], workload(), GLOBAL_BATCH // 2, step_s=calibrated["step_s"])
-            calibrated["efficiency"] = first.matmul_efficiency
-            calibrated["source"] = first.sources["matmul_efficiency"]
-        calibrated[n] = dataclasses.replace(clusters[n], matmul_efficiency=calibrated["efficiency"])
+        if "samples" not in calibration:
+            calibration["samples"] = measure_samples(workload(), n_procs=sorted({c.n_procs for c in CASES}))
+        calibrated[n] = calibrate(clusters[n], workload(), calibration["samples"])
+        calibration.setdefault("source", calibrated[n].sources["matmul_efficiency"].split("; x ")[0])
     est = cost_model.estimate(workload(), case.layout, clusters[n])
     cal = cost_model.estimate(workload(), case.layout, calibrated[n])
     return {"predicted_step_s": est.step_s, "calibrated_step_s": cal.step_s, "feasible": est.feasible,
             "why": est.why, "breakdown": {k: v for k, v in est.breakdown.items() if k.endswith("_s")},
             "calibrated_breakdown": {k: v for k, v in cal.breakdown.items() if k.endswith("_s")}}
-
-
-def measure_train_step_s(w: Workload, batch_size: int) -> float:
-    from trainforge.plan.probe import measure_train_step_s as measure_step
-
-    return measure_step(w, batch_size)
 
 
 def _rank(rows: list[dict], key: str) -> None:
@@ -178,17 +178,19 @@ def _rank(rows: list[dict], key: str) -> None:
 
 
 def measured_table(steps: int = 12, warmup: int = 4, cases=CASES, measure_fn=measure, log=print,
-                   reuse: dict | None = None) -> dict:
+                   reuse: dict | None = None, calibration_samples: dict | None = None) -> dict:
     """Rows of (layout, processes, measured s, predicted s, relative error; the same
     calibrated), the cost model's ranking of the measured layouts, and whether the
     measured-fastest is in its top 2. ``reuse``: {layout name: row} of an earlier run whose
-    measurements are kept (only the predictions are made again)."""
+    measurements are kept (only the predictions are made again); ``calibration_samples``:
+    that run's calibration measurement (else it is measured now)."""
     clusters: dict = {}
     calibrated: dict = {}
+    calibration: dict = {"samples": calibration_samples} if calibration_samples else {}
     rows = []
     for case in cases:
         row = {"layout": case.name, "n_procs": case.n_procs, **dataclasses.asdict(case.layout)}
-        row.update(predict(case, clusters, calibrated))
+        row.update(predict(case, clusters, calibrated, calibration))
         if reuse and case.name in reuse:
             row.update({k: reuse[case.name][k] for k in ("measured_step_s", "step_s_samples", "wall_s",
                                                            "load_1min", "other_cores")})
@@ -207,11 +209,12 @@ def measured_table(steps: int = 12, warmup: int = 4, cases=CASES, measure_fn=mea
     fastest = min(rows, key=lambda r: r["measured_step_s"])
     out = {"rows": rows, "measured_fastest": fastest["layout"], "workload": f"{FLAVOR}, seq_len {SEQ_LEN}, "
            f"global batch {GLOBAL_BATCH}, fp32, 1 thread per process", "steps": steps, "warmup": warmup,
-           "calibration_step_s": calibrated.get("step_s"), "calibration": calibrated.get("source"),
+           "calibration_samples": calibration.get("samples"), "calibration": calibration.get("source"),
            "clusters": {n: {"fp32_flops_per_s": c.peak_flops["fp32"], "memory_bytes_per_s":
                             c.memory_bandwidth_bytes_per_s, "link_bandwidth_bytes_per_s": c.intra.bandwidth_bytes_per_s,
                             "link_latency_s": c.intra.latency_s, "link_source": c.intra.source,
-                            "calibrated_matmul_efficiency": calibrated[n].matmul_efficiency}
+                            "comm_overlaps_compute": c.comm_overlaps_compute,
+                            **{k: getattr(calibrated[n], k) for k in CALIBRATED_FIELDS}}
                         for n, c in clusters.items()}}
     for key in ("predicted", "calibrated"):
         errors = [abs(r[f"{'rel' if key == 'predicted' else 'calibrated_rel'}_error"]) for r in rows]
@@ -219,6 +222,25 @@ def measured_table(steps: int = 12, warmup: int = 4, cases=CASES, measure_fn=mea
                     "within_25pct": sum(e <= 0.25 for e in errors),
                     "fastest_in_top2": fastest[f"{key}_rank"] <= 2}
     return out
+
+
+CALIBRATED_FIELDS = ("matmul_efficiency", "step_overhead_s", "pass_overhead_s", "tp_pass_overhead_s",
+                     "tp_token_overhead_s", "tp_step_overhead_s")
+# What each term of the calibrated estimate contributed (cost_model breakdown keys, seconds per step).
+TERMS = (("compute", "compute_s"), ("mem-bound", "memory_bound_s"), ("optimizer", "optimizer_s"),
+         ("tp comm", "tp_comm_s"), ("dp comm", "dp_comm_s"), ("bubble", "bubble_s"),
+         ("pass ovh", "pass_overhead_s"), ("step ovh", "step_overhead_s"), ("exposed comm", "exposed_comm_s"))
+
+
+def format_terms(result: dict) -> str:
+    """Per layout, the calibrated estimate's parts in ms (dp comm: all of it; exposed comm:
+    what the step pays of tp + dp + pp traffic)."""
+    lines = [f"{'layout':<22} " + " ".join(f"{name:>9}" for name, _ in TERMS) + f" {'total':>7}"]
+    for r in result["rows"]:
+        b = r["calibrated_breakdown"]
+        lines.append(f"{r['layout']:<22} " + " ".join(f"{b.get(k, 0.0) * 1e3:>9.0f}" for _, k in TERMS)
+                     + f" {r['calibrated_step_s'] * 1e3:>7.0f}")
+    return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:
@@ -247,10 +269,13 @@ def main() -> None:
                                                   "predict again (after a cost model change)")
     a = ap.parse_args()
     cases = [c for c in CASES if not a.only or c.name in a.only.split(",")]
-    reuse = {r["layout"]: r for r in json.loads(Path(a.reuse).read_text())["rows"]} if a.reuse else None
+    old = json.loads(Path(a.reuse).read_text()) if a.reuse else {}
+    reuse = {r["layout"]: r for r in old["rows"]} if a.reuse else None
     result = measured_table(a.steps, a.warmup, cases, log=lambda m: print(m, file=sys.stderr, flush=True),
-                            reuse=reuse)
+                            reuse=reuse, calibration_samples=old.get("calibration_samples"))
     print(format_table(result))
+    print(format_terms(result))
+    print(f"calibration: {result['calibration']}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1))
 

@@ -159,20 +159,3 @@ def test_two_process_probe_measures_this_machine(tmp_path, monkeypatch):
         assert statistics.median(errors) < 0.6 and max(errors) < 1.5, (op, errors)
     monkeypatch.setattr(probe, "run_probe", lambda *a, **k: pytest.fail("probed again despite the cache"))
     assert probe.measured_cluster(2) == c
-
-
-def test_calibration_scales_the_matmul_rate_to_the_models_measured_step():
-    """A measured forward + backward twice the cost model's compute (+ memory-bound) time
-    halves the efficiency; estimates on the calibrated cluster then replay that time."""
-    c = probe.cluster_from_profile(_profile(n=2))
-    w = Workload(model=FLAVORS["debug"], seq_len=32, global_batch=4, precision="fp32", flavor="debug")
-    solo = dataclasses.replace(c, n_gpus=1, gpus_per_node=1, peak_flops={"fp32": c.solo["fp32_flops_per_s"]},
-                               memory_bandwidth_bytes_per_s=c.solo["memory_bytes_per_s"])
-    b = estimate(w, Layout(), solo).breakdown
-    cal = probe.calibrate(c, w, batch_size=4, step_s=2 * b["compute_s"] + b["memory_bound_s"])
-    assert cal.matmul_efficiency == pytest.approx(0.5, rel=1e-6)
-    assert "debug forward + backward" in cal.sources["matmul_efficiency"]
-    cal_b = estimate(w, Layout(), dataclasses.replace(cal, n_gpus=1, gpus_per_node=1,
-                                                      peak_flops=solo.peak_flops,
-                                                      memory_bandwidth_bytes_per_s=solo.memory_bandwidth_bytes_per_s)).breakdown
-    assert cal_b["compute_s"] == pytest.approx(2 * b["compute_s"], rel=1e-6)

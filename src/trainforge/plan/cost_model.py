@@ -48,7 +48,9 @@ matrices).
 
 What overlaps. DP traffic hides behind compute except one block's share (the first
 all-gather and the last bucket's reduce wait for nobody) and whatever exceeds the compute
-time. Compressed collectives run blocking in the hooks (``compression/collective.py``)
+time; on a cluster with ``comm_overlaps_compute`` False (a measured CPU with processes >=
+cores: gloo's threads take the cores the compute needs) all of it is added to the step.
+Compressed collectives run blocking in the hooks (``compression/collective.py``)
 and the expert-gradient all-reduce runs after backward: exposed. TP and EP sit inside each
 stage's time, so they stretch the pipeline too; EP and, under the eager stacks (no async
 TP), TP are exposed; the ``megatron`` stack overlaps TP as Transformer Engine's userbuffers
@@ -66,8 +68,15 @@ vocab-parallel one), at HBM bandwidth, beside the GEMMs (not overlapped); AdamW 
 state once per step. The stack's byte factors apply on clusters with a kernel table only (a
 measured cluster's calibration holds its own).
 
-step_s = micro-steps x (stage compute + memory-bound + TP + EP) / (1 - bubble) + exposed
-PP + exposed DP + expert reduce + optimizer. bubble: the schedule's own action list replayed (``pipeline_sim``).
+CPU overheads (``Cluster``'s ``*_overhead_s``, measured by ``calibration.calibrate``; 0 on the GPU
+table): a fixed cost per forward + backward (per-op dispatch), the rank's share of the layers
+per pipeline microbatch, on the critical path like compute; under TP, DTensor's dispatch per
+pass and per token of the rank's shard (``tp_overhead``, apart from the collectives); and a
+fixed cost per optimizer step (the trainer's clipping, guard, loss sync and logging; DTensor's
+clipping and AdamW under TP).
+
+step_s = micro-steps x ((stage compute + memory-bound + TP + EP + pass overheads) / (1 - bubble)
++ exposed PP + exposed DP) + expert reduce + optimizer + step overhead. bubble: the schedule's own action list replayed (``pipeline_sim``).
 MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]).
 """
 
@@ -252,7 +261,15 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         else:
             compressed = cm.all_reduce_s(rep_values * wire, rep_size, rep_link)
         edp_size, edp_link = links["edp"]
-        exposed_dp = max(0.0, hidden_dp - compute - memory_bound) + hidden_dp / max(1, len(layers)) + compressed
+        exposed_dp = (max(0.0, hidden_dp - compute - memory_bound) + hidden_dp / max(1, len(layers))
+                      if cluster.comm_overlaps_compute else hidden_dp) + compressed
+        # CPU time the counts do not see (Cluster's *_overhead_s; 0 for the GPU table): a pass's
+        # fixed cost for this rank's share of the layers, m passes per micro-step; under tp DTensor's
+        # dispatch on top (per pass, and per token of the rank's shard): a term apart from tp_comm.
+        share = len(layers) / cfg.n_layers
+        tp_overhead = m * share * (cluster.tp_pass_overhead_s + mb_tokens / tp * cluster.tp_token_overhead_s) \
+            if tp > 1 else 0.0
+        pass_overhead = m * share * cluster.pass_overhead_s + tp_overhead
         # AdamW once per step: reads parameters, gradients and both moments, writes all but the gradients.
         optimizer_s = params_local * (pb.param + pb.grad + 2 * pb.optimizer_state + pb.master) * 1.75 \
             / cluster.memory_bandwidth_bytes_per_s
@@ -261,6 +278,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
                      "ep_comm_s": ep_comm, "dp_comm_s": hidden_dp + compressed, "exposed_dp_s": exposed_dp,
                      "expert_grad_comm_s": cm.all_reduce_s(experts_local * pb.grad, edp_size, edp_link),
                      "busy_s": compute + memory_bound + tp_comm + ep_comm})
+        rows[-1]["pass_overhead_s"] = pass_overhead
     worst = max(rows, key=lambda r: r["busy_s"])  # the slowest rank paces the pipeline
     fullest = max(rows, key=lambda r: r["memory_bytes"])
     memory = fullest["memory_bytes"]
@@ -276,8 +294,10 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     bubble_s = micro * (makespan - worst["busy_s"])
     exposed_comm = micro * (worst["tp_comm_s"] + worst["ep_comm_s"] + pp_exposed + worst["exposed_dp_s"]) \
         + worst["expert_grad_comm_s"]
-    step_s = (micro * (makespan + pp_exposed + worst["exposed_dp_s"]) + worst["expert_grad_comm_s"]
-              + max(r["optimizer_s"] for r in rows))
+    overhead = worst["pass_overhead_s"] / (1 - bubble) if bubble < 1 else math.inf  # on the critical path, as compute
+    step_overhead = cluster.step_overhead_s + (cluster.tp_step_overhead_s if tp > 1 else 0.0)
+    step_s = (micro * (makespan + overhead + pp_exposed + worst["exposed_dp_s"]) + worst["expert_grad_comm_s"]
+              + max(r["optimizer_s"] for r in rows) + step_overhead)
     model_flops = table.model_flops_per_token * workload.global_batch * s
     n = layout.n_gpus
     # Times of the slowest rank per step; bytes of the fullest rank.
@@ -286,6 +306,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     breakdown["optimizer_s"] = max(r["optimizer_s"] for r in rows)
     breakdown.update({k: v for k, v in fullest.items() if k.endswith("_bytes")})
     breakdown["expert_grad_comm_s"] = worst["expert_grad_comm_s"]
+    breakdown["step_overhead_s"] = step_overhead
     breakdown.update(pp_comm_s=micro * pp_total, bubble_s=bubble_s, exposed_comm_s=exposed_comm,
                      microbatch_tokens=float(mb_tokens), batch_size=float(batch_size),
                      peak_in_flight=float(profile.peak_in_flight), model_flops=model_flops)

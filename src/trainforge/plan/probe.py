@@ -18,6 +18,12 @@ are each process's share, as a training job sees them):
   formulas (``fit_tier``: its all-reduce charges 2 log2(k) latencies, not one), so the cost
   model reads the figures it was measured for.
 
+With as many processes as cores or more, ``comm_overlaps_compute`` is False: gloo's
+collective threads need the cores every rank computes on, so "overlapped" data-parallel
+traffic is in fact added to the step. ``calibration.py`` adds what a step costs beyond the
+FLOP and byte counts for one workload (matmul efficiency at its shapes, fixed CPU costs per
+pass and per step, DTensor's dispatch), from short one-process runs of its model.
+
 The profile is cached as JSON (``machine_profile.json`` in the cache directory) keyed by CPU
 model, core count, torch version and process count: the probe takes tens of seconds, the
 machine does not change between runs. Every probe holds an exclusive lock on ``PROBE_LOCK``
@@ -35,7 +41,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +51,7 @@ import torch
 from trainforge.errors import TrainforgeError
 from trainforge.json_cache import read_json_cache, write_json_cache
 from trainforge.plan.probe_worker import OPS
-from trainforge.plan.spec import Cluster, Layout, LinkTier, Workload
+from trainforge.plan.spec import Cluster, LinkTier
 
 CACHE_FILE = "machine_profile.json"
 PROFILE_VERSION = 2  # bump when the worker measures differently: older cache entries are re-probed
@@ -232,6 +237,8 @@ def cluster_from_profile(profile: dict) -> MeasuredCluster:
     else:  # one process: nothing to communicate with
         tier = LinkTier(math.inf, 0.0, "one process: no links")
     shared = f"{n} processes at once, {s['threads']} thread each"
+    cores = int(s.get("cpu_count") or os.cpu_count() or 1)
+    overlaps = n < cores  # a spare core for gloo's threads while every rank computes
     sources = {
         "peak_flops": f"{when}: {s['matmul_n']}^3 matmul, best of the windows, {shared} "
                       f"(fp32 alone: {s['matmul_fp32_solo_flops_per_s'] / 1e9:.1f} GFLOP/s)",
@@ -242,12 +249,15 @@ def cluster_from_profile(profile: dict) -> MeasuredCluster:
         "cpu_model": profile["cpu_model"], "cpu_flags": profile["cpu_flags"],
         "cpu_key_flags": " ".join(f for f in _KEY_FLAGS if f in profile["cpu_flags"].split()),
         "bf16": profile["bf16_reason"], "probe_s": f"{s['probe_s']:.1f}",
+        "comm_overlaps_compute": (f"{when}: {n} processes on {cores} cores: " + (
+            "collectives hide behind compute" if overlaps else "gloo's threads take the cores the compute runs on, "
+            "so data-parallel traffic is added to the step, not hidden")),
     }
     return MeasuredCluster(
         name=f"measured: {profile['cpu_model']}, {n} x 1-thread processes", n_gpus=n, gpus_per_node=n,
         peak_flops=peak, memory_bytes=_mem_total_bytes() / n,
         memory_bandwidth_bytes_per_s=s["memory_bytes_per_s"], intra=tier, inter=tier, sources=sources,
-        matmul_efficiency=1.0, collectives=fits,
+        matmul_efficiency=1.0, comm_overlaps_compute=overlaps, collectives=fits,
         solo={"fp32_flops_per_s": s["matmul_fp32_solo_flops_per_s"], "memory_bytes_per_s": s["memory_solo_bytes_per_s"]})
 
 
@@ -285,56 +295,3 @@ def measured_cluster(n_procs: int, cache: bool = True) -> MeasuredCluster:
         if not cache:
             raise
         return measured_cluster(n_procs, cache=False)
-
-
-def measure_train_step_s(workload: Workload, batch_size: int, repeats: int = 3) -> float:
-    """Best wall seconds of one forward + backward of ``workload.model`` on (batch_size,
-    seq_len) random tokens, fp32, one thread, in this process (under the probe lock)."""
-    from trainforge.model import build_model
-
-    gen = torch.Generator().manual_seed(0)
-    model = build_model(dataclasses.replace(workload.model, max_seq_len=max(workload.model.max_seq_len,
-                                                                            workload.seq_len)), seed=0)
-    x = torch.randint(0, workload.model.vocab_size, (batch_size, workload.seq_len), generator=gen)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    best = math.inf
-    try:
-        with probe_lock():
-            for i in range(repeats + 1):  # the first builds oneDNN's kernels
-                t0 = time.perf_counter()
-                logits = model(x)
-                torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
-                if i:
-                    best = min(best, time.perf_counter() - t0)
-                model.zero_grad(set_to_none=True)
-    finally:
-        torch.set_num_threads(threads)
-    return best
-
-
-def calibrate(cluster: MeasuredCluster, workload: Workload, batch_size: int | None = None,
-              step_s: float | None = None) -> MeasuredCluster:
-    """``cluster`` with ``matmul_efficiency`` set from the workload's own model: the cost
-    model's compute + memory-bound time of one forward + backward on one process (at the
-    probe's lone-process rates) made equal to the measured one (``measure_train_step_s``,
-    or ``step_s``). A 1024^3 matmul is the best shape a CPU sees; a small model's GEMMs,
-    attention and dispatch overhead run well below it. Only for models that fit here."""
-    from trainforge.plan.cost_model import estimate
-
-    batch_size = batch_size or workload.global_batch
-    if step_s is None:
-        step_s = measure_train_step_s(workload, batch_size)
-    s = cluster.solo
-    solo = dataclasses.replace(cluster, n_gpus=1, gpus_per_node=1, matmul_efficiency=1.0,
-                               peak_flops={"fp32": s["fp32_flops_per_s"]},
-                               memory_bandwidth_bytes_per_s=s["memory_bytes_per_s"])
-    one = dataclasses.replace(workload, global_batch=batch_size, precision="fp32")
-    est = estimate(one, Layout(), solo)
-    compute, memory_bound = est.breakdown["compute_s"], est.breakdown["memory_bound_s"]
-    efficiency = compute / max(step_s - memory_bound, 0.1 * step_s)
-    sources = {**cluster.sources, "matmul_efficiency": (
-        f"calibrated: {workload.flavor or 'the model'} forward + backward at batch {batch_size} x "
-        f"{workload.seq_len} took {step_s * 1e3:.0f} ms on one thread; the cost model's compute "
-        f"{compute * 1e3:.0f} ms at the probe's matmul rate + memory-bound {memory_bound * 1e3:.0f} ms")}
-    return dataclasses.replace(cluster, matmul_efficiency=min(1.0, efficiency), sources=sources)

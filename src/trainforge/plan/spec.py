@@ -50,6 +50,22 @@ class Cluster:
     # shape, flash-attention speed, and the training stack's terms. "" (a measured cluster):
     # no size dependence, one matmul_efficiency for every FLOP.
     kernel_table: str = ""
+    # CPU time per step the FLOP and byte counts do not see, measured by ``calibration.calibrate``
+    # (0 for the GPU table): ``step_overhead_s`` once per optimizer step (the trainer's
+    # clipping, bad-step guard, loss sync, logging, Python around the optimizer);
+    # ``pass_overhead_s`` once per forward + backward of the whole model (per-op dispatch; a
+    # rank pays its layers' share per micro-batch and pipeline microbatch); under tensor
+    # parallelism DTensor's dispatch on top, ``tp_pass_overhead_s`` per pass of the whole model
+    # + ``tp_token_overhead_s`` per token of a rank's shard (tokens / tp), and
+    # ``tp_step_overhead_s`` per step (clipping and AdamW on DTensors).
+    step_overhead_s: float = 0.0
+    pass_overhead_s: float = 0.0
+    tp_pass_overhead_s: float = 0.0
+    tp_token_overhead_s: float = 0.0
+    tp_step_overhead_s: float = 0.0
+    # False where data-parallel traffic cannot hide behind compute: a CPU "cluster" with as many
+    # processes as cores or more, whose collective threads take the cores the compute runs on.
+    comm_overlaps_compute: bool = True
 
     @property
     def n_nodes(self) -> int:
