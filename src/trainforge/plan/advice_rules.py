@@ -521,5 +521,5 @@ def precision(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         f"matmul share {share:.0%} of the step ({'profiled' if ev.top_ops else 'assumed'}) x the probe's ratio")
 
 
-TRAIN_RULES: tuple[Rule, ...] = (memory, layout_ddp, pipeline_split, pipeline_bubble, compression, batch_size, data_wait,
-                                 profiler, monitor_cost, precision)
+TRAIN_RULES: tuple[Rule, ...] = (memory, layout_ddp, pipeline_split, pipeline_bubble, compression, batch_size,
+                                 data_wait, profiler, monitor_cost, precision)
