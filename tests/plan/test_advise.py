@@ -346,7 +346,7 @@ def test_fsdp_on_a_model_that_fits_gets_ddp_with_its_collectives_as_evidence(tmp
                    parallel_degree=TWO_RANKS_FSDP)
     advice = advise(run, ctx=ROOMY)
     s = rules(advice)["layout-ddp"]
-    assert s.changes == {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.pp": 1}
+    assert s.changes == {"parallel.dp_replicate": 2, "parallel.dp_shard": 1}
     assert "FSDP2" in s.cause and "33% of the step" in s.cause
     assert s.evidence[0].metric.startswith("comm_share") and s.evidence[0].value == pytest.approx(1 / 3)
     # DDP: the step less its collectives and optimizer + the optimizer on the whole model + the all-reduce
@@ -359,23 +359,14 @@ def test_fsdp_on_a_model_that_fits_gets_ddp_with_its_collectives_as_evidence(tmp
     assert not [x for x in advise(again, ctx=ROOMY).suggestions if x.large]
 
 
-def test_a_pipeline_on_a_model_that_fits_gets_ddp_with_the_same_global_batch(tmp_path):
+def test_a_pipeline_of_a_model_that_fits_is_not_advised_ddp(tmp_path):
+    # measured here: DDP over the 2 ranks gave the same tokens/s as the 2-stage pipeline
     run = make_run(tmp_path, {"model": {"flavor": "tiny"}, "parallel": {"pp": 2, "microbatches": 2},
                               "training": {"batch_size": 8, "seq_len": 128}},
                    step_s=0.84, bubble_fraction=0.30, stage_compute_s=[0.44, 0.56], optimizer_s=0.01,
                    parallel_degree=TWO_STAGES)
-    advice = advise(run, ctx=ROOMY)
-    found = rules(advice)
-    s = found["layout-ddp"]
-    assert s.changes == {"parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.pp": 1,
-                         "training.batch_size": 4}
-    assert "2-stage pipeline idle 30%" in s.cause and s.evidence[0].metric == "bubble_fraction"
-    ar = _tiny_grad_bytes() / 2e9 + 2e-3
-    assert s.speedup == pytest.approx(0.84 / ((0.44 + 0.56) / 2 + 2 * 0.01 + ar), rel=1e-6)
-    # tuning the pipeline it removes is shown, not applied
-    assert "pipeline-microbatches" in found and found["pipeline-microbatches"] not in advice.applied
-    assert advice.not_applied["pipeline-microbatches"] == "excluded by layout-ddp"
-    assert advice.changes == s.changes
+    found = rules(advise(run, ctx=ROOMY))
+    assert "layout-ddp" not in found and "pipeline-microbatches" in found
 
 
 def test_ddp_is_not_advised_when_the_replicated_model_would_not_fit(tmp_path):

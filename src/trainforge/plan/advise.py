@@ -7,9 +7,9 @@ ranked suggestions -> ``advised.toml`` -> the next run.
 
 Order: read evidence (``run_evidence``), run every rule (``advice_rules``, ``serve_rules``),
 rank (needed first, then predicted speedup), apply the training suggestions to the run's
-config in rank order (one whose keys an earlier one already set, or that conflicts with
-an applied one, is shown, not applied; so is one predicting under ``APPLY_MIN_SPEEDUP``,
-1.10x; nothing grows the batch once memory is short). The CLI turns ``advised`` into a validated
+config in rank order (one whose keys an earlier one already set is shown, not applied; so
+is one predicting under ``APPLY_MIN_SPEEDUP``, 1.10x; nothing grows the batch once memory
+is short). The CLI turns ``advised`` into a validated
 ``Config`` and writes it (only the CLI imports ``trainforge.config``).
 
 Resume or fresh: the next run resumes from the run's newest checkpoint only when every
@@ -73,9 +73,7 @@ def apply_changes(config: dict[str, Any], suggestions: list[Suggestion]) -> tupl
     applied: list[Suggestion] = []
     skipped: dict[str, str] = {}
     taken: dict[str, str] = {}
-    # A suggestion that excludes others (a layout without the pipeline the pipeline rules
-    # would tune) is tried first: their predictions assume the layout it removes.
-    for s in sorted(suggestions, key=lambda s: not s.conflicts):
+    for s in suggestions:
         if s.scope != "train" or not s.changes:
             continue
         if not s.auto:
@@ -90,11 +88,6 @@ def apply_changes(config: dict[str, Any], suggestions: list[Suggestion]) -> tupl
             continue
         if not s.needed and s.speedup is not None and s.speedup < APPLY_MIN_SPEEDUP:
             skipped[s.rule] = f"predicted {s.speedup:.2f}x, under the {APPLY_MIN_SPEEDUP:.2f}x a new run needs"
-            continue
-        rival = next((a for a in applied if any(s.rule.startswith(c) for c in a.conflicts)
-                      or any(a.rule.startswith(c) for c in s.conflicts)), None)
-        if rival is not None:
-            skipped[s.rule] = f"excluded by {rival.rule}"
             continue
         for key, value in s.changes.items():
             set_dotted(out, key, value)
