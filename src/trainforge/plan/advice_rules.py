@@ -72,6 +72,15 @@ MFU_LOW_SHARE_ACCUM = 0.8
 # A micro-batch under 4096 tokens leaves per-micro-batch fixed costs (Python, kernel
 # launches, hooks) a large share of the step; the advice grows it toward this size.
 TARGET_MICROBATCH_TOKENS = 4096
+# Layout: a model whose replicated states (predict.DDP_BYTES_PER_PARAM per parameter) fit
+# under MEMORY_HIGH on every rank does not need FSDP2's sharding.
+# FSDP2's collectives above 10% of the step (an all-gather per block in forward and again in
+# backward, a reduce-scatter per block: 3 passes over the parameters in many small calls,
+# exposed on CPU) against DDP's one bucketed all-reduce (2 passes).
+FSDP_COMM_SHARE = 0.10
+# The predicted gain --apply needs: below it a suggestion is shown, not applied (within
+# what a run-to-run spread of 2-3% and the predictor's own error can hide).
+APPLY_MIN_SPEEDUP = LARGE_SPEEDUP
 # A low-precision compute dtype the hardware probe measured at <= 0.8x fp32's matmul time.
 LOWP_FASTER = 0.8
 # fp16 steps the loss scaler skipped above 5%: that share of the compute is thrown away.
@@ -134,6 +143,7 @@ class Context:
     memory_limit_bytes: float | None = None
     memory_limit_source: str = ""
     capability: Any = None
+    link: Any = None  # comm_model.Link of this machine's collectives; None = predict.measured_link
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -218,6 +228,60 @@ def pipeline_bubble(ev: RunEvidence, ctx: Context) -> Suggestion | None:
             f"analytic bubble {predict.analytic_bubble(p, m, schedule):.2f} -> "
             f"{predict.analytic_bubble(p, m, 'zbv'):.2f} (zbv replayed action list), measured excess kept")
     return None
+
+
+# ------------------------------------------------------------------------ layout
+
+
+def layout_ddp(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+    """FSDP2 on a model that fits whole on every rank: DDP over the same ranks. The predicted
+    DDP step keeps what the run measured outside FSDP2's collectives (its own CPU overhead
+    included, so the prediction errs low) and adds the optimizer over the whole model and
+    the gradient all-reduce, counted whole, at this machine's measured link
+    (``predict.ddp_step_s``).
+
+    Not for pipelines: a 2-stage pipeline of `tiny` on 2 ranks measured the same tokens/s
+    as DDP over them (1.00x, quiet machine: each DDP rank's whole model ran 30% slower
+    than the two half models' mean), so the stage times do not predict a DDP step here."""
+    world, shard, rep = ev.world_size, ev.degree("dp_shard"), ev.degree("dp_replicate")
+    step, peak, limit = _step(ev), ev.max("peak_memory_bytes"), ctx.memory_limit_bytes
+    if world < 2 or shard < 2 or rep * shard != world or ev.degree("tp") != 1 or ev.degree("pp") != 1:
+        return None
+    if step is None or peak is None or not limit:
+        return None
+    shape = predict.model_shape(ev.config)
+    if shape.is_moe:
+        return None  # experts are kept out of FSDP and split by ep: not a layout this rule models
+    n_params = shape.num_params()
+    replicated = peak + predict.DDP_BYTES_PER_PARAM * n_params  # conservative: nothing FSDP2 held is freed
+    if replicated > MEMORY_HIGH * limit:
+        return None
+    coll = ev.median("collective_s")
+    share = ev.median("comm_share")
+    if coll is None and share is not None:
+        coll = share * step
+    if coll is None or coll / step < FSDP_COMM_SHARE:
+        return None
+    link, where = (ctx.link, "the given link") if ctx.link is not None else predict.measured_link(world)
+    opt = ev.median("optimizer_s") or 0.0
+    grad_bytes = 4.0 * n_params
+    compute = max(step - coll - opt, 0.0)
+    new_step = predict.ddp_step_s(compute, opt * shard, grad_bytes, world, link)
+    speedup = step / max(new_step, 1e-9)
+    if speedup < MIN_SPEEDUP:
+        return None
+    ar = predict.allreduce_s(grad_bytes, world, link)
+    return Suggestion(
+        "layout-ddp", f"DDP instead of FSDP2: parallel.dp_replicate = {world}, dp_shard = 1",
+        f"FSDP2 shards a {n_params / 1e6:.1f}M-parameter model that fits whole on each rank; its per-block "
+        f"all-gathers and reduce-scatters took {coll / step:.0%} of the step ({1e3 * coll:.0f} of "
+        f"{1e3 * step:.0f} ms)",
+        [Evidence("comm_share (FSDP2 collectives)", coll / step, FSDP_COMM_SHARE),
+         Evidence("(peak + replicated model states) / device memory", replicated / limit, MEMORY_HIGH, "<")],
+        {"parallel.dp_replicate": world, "parallel.dp_shard": 1}, speedup,
+        f"DDP step = the step less its collectives and optimizer ({1e3 * compute:.0f} ms, FSDP2's own overhead "
+        f"kept) + the optimizer on the whole model on every rank + the {grad_bytes / 2**20:.0f} MiB gradient "
+        f"all-reduce ({1e3 * ar:.0f} ms, cost model at {where}) = {1e3 * new_step:.0f} ms vs {1e3 * step:.0f} ms")
 
 
 # ------------------------------------------------------------------------ communication
@@ -433,5 +497,5 @@ def precision(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         f"matmul share {share:.0%} of the step ({'profiled' if ev.top_ops else 'assumed'}) x the probe's ratio")
 
 
-TRAIN_RULES: tuple[Rule, ...] = (memory, pipeline_split, pipeline_bubble, compression, batch_size, data_wait,
-                                 profiler, monitor_cost, precision)
+TRAIN_RULES: tuple[Rule, ...] = (memory, layout_ddp, pipeline_split, pipeline_bubble, compression, batch_size,
+                                 data_wait, profiler, monitor_cost, precision)

@@ -7,8 +7,9 @@ ranked suggestions -> ``advised.toml`` -> the next run.
 
 Order: read evidence (``run_evidence``), run every rule (``advice_rules``, ``serve_rules``),
 rank (needed first, then predicted speedup), apply the training suggestions to the run's
-config in rank order (one whose keys an earlier one already set is shown, not applied;
-nothing grows the batch once memory is short). The CLI turns ``advised`` into a validated
+config in rank order (one whose keys an earlier one already set is shown, not applied; so
+is one predicting under ``APPLY_MIN_SPEEDUP``, 1.10x; nothing grows the batch once memory
+is short). The CLI turns ``advised`` into a validated
 ``Config`` and writes it (only the CLI imports ``trainforge.config``).
 
 Resume or fresh: the next run resumes from the run's newest checkpoint only when every
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainforge.plan.advice_rules import TRAIN_RULES, Context, Suggestion
+from trainforge.plan.advice_rules import APPLY_MIN_SPEEDUP, TRAIN_RULES, Context, Suggestion
 from trainforge.plan.run_evidence import RunEvidence, ServeEvidence, read_inference, read_run
 from trainforge.plan.serve_rules import SERVE_RULES
 
@@ -84,6 +85,9 @@ def apply_changes(config: dict[str, Any], suggestions: list[Suggestion]) -> tupl
             continue
         if s.rule == "batch" and any(a.rule.startswith("memory") for a in applied):
             skipped[s.rule] = "memory is short: the batch stays"
+            continue
+        if not s.needed and s.speedup is not None and s.speedup < APPLY_MIN_SPEEDUP:
+            skipped[s.rule] = f"predicted {s.speedup:.2f}x, under the {APPLY_MIN_SPEEDUP:.2f}x a new run needs"
             continue
         for key, value in s.changes.items():
             set_dotted(out, key, value)

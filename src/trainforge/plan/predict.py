@@ -34,6 +34,14 @@ MATMUL_SHARE_DEFAULT = 0.6
 # overhead" measured a profiled `tiny` step ~2% longer. 5% is the upper end of that.
 PROFILED_STEP_SLOWDOWN = 0.05
 CODEC_BITS = {"int8": 8, "int4": 4}
+# DDP's gradient all-reduce where no measured profile of this machine is cached (``trainforge
+# plan --machine measured`` writes one): gloo over loopback on this 2-core Xeon, the probe's
+# all-reduce fit at 2 processes (machine_profile.json, 2026-12-02): 0.67 ms + 2.1 GB/s.
+ALLREDUCE_FALLBACK_LATENCY_S = 6.7e-4
+ALLREDUCE_FALLBACK_BYTES_PER_S = 2.1e9
+# Bytes per parameter a data-parallel replica holds beyond its activations: fp32 weight,
+# gradient and AdamW's two moments (16), plus DDP's gradient buckets (a second gradient copy).
+DDP_BYTES_PER_PARAM = 20
 _MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product", "mkldnn")
 
 
@@ -135,6 +143,44 @@ def wire_ratio(codec: str, block_size: int = 256) -> float:
 
 def compression_speedup(step_s: float, comm_s: float, ratio: float) -> float:
     return step_s / max(step_s - comm_s * (1 - ratio), 1e-9)
+
+
+# ------------------------------------------------------------------------ layout
+
+
+def measured_link(world: int) -> tuple[Any, str]:
+    """(``comm_model.Link``, source) of this machine's collectives at ``world`` processes:
+    the cost model's alpha-beta fit from the cached probe profile (``plan.probe``; nothing
+    is measured here), else the fallback constants above."""
+    from trainforge.plan import comm_model as cm
+
+    try:
+        from trainforge.json_cache import read_json_cache
+        from trainforge.plan import probe
+
+        profile = read_json_cache(probe.cache_path()).get(probe.machine_key(world))
+        if isinstance(profile, dict):
+            tier = probe.cluster_from_profile(profile).intra
+            return cm.Link(tier.bandwidth_bytes_per_s, tier.latency_s, "intra"), \
+                f"this machine's probe ({profile.get('date', '?')})"
+    except (ImportError, KeyError, TypeError, ValueError, OSError):
+        pass
+    return cm.Link(ALLREDUCE_FALLBACK_BYTES_PER_S, ALLREDUCE_FALLBACK_LATENCY_S, "intra"), \
+        "gloo loopback measured on a 2-core Xeon (no probe profile cached here)"
+
+
+def allreduce_s(n_bytes: float, world: int, link: Any) -> float:
+    """The cost model's ring all-reduce time (``comm_model.all_reduce_s``)."""
+    from trainforge.plan import comm_model as cm
+
+    return cm.all_reduce_s(n_bytes, world, link)
+
+
+def ddp_step_s(compute_s: float, optimizer_s: float, grad_bytes: float, world: int, link: Any) -> float:
+    """A DDP step: the compute it keeps, the optimizer over the whole model on every rank and
+    the gradient all-reduce counted whole (not overlapped with backward: on CPU gloo's
+    thread competes with the backward for the same cores)."""
+    return compute_s + optimizer_s + allreduce_s(grad_bytes, world, link)
 
 
 # ------------------------------------------------------------------------ memory
