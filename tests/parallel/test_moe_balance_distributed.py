@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, losses, run, train_cmd, weights
+from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, losses, train_cmd, weights
 from tests.parallel.torchrun import run_train_many
 from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train import dist_checkpoint as dckpt
@@ -45,13 +45,6 @@ def assert_same_balancing(run_dir, ref_dir, same_val_set=True):
         torch.testing.assert_close(a[k], b[k], atol=0 if k in biases else WEIGHT_ATOL, rtol=0, msg=k)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_data):
-    ref = tmp_path_factory.mktemp("moe_ref") / "run"
-    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *MOE))
-    return ref
-
-
 # The 2-process layouts of test_two_processes_balance_like_one.
 LAYOUTS = {
     "ddp2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1", "--training.batch_size", "2"],
@@ -76,6 +69,24 @@ def train_args(run_dir, data, *extra: str) -> list[str]:
     """The arguments after ``train`` of train_cmd (for run_train_many)."""
     cmd = train_cmd(1, run_dir, data, *extra)
     return cmd[cmd.index("train") + 1:]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, small_data):
+    """The single-process runs, in one process (cli_many without torchrun): the reference of
+    the balancing tests, and the balance-loss run accumulating 2 micro-batches of 2 rows."""
+    root = tmp_path_factory.mktemp("moe_ref")
+    done = run_train_many(1, {
+        "run": train_args(root / "run", small_data, "--training.batch_size", str(GLOBAL_BATCH), *MOE),
+        "aux": train_args(root / "aux", small_data, *AUX, "--training.batch_size", "2",
+                          "--training.grad_accum_steps", "2")})
+    assert all(r.returncode == 0 for r in done.values()), {n: r.stderr[-3000:] for n, r in done.items()}
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references / "run"
 
 
 @pytest.fixture(scope="module")
@@ -118,15 +129,14 @@ def test_sharded_checkpoint_resumes_the_bias_with_accumulation(runs, reference):
 
 
 @pytest.mark.slow
-def test_balance_loss_gradient_through_a_pipeline_is_scaled_as_the_main_loss(tmp_path, small_data, runs):
+def test_balance_loss_gradient_through_a_pipeline_is_scaled_as_the_main_loss(references, runs):
     """The batch-wise balance loss (alpha 0.1) adds its gradient inside backward, scaled by
     1 / (accumulated micro-batches x pipeline microbatches), as the main loss is: pp2 with 2
     microbatches of 2 rows gives the gradient norm of one process accumulating 2 micro-batches
     of 2 rows (the loss is computed on the same 2-row pieces, so the two runs are the same sum)."""
     root, done = runs
-    ref, pp = tmp_path / "ref", root / "aux-pp"
+    ref, pp = references / "aux", root / "aux-pp"
     assert done["aux-pp"].returncode == 0
-    run(train_cmd(1, ref, small_data, *AUX, "--training.batch_size", "2", "--training.grad_accum_steps", "2"))
     got, want = ({r["step"]: r for r in read_jsonl(d / "metrics.jsonl") if "grad_norm" in r} for d in (pp, ref))
     assert sorted(got) == sorted(want) == [1, 2]
     for step in want:
