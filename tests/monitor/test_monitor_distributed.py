@@ -1,17 +1,16 @@
 """The monitor under torchrun (gloo, CPU): sampled-step statistics of sharded
 parameters are full-tensor norms (FSDP2, TP), pipeline stages report their own layer
 groups, and the sampled profiler coexists with the trainer's communication probe.
-Each rank serves its own endpoint (prometheus_port + LOCAL_RANK) without conflict."""
+Each rank serves its own endpoint (prometheus_port + LOCAL_RANK) without conflict. The three
+2-process runs share one torchrun launch (the ``runs`` fixture)."""
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 
-from tests.parallel.torchrun import torchrun_env
+from tests.parallel.torchrun import run_train_many
 from trainforge.monitor.sinks import free_port
 from trainforge.monitor.jsonl import read_jsonl
 
@@ -22,18 +21,33 @@ COMMON = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.ste
           "--monitor.profile_every", "3"]
 
 
+LAYOUTS = {"fsdp2": ["--parallel.dp_shard", "-1"], "tp2": ["--parallel.tp", "2"],
+           "pp2": ["--parallel.pp", "2", "--parallel.pp_split", "even"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_data):
+    """The three runs in one torchrun launch (tests/parallel/workers/cli_many.py: each through
+    the real CLI, one after another on the same ranks). Endpoints: the FSDP2 run on ports P and
+    P+1 (one per rank), the TP run on P+2 and P+3, so neither can meet the other's sockets; the
+    pipeline run without, so rank 1 there has no destination at all. Returns (root: run
+    directories by name, name -> that run's CompletedProcess)."""
+    root = tmp_path_factory.mktemp("monitor_runs")
+    port = free_port(count=4)
+    endpoint = {"fsdp2": ["--monitor.prometheus_port", str(port)],
+                "tp2": ["--monitor.prometheus_port", str(port + 2)], "pp2": []}
+    return root, run_train_many(2, {
+        name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON, *layout, *endpoint[name]]
+        for name, layout in LAYOUTS.items()})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--parallel.dp_shard", "-1"], ["--parallel.tp", "2"],
-                                    ["--parallel.pp", "2", "--parallel.pp_split", "even"]], ids=["fsdp2", "tp2", "pp2"])
-def test_monitor_statistics_under_torchrun(tmp_path, small_data, layout):
-    # Endpoints on ports P and P+1 (one per rank); the pipeline case runs without, so rank 1
-    # there has no destination at all.
-    endpoint = [] if "--parallel.pp" in layout else ["--monitor.prometheus_port", str(free_port(count=2))]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "trainforge",
-           "train", "--run_dir", str(tmp_path / "run"), "--data.path", str(small_data), *COMMON, *layout, *endpoint]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=torchrun_env())
-    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    train = [x for x in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in x]
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_monitor_statistics_under_torchrun(runs, case):
+    root, done = runs
+    layout = LAYOUTS[case]
+    assert done[case].returncode == 0
+    train = [x for x in read_jsonl(root / case / "metrics.jsonl") if "loss" in x]
     assert [x["step"] for x in train] == [1, 2, 3, 4, 5, 6]
     assert all(0 < x["comm_share"] <= 1 and "collective_s" in x for x in train)
     sampled = [x for x in train if "grad_norm_group" in x]

@@ -1,12 +1,14 @@
 """QAT under data parallelism (torchrun, gloo, CPU): DDP and FSDP2 runs with fake
 quantisation from a mid-run ``qat.start_step`` match the single-process QAT run within
-the data-parallel parity tests' tolerance (``test_data_parallel.py``)."""
+the data-parallel parity tests' tolerance (``test_data_parallel.py``). Both 2-process runs
+share one torchrun launch (the ``runs`` fixture)."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.parallel.test_data_parallel import GLOBAL_BATCH, assert_same_training, run, train_cmd
+from tests.parallel.torchrun import run_train_many
 from trainforge.train import dist_checkpoint as dckpt
 
 # Steps 4..6 of the 6-step parity run are fake-quantised; group 16 divides every debug linear
@@ -21,12 +23,30 @@ def qat_reference(tmp_path_factory, small_data):
     return ref
 
 
+LAYOUTS = {"ddp2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"],
+           "fsdp2": ["--parallel.dp_shard", "-1"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_data):
+    """Both 2-process QAT runs in one torchrun launch (tests/parallel/workers/cli_many.py: each
+    through the real CLI, one after the other on the same ranks). Returns (root: run
+    directories by name, name -> that run's CompletedProcess)."""
+    root = tmp_path_factory.mktemp("qat_runs")
+
+    def args(name):  # train_cmd's arguments after ``train``
+        cmd = train_cmd(1, root / name, small_data, "--training.batch_size", str(GLOBAL_BATCH // 2), *QAT, *LAYOUTS[name])
+        return cmd[cmd.index("train") + 1:]
+
+    return root, run_train_many(2, {name: args(name) for name in LAYOUTS})
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"],
-                                    ["--parallel.dp_shard", "-1"]], ids=["ddp2", "fsdp2"])
-def test_qat_data_parallel_matches_single_process(tmp_path, small_data, qat_reference, layout):
-    run_dir = tmp_path / "run"
-    run(train_cmd(2, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH // 2), *QAT, *layout))
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_qat_data_parallel_matches_single_process(runs, qat_reference, case):
+    root, done = runs
+    run_dir = root / case
+    assert done[case].returncode == 0
     # Losses (rtol 1e-4) and final weights (atol 1e-5). Fake quantisation missing on a rank would
     # show in the weights: plain and QAT runs of this setup end 1.9e-3 apart (measured).
     assert_same_training(run_dir, qat_reference)

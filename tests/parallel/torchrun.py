@@ -43,13 +43,18 @@ def run_train_many(nproc: int, runs: dict[str, list[str]], timeout_s: float = 60
     ``train``) in ONE torchrun launch of ``nproc`` ranks (workers/cli_many.py), one after
     another through the real CLI. Returns, per name, that run's exit code and its part of
     the launch's stdout and stderr, as if it had been launched alone. Fails (showing the
-    launch's output) if the launch fails or a run did not finish."""
+    launch's output) if the launch fails or a run did not finish. ``nproc`` 1: one plain
+    process, no torchrun (as ``python -m trainforge train`` runs, no process group)."""
     order = [[name, ["train", *args]] for name, args in runs.items()]
-    r = run_torchrun(WORKERS / "cli_many.py", nproc, json.dumps(order), timeout_s=timeout_s, check=False)
+    if nproc == 1:
+        r = subprocess.run([sys.executable, str(WORKERS / "cli_many.py"), json.dumps(order)], capture_output=True,
+                           text=True, timeout=timeout_s, env=torchrun_env())
+    else:
+        r = run_torchrun(WORKERS / "cli_many.py", nproc, json.dumps(order), timeout_s=timeout_s, check=False)
     out, err = _split_runs(r.stdout), _split_runs(r.stderr)
     missing = [name for name in runs if name not in out or out[name][1] is None]
     if r.returncode != 0 or missing:
-        raise AssertionError(f"torchrun cli_many x{nproc} failed (rc {r.returncode}; unfinished: {missing}):\n"
+        raise AssertionError(f"cli_many x{nproc} failed (rc {r.returncode}; unfinished: {missing}):\n"
                              f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-8000:]}")
     return {name: subprocess.CompletedProcess(["train", *args], out[name][1], out[name][0], err[name][0])
             for name, args in runs.items()}
