@@ -27,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.ab_worktree import summarise as summary  # noqa: E402  (the same paired-ratio summary)
 
 ARGS = ["train", "--model.flavor", "debug", "--training.steps", "1", "--training.val_batches", "2",
         "--training.threads", "1", "--sample.max_new_tokens", "0", "--no_sample"]
@@ -51,11 +53,6 @@ def run_once(tree: Path, data_path: str | None, timeout_s: float) -> tuple[float
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} in {tree} failed ({p.returncode}): {p.stderr[-2000:]}")
         return wall, cpu
-
-
-def summary(xs: list[float]) -> dict[str, float]:
-    q1, med, q3 = np.percentile(xs, [25, 50, 75])
-    return {"median": float(med), "q1": float(q1), "q3": float(q3), "min": float(min(xs)), "max": float(max(xs))}
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, assert_same_training, run, train_cmd
-from tests.parallel.torchrun import run_train_many
+from tests.parallel.torchrun import launches_by_world_size
 
 # The debug flavor with latent attention (dense feed-forwards: MoE + TP is refused).
 MLA = ["--model.q_lora_rank", "32", "--model.kv_lora_rank", "32", "--model.qk_nope_head_dim", "16",
@@ -34,16 +34,10 @@ def launches(tmp_path_factory, small_data):
     """Runs the layouts of one world size in ONE torchrun launch (tests/parallel/workers/cli_many.py),
     when a test first needs that world size. Returns (root, nproc -> {name: CompletedProcess})."""
     root = tmp_path_factory.mktemp("mla_runs")
-    made: dict[int, dict] = {}
-
-    def get(nproc: int) -> dict:
-        if nproc not in made:
-            made[nproc] = run_train_many(nproc, {
-                name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
-                       "--training.batch_size", str(GLOBAL_BATCH // dp), *MLA, *layout]
-                for name, (n, dp, layout) in LAYOUTS.items() if n == nproc})
-        return made[nproc]
-    return root, get
+    return root, launches_by_world_size({
+        name: (n, ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
+                   "--training.batch_size", str(GLOBAL_BATCH // dp), *MLA, *layout])
+        for name, (n, dp, layout) in LAYOUTS.items()})
 
 
 @pytest.mark.slow

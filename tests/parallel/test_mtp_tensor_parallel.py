@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, LOSS_RTOL, assert_same_training, run, train_cmd
-from tests.parallel.torchrun import run_train_many
+from tests.parallel.torchrun import launches_by_world_size
 from tests.parallel.test_mla_parallel import MLA
 from trainforge.monitor.jsonl import read_jsonl
 
@@ -61,16 +61,10 @@ def launches(tmp_path_factory, small_data):
     """Runs the cases of one world size in ONE torchrun launch (tests/parallel/workers/cli_many.py),
     when a test first needs that world size. Returns (root, nproc -> {name: CompletedProcess})."""
     root = tmp_path_factory.mktemp("mtp_tp_runs")
-    made: dict[int, dict] = {}
-
-    def get(nproc: int) -> dict:
-        if nproc not in made:
-            made[nproc] = run_train_many(nproc, {
-                name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
-                       "--training.batch_size", str(GLOBAL_BATCH // dp), *model_args(model)[0], *layout]
-                for name, (n, dp, model, layout) in CASES.items() if n == nproc})
-        return made[nproc]
-    return root, get
+    return root, launches_by_world_size({
+        name: (n, ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
+                   "--training.batch_size", str(GLOBAL_BATCH // dp), *model_args(model)[0], *layout])
+        for name, (n, dp, model, layout) in CASES.items()})
 
 
 @pytest.mark.slow

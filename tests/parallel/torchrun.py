@@ -60,6 +60,19 @@ def run_train_many(nproc: int, runs: dict[str, list[str]], timeout_s: float = 60
             for name, args in runs.items()}
 
 
+def launches_by_world_size(runs: dict[str, tuple[int, list[str]]]):
+    """``get(nproc)``: every run of ``runs`` (name -> (world size, train args)) with that world
+    size, made in ONE launch (``run_train_many``) the first time a test asks for it, then kept.
+    A module fixture returns it so each parametrized test checks its own run."""
+    made: dict[int, dict] = {}
+
+    def get(nproc: int) -> dict:
+        if nproc not in made:
+            made[nproc] = run_train_many(nproc, {name: args for name, (n, args) in runs.items() if n == nproc})
+        return made[nproc]
+    return get
+
+
 def _split_runs(text: str) -> dict[str, tuple[str, int | None]]:
     """cli_many's output, cut at its marks: name -> (the run's text, exit code or None)."""
     parts: dict[str, tuple[str, int | None]] = {}
