@@ -83,6 +83,7 @@ MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]).
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 from trainforge.errors import ConfigError
 from trainforge.plan import comm_model as cm
@@ -114,8 +115,8 @@ def codec_bytes_per_value(codec: str, dim: int) -> float:
 
 def layout_problem(workload: Workload, layout: Layout) -> str:
     """Why ``layout`` cannot run ``workload`` (the trainer's own checks, their messages), or ""."""
+    from trainforge.parallel.apply import check_pipeline_layout
     from trainforge.parallel.dims import ParallelDims
-    from trainforge.parallel.pipeline import check_pipeline_config
 
     cfg = workload.model
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "microbatches", "grad_accum_steps"):
@@ -131,14 +132,10 @@ def layout_problem(workload: Workload, layout: Layout) -> str:
         if rem or per_rank < 1:
             return (f"global batch {workload.global_batch} is not a multiple of dp x grad_accum_steps = "
                     f"{layout.dp} x {layout.grad_accum_steps}")
-        if layout.pp > 1 and cfg.is_hourglass:
-            # the trainer refuses pp_split = auto for hourglass models (its profile times full-rate
-            # blocks) and the planner writes no explicit split: a pipeline layout would not start
-            return ("parallel.pp > 1 on an hourglass model needs an explicit parallel.pp_split that keeps "
-                    "each shortening on one stage; the planner does not place hourglass stages")
         if layout.pp > 1:
-            check_pipeline_config(cfg.n_layers, layout.pp, layout.pp_schedule, layout.microbatches,
-                                  batch_size=per_rank, tie_embeddings=cfg.tie_embeddings, mtp_depth=cfg.mtp_depth)
+            # the trainer's own pipeline check, on the config the planner writes (no pp_split: auto)
+            check_pipeline_layout(cfg, dims, SimpleNamespace(pp_split="auto", pp_schedule=layout.pp_schedule,
+                                                             microbatches=layout.microbatches), per_rank)
         elif layout.microbatches != 1:
             return f"parallel.microbatches = {layout.microbatches} without a pipeline (pp = 1): use 1"
     except ConfigError as e:
