@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainforge.plan import comm_model as cm
 from trainforge.plan import predict
 from trainforge.plan.run_evidence import RunEvidence
 
@@ -266,11 +267,11 @@ def layout_ddp(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     opt = ev.median("optimizer_s") or 0.0
     grad_bytes = 4.0 * n_params
     compute = max(step - coll - opt, 0.0)
-    new_step = predict.ddp_step_s(compute, opt * shard, grad_bytes, world, link)
+    ar = cm.all_reduce_s(grad_bytes, world, link)
+    new_step = predict.ddp_step_s(compute, opt * shard, ar)
     speedup = step / max(new_step, 1e-9)
     if speedup < MIN_SPEEDUP:
         return None
-    ar = predict.allreduce_s(grad_bytes, world, link)
     return Suggestion(
         "layout-ddp", f"DDP instead of FSDP2: parallel.dp_replicate = {world}, dp_shard = 1",
         f"FSDP2 shards a {n_params / 1e6:.1f}M-parameter model that fits whole on each rank; its per-block "

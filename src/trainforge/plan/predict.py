@@ -169,18 +169,11 @@ def measured_link(world: int) -> tuple[Any, str]:
         "gloo loopback measured on a 2-core Xeon (no probe profile cached here)"
 
 
-def allreduce_s(n_bytes: float, world: int, link: Any) -> float:
-    """The cost model's ring all-reduce time (``comm_model.all_reduce_s``)."""
-    from trainforge.plan import comm_model as cm
-
-    return cm.all_reduce_s(n_bytes, world, link)
-
-
-def ddp_step_s(compute_s: float, optimizer_s: float, grad_bytes: float, world: int, link: Any) -> float:
+def ddp_step_s(compute_s: float, optimizer_s: float, allreduce_s: float) -> float:
     """A DDP step: the compute it keeps, the optimizer over the whole model on every rank and
-    the gradient all-reduce counted whole (not overlapped with backward: on CPU gloo's
-    thread competes with the backward for the same cores)."""
-    return compute_s + optimizer_s + allreduce_s(grad_bytes, world, link)
+    the gradient all-reduce (the cost model's ``comm_model.all_reduce_s``) counted whole (not
+    overlapped with backward: on CPU gloo's thread competes with the backward for the same cores)."""
+    return compute_s + optimizer_s + allreduce_s
 
 
 # ------------------------------------------------------------------------ memory
