@@ -177,11 +177,16 @@ def test_health_stays_ok_under_load_and_metrics_report(server):
     engine = server.engine
     wait_idle(engine)
     results = []
+    enough = threading.Event()  # set once /health has been checked often enough while the batch ran
 
     def client():
-        r = server.http.post("/v1/completions", json={"prompt": "import", "max_tokens": 100, "temperature": 1.0,
-                                                      "seed": 2, "ignore_eos": True})
-        results.append(r.status_code)
+        # Request after request until the checker has seen enough: how long one batch of 100
+        # tokens lasts depends on the machine (a fast one finished it within one check), so
+        # the load is held until the checks are done, not for a fixed number of tokens.
+        while not enough.is_set():
+            r = server.http.post("/v1/completions", json={"prompt": "import", "max_tokens": 100, "temperature": 1.0,
+                                                          "seed": 2, "ignore_eos": True})
+            results.append(r.status_code)
 
     threads = [threading.Thread(target=client) for _ in range(4)]  # a full batch (more could see 429)
     for t in threads:
@@ -190,25 +195,27 @@ def test_health_stays_ok_under_load_and_metrics_report(server):
     while engine.load() < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     latencies, busy = [], []
+    deadline = time.monotonic() + 60
     with httpx.Client(base_url=server.url, timeout=5) as health:  # no key needed
-        while any(t.is_alive() for t in threads):
+        while sum(b >= 2 for b in busy) < 20 and time.monotonic() < deadline:
             busy.append(engine.load())
             t0 = time.perf_counter()
             r = health.get("/health")
             latencies.append(time.perf_counter() - t0)
             assert r.status_code == 200 and r.json()["status"] == "ok"
+    enough.set()
     for t in threads:
         t.join()
-    assert results == [200] * 4
-    assert sum(b >= 2 for b in busy) >= 3, busy  # checks that ran while the engine was decoding a batch
+    assert results == [200] * len(results) and len(results) >= 4, results
+    assert sum(b >= 2 for b in busy) >= 20, busy  # checks that ran while the engine was decoding a batch
     assert max(latencies) < 1.0, latencies
     # /metrics: the monitoring registry's names (monitor/catalog.py) and values that add up.
     metrics = read_exposition(server.http.get("/metrics").text, drop_labels=())
     s = engine.stats()
-    assert metrics['trainforge_inference_generated_tokens_total{rank="0"}'] == s["generated_tokens"] >= 400
-    assert metrics['trainforge_inference_requests_finished_total{rank="0",reason="length"}'] >= 4
+    assert metrics['trainforge_inference_generated_tokens_total{rank="0"}'] == s["generated_tokens"] >= 100 * len(results)
+    assert metrics['trainforge_inference_requests_finished_total{rank="0",reason="length"}'] >= len(results)
     assert metrics['trainforge_kv_cache_block_utilization_ratio{rank="0"}'] == 0.0  # all requests done
     assert metrics['trainforge_kv_cache_blocks_capacity{rank="0"}'] == engine.pool.usable_blocks
-    assert metrics['trainforge_inference_time_to_first_token_seconds_count{rank="0"}'] >= 4
+    assert metrics['trainforge_inference_time_to_first_token_seconds_count{rank="0"}'] >= len(results)
     assert metrics['trainforge_http_requests_total{path="/health",rank="0",status="200"}'] >= len(latencies)
-    print(json.dumps({"health_latency_max_s": round(max(latencies), 4), "load_during_checks": busy}))
+    print(json.dumps({"health_latency_max_s": round(max(latencies), 4), "checks": len(busy), "requests": len(results)}))
