@@ -196,16 +196,18 @@ def test_health_stays_ok_under_load_and_metrics_report(server):
         time.sleep(0.01)
     latencies, busy = [], []
     deadline = time.monotonic() + 60
-    with httpx.Client(base_url=server.url, timeout=5) as health:  # no key needed
-        while sum(b >= 2 for b in busy) < 20 and time.monotonic() < deadline:
-            busy.append(engine.load())
-            t0 = time.perf_counter()
-            r = health.get("/health")
-            latencies.append(time.perf_counter() - t0)
-            assert r.status_code == 200 and r.json()["status"] == "ok"
-    enough.set()
-    for t in threads:
-        t.join()
+    try:
+        with httpx.Client(base_url=server.url, timeout=5) as health:  # no key needed
+            while sum(b >= 2 for b in busy) < 20 and time.monotonic() < deadline:
+                busy.append(engine.load())
+                t0 = time.perf_counter()
+                r = health.get("/health")
+                latencies.append(time.perf_counter() - t0)
+                assert r.status_code == 200 and r.json()["status"] == "ok"
+    finally:  # a failed check must stop the clients, not leave them (and the test) running
+        enough.set()
+        for t in threads:
+            t.join()
     assert results == [200] * len(results) and len(results) >= 4, results
     assert sum(b >= 2 for b in busy) >= 20, busy  # checks that ran while the engine was decoding a batch
     assert max(latencies) < 1.0, latencies
