@@ -142,10 +142,6 @@ def _train(argv: list[str]) -> int:
     if summary.get("early_stopped"):
         print(f"stopped early at step {summary['step']}: {summary['stop_reason']}")
     sample = code == exit_codes.COMPLETED and s.max_new_tokens and not a.no_sample and trainer.dims.world_size == 1
-    if sample and trainer.model_config.is_hourglass:
-        # The engine refuses hourglass models (no cached decoding yet, model/hourglass.py).
-        print("sample: skipped (the inference engine cannot decode hourglass models yet)")
-        sample = False
     if sample:
         from trainforge.infer.generate import SamplingParams, generate_text
 

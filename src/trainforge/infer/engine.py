@@ -127,6 +127,12 @@ class Engine:
         config.validate()
         if drafter is not None and config.compile:
             raise ValueError("compile: the speculative step runs the plain forward; drop --compile or --speculative")
+        if model.cfg.is_hourglass and (drafter is not None or config.compile):
+            from trainforge.errors import ConfigError
+
+            raise ConfigError(f"model.hourglass = {model.cfg.hourglass!r}: an hourglass model decodes with the plain "
+                              f"engine step only ({'speculative decoding' if drafter is not None else 'compile'} "
+                              "is not supported for it); drop --speculative / --compile")
         self.drafter = drafter
         # Slots a row may hold past its budget: a speculative step writes k drafts ahead.
         self.lookahead = config.num_speculative_tokens if drafter is not None else 0
@@ -144,6 +150,7 @@ class Engine:
         n_blocks = config.n_blocks or R * -(-(self.max_context + self.lookahead) // bs) + 1
         self.pool = KVPool.for_model(cfg, n_blocks, bs, emb.dtype, self.device)
         self.runner = ModelRunner(model, self.pool, R, self.max_context, lookahead=self.lookahead)
+        self.hourglass = self.runner.hourglass  # an hourglass model's shortened depths (hourglass_pools.py)
         self.sampler = BatchSampler(R, cfg.vocab_size, self.device)
         self.sync_interval = config.sync_interval_steps or (1 if self.device.type == "cpu" else 8)
         if drafter is not None:
@@ -273,7 +280,8 @@ class Engine:
                     return
                 req = self._waiting[0]
                 total = len(req.prompt_ids) + req.params.max_new_tokens + self.lookahead
-                if not self.pool.can_reserve(total):
+                if not self.pool.can_reserve(total) or (self.hourglass is not None
+                                                         and not self.hourglass.can_reserve(total)):
                     return  # FIFO: the head waits for blocks, nothing overtakes it
                 self._waiting.popleft()
                 row = len(self._rows)  # under the lock: load() never misses a request in between
@@ -282,6 +290,8 @@ class Engine:
             T = len(req.prompt_ids)
             self.pool.add(req.id, total)
             slots = self.pool.append_slots(req.id, T)
+            if self.hourglass is not None:
+                self.hourglass.add(req.id, row, total, T)
             self.counters["peak_batch"] = max(self.counters["peak_batch"], len(self._rows))
             t0 = time.perf_counter()
             tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
@@ -339,6 +349,8 @@ class Engine:
                        (self._bias, rows * cols)):
             buf.push(n)
         t0 = time.perf_counter()
+        if self.hourglass is not None:  # the shortened depths' rows this step (never compiled)
+            self.hourglass.set_decode([req.id for req in self._rows], pos[:B])
         logits = self.runner.decode(B, S)
         tokens = self.runner.tokens[:B]
         lp = self.sampler.sample(logits, 0, tokens)  # the next step's inputs, written in place
@@ -428,6 +440,8 @@ class Engine:
     def _remove_row(self, row: int) -> None:
         req = self._rows[row]
         self.pool.free(req.id)
+        if self.hourglass is not None:
+            self.hourglass.free(req.id)
         req.row = None
         last = len(self._rows) - 1
         if row != last:
@@ -441,11 +455,15 @@ class Engine:
             self.sampler.move_row(last, row)
             if self.drafter is not None:
                 self.drafter.move_row(last, row)
+            if self.hourglass is not None:
+                self.hourglass.move_row(last, row)
         else:
             self.sampler.clear_row(row)
         self._rows.pop()
         self._index_rows[last] = self._pad_index
         self._bias_rows[last] = -np.inf
+        if self.hourglass is not None:
+            self.hourglass.clear_row(last)
 
     # -- outputs ----------------------------------------------------------------------------
 
@@ -541,11 +559,22 @@ class Engine:
 
     # -- reporting --------------------------------------------------------------------------
 
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.pool.nbytes + (self.hourglass.nbytes if self.hourglass is not None else 0)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Pool bytes a token of sequence takes (an hourglass model's shortened depths store
+        one entry per ``rate`` tokens)."""
+        return self.pool.bytes_per_token + (self.hourglass.bytes_per_token() if self.hourglass is not None else 0)
+
     def stats(self) -> dict[str, Any]:
         c = self.counters
         return {**c, "running": len(self._rows), "waiting": len(self._waiting),
                 "decode_tokens_per_s": c["generated_tokens"] / c["decode_s"] if c["decode_s"] else 0.0,
-                "kv_pool": self.pool.utilisation(), "kv_pool_bytes": self.pool.nbytes,
+                "kv_pool": self.pool.utilisation(), "kv_pool_bytes": self.kv_pool_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token,
                 "workspace_bytes": self.runner.workspace_bytes, "compile_s": self.compile_s,
                 "fusions": self.fusions, "quant_kernels": self.kernels,
                 **(self.spec_stats.as_dict(self.drafter) if self.drafter is not None else {})}

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainforge.model.attention_cache import cache_layout
+from trainforge.model.attention_cache import cache_layout, cached_layers
 
 
 class PoolExhausted(RuntimeError):
@@ -74,9 +74,10 @@ class KVPool:
     @classmethod
     def for_model(cls, cfg, n_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu") -> KVPool:
-        """A pool shaped for ``cfg`` (``cache_layout``: GQA keys and values, or MLA's latent)."""
+        """A pool shaped for ``cfg`` (``cache_layout``: GQA keys and values, or MLA's latent;
+        an hourglass model's full-rate blocks only, ``cached_layers``)."""
         layout = cache_layout(cfg)
-        return cls(cfg.n_layers, layout.heads, layout.k_width, n_blocks, block_size, dtype, device,
+        return cls(cached_layers(cfg), layout.heads, layout.k_width, n_blocks, block_size, dtype, device,
                    v_width=layout.v_width)
 
     # -- capacity ---------------------------------------------------------------------------

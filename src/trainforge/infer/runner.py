@@ -32,6 +32,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from trainforge.infer.hourglass_pools import HourglassPools
 from trainforge.infer.kv_pool import KVPool
 from trainforge.model.attention_cache import PagedCache
 from trainforge.model.fast_decode import FastDecoder
@@ -53,6 +54,14 @@ class ModelRunner:
         self.context_slots = -(-(max_context + lookahead) // pool.block_size) * pool.block_size
         self.device = model.tok_embeddings.weight.device
         self.cache = PagedCache(pool.k, pool.v, max_rows, self.context_slots, max_tokens_per_row=lookahead + 1)
+        # What the model attends through: the paged cache, or for an hourglass model the
+        # HourglassCache around it and the shortened depths' pools (hourglass_pools.py).
+        self.hourglass: HourglassPools | None = None
+        self.model_cache = self.cache
+        if cfg.is_hourglass:
+            self.hourglass = HourglassPools(cfg, self.cache, max_rows, max_context, pool.n_blocks, pool.block_size,
+                                            pool.k.dtype, self.device)
+            self.model_cache = self.hourglass.cache
         # Decode inputs, filled by the engine (host views of these on CPU).
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=self.device)
@@ -77,6 +86,7 @@ class ModelRunner:
             c = self._vcache
             own += self._verifier.nbytes + sum(t.nbytes for t in (self._vtokens, self._vpositions, c.slots, c.gather,
                                                                    c.bias))
+        own += self.hourglass.cache.nbytes if self.hourglass is not None else 0
         return own + (self.decoder.nbytes if self.decoder is not None else 0)
 
     # -- decode -----------------------------------------------------------------------------
@@ -97,7 +107,7 @@ class ModelRunner:
     def _forward_decode(self, B: int, S: int) -> torch.Tensor:
         """The model's plain forward on one token per row, attending through the paged cache."""
         self.cache.set_decode(B, S)
-        return self.model(self.tokens[:B, None], self.positions[:B, None], self.cache)[:, 0]
+        return self.model(self.tokens[:B, None], self.positions[:B, None], self.model_cache)[:, 0]
 
     @torch.no_grad()
     def verify(self, tokens: torch.Tensor, positions: torch.Tensor, S: int, hidden: bool = False):
@@ -147,9 +157,9 @@ class ModelRunner:
         positions = torch.arange(T, device=tokens.device)
         rows = None if all_logits else slice(T - 1, T)
         if hidden:
-            logits, h = self.model(tokens[None], positions, self.cache, return_hidden=True)
+            logits, h = self.model(tokens[None], positions, self.model_cache, return_hidden=True)
             return logits[0, rows or slice(None)], h[0]
-        return self.model(tokens[None], positions, self.cache, output_rows=rows)[0]
+        return self.model(tokens[None], positions, self.model_cache, output_rows=rows)[0]
 
     # -- torch.compile ----------------------------------------------------------------------
 

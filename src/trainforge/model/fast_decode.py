@@ -213,7 +213,10 @@ class FastDecoder:
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """Whether every module on the decode path has ``decode_calls``."""
+        """Whether every module on the decode path has ``decode_calls`` (an hourglass trunk's
+        shortenings have none: it decodes through the plain forward)."""
+        if getattr(model, "hourglass", None) is not None:
+            return False
         return all(hasattr(m, "decode_calls") for b in model.layers.values() for m in (
             b, b.attention_norm, b.attention, b.ffn_norm, b.feed_forward)) and hasattr(model.norm, "decode_calls")
 

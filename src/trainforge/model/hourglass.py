@@ -26,17 +26,18 @@ same linear map applied once per shortened position instead of k times.
 
 Rotary positions of shortened tokens: shortened token j gets rotary position j, its group
 index at the shortened rate, with tables over the stage's own head dim (d / r / n_heads).
-So a shortened stage is an ordinary causal LM over ceil(T/k) tokens at unit spacing, and a
-decode cache for it (issue 22, "Inference") stores one entry per k tokens at positions
-0, 1, 2, ... . Full-rate stages keep the model's tables.
+So a shortened stage is an ordinary causal LM over ceil(T/k) tokens at unit spacing, and its
+decode cache stores one entry per k tokens at positions 0, 1, 2, ... . Full-rate stages keep
+the model's tables.
 
-Not done yet: decoding with an attention cache (the middle stage would run once every k
-tokens with its own cache). ``Transformer.forward`` refuses a cache or explicit positions
-for an hourglass model and ``attention_cache.cache_layout`` refuses to size a pool for one,
-so the inference engine stops at construction instead of producing wrong tokens.
+Decoding (``hourglass_cache.py``, driven by the engine through ``infer/hourglass_pools.py``):
+``forward`` with an ``HourglassCache`` runs the same modules, the middle stages once every k
+tokens per sequence, each depth attending through its own paged pool at its rate.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,9 @@ from torch import nn
 from trainforge.model.config import ModelConfig
 from trainforge.model.hourglass_spec import shortening_spans
 from trainforge.model.rope import rope_tables
+
+if TYPE_CHECKING:
+    from trainforge.model.hourglass_cache import HourglassCache
 
 
 class Shortening(nn.Module):
@@ -64,8 +68,14 @@ class Shortening(nn.Module):
         n = -(-T // self.k)
         # k-1 zero rows in front; n*k <= T + k - 1 rows, so every group holds only real or shift rows.
         groups = F.pad(x, (0, 0, self.k - 1, 0))[:, :n * self.k].reshape(B, n, self.k, d)  # (B, n, k, d)
+        return self.pool_groups(groups)
+
+    def pool_groups(self, groups: torch.Tensor) -> torch.Tensor:
+        """Each group of k rows to one: groups (B, n, k, d_outer) -> (B, n, d_inner). The
+        decode cache (``hourglass_cache.py``) calls it on the groups it collects."""
+        B, n, k, d = groups.shape
         if self.pool == "linear":
-            return self.proj(groups.reshape(B, n, self.k * d))
+            return self.proj(groups.reshape(B, n, k * d))
         h = groups.mean(dim=2)  # (B, n, d)
         return self.proj(h) if self.proj is not None else h
 
@@ -128,12 +138,21 @@ class HourglassTrunk(nn.Module):
             getattr(self, f"rope_cos_{level}").copy_(cos)
             getattr(self, f"rope_sin_{level}").copy_(sin)
 
-    def forward(self, h: torch.Tensor, layers: nn.ModuleDict, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, layers: nn.ModuleDict, cos: torch.Tensor, sin: torch.Tensor,
+                cache: HourglassCache | None = None) -> torch.Tensor:
         """Run ``layers`` (all of the model's blocks, or a pipeline stage's contiguous part,
         which starts and ends at the full rate: ``parallel/pipeline.py`` refuses other cuts)
-        on h (B, T, dim) with the full-rate rotary rows cos/sin (T, head_dim); the shortening
-        of a level runs just before its first block, the upsampling just after its last.
-        Returns (B, T, dim)."""
+        on h (B, T, dim) with the full-rate rotary rows cos/sin; the shortening of a level
+        runs just before its first block, the upsampling just after its last. Returns
+        (B, T, dim).
+
+        With a ``cache`` (``hourglass_cache.py``; inference), each block attends through it
+        and the cache does the shortening and upsampling's bookkeeping around the same
+        modules: a prompt (one row, positions 0..T-1) runs as in training and leaves each
+        level's unfinished group and last inner output in the cache; a decode step (one token
+        per row, rows at any phase of k) pools a level only for the rows whose token closes
+        a group and runs that level's blocks on those rows alone (none: the blocks are
+        skipped), and every row's upsampling adds the inner output of its latest closed group."""
         residuals: list[torch.Tensor] = []  # the streams from before each open shortening
         tables = [(cos, sin)]
         for name, block in layers.items():
@@ -141,12 +160,20 @@ class HourglassTrunk(nn.Module):
             for level, (first, _) in enumerate(self.spans):
                 if first == j:  # outer levels first: spans are listed outside in
                     residuals.append(h)
-                    h = self.shorten[str(level)](h)
-                    n = h.shape[1]
-                    tables.append((getattr(self, f"rope_cos_{level}")[:n], getattr(self, f"rope_sin_{level}")[:n]))
-            h = block(h, *tables[-1], None)
+                    cos_l, sin_l = getattr(self, f"rope_cos_{level}"), getattr(self, f"rope_sin_{level}")
+                    if cache is None:
+                        h = self.shorten[str(level)](h)
+                        tables.append((cos_l[:h.shape[1]], sin_l[:h.shape[1]]))
+                    else:
+                        h, positions = cache.shorten(level, h, self.shorten[str(level)])
+                        tables.append((cos_l[positions], sin_l[positions]) if positions.dim() == 1 else
+                                      (cos_l[positions].unsqueeze(1), sin_l[positions].unsqueeze(1)))
+            if h.shape[0]:  # decode: no row closes a group of this level this step
+                h = block(h, *tables[-1], cache.layer(j) if cache is not None else None)
             for level in reversed(range(len(self.spans))):
                 if self.spans[level][1] - 1 == j:  # inner levels first
-                    h = self.upsample[str(level)](h, residuals.pop())
+                    upsample = self.upsample[str(level)]
+                    h = upsample(h, residuals.pop()) if cache is None else cache.upsample(level, h, residuals.pop(),
+                                                                                          upsample)
                     tables.pop()
         return h

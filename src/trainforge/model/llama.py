@@ -242,11 +242,14 @@ class Transformer(nn.Module):
         embed = self.tok_embeddings is not None and not tokens.is_floating_point()
         h = self.tok_embeddings(tokens) if embed else tokens  # (B, T, dim)
         if self.hourglass is not None:
-            if cache is not None or positions is not None:
-                raise ConfigError(f"model.hourglass = {self.cfg.hourglass!r}: this model runs the training forward "
-                                  "only (tokens alone); decoding with an attention cache or explicit positions is "
-                                  "not implemented yet for hourglass models")
-            h = self.hourglass(h, self.layers, cos, sin)
+            from trainforge.model.hourglass_cache import HourglassCache
+
+            if not isinstance(cache, HourglassCache) and (cache is not None or positions is not None):
+                raise ConfigError(f"model.hourglass = {self.cfg.hourglass!r}: an hourglass model decodes through an "
+                                  f"HourglassCache (model/hourglass_cache.py; the inference engine builds one), not "
+                                  f"a {type(cache).__name__}: its middle stages keep their own state at the "
+                                  "shortened rate")
+            h = self.hourglass(h, self.layers, cos, sin, cache)
         else:
             for name, layer in self.layers.items():
                 h = layer(h, cos, sin, cache.layer(int(name)) if cache is not None else None)

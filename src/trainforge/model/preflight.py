@@ -260,7 +260,7 @@ def inference_estimate(cfg: "ModelConfig", param_bytes: float, kv_slots: int, kv
     return MemoryEstimate({
         "rotary tables": rotary_bytes(cfg.rope_head_dim, cfg.max_seq_len),
         "weights": int(weights),
-        "KV pool": kv_bytes_per_token(cfg, kv_bytes) * kv_slots,
+        "KV pool": int(kv_bytes_per_token(cfg, kv_bytes) * kv_slots),
     })
 
 
