@@ -1,6 +1,6 @@
-"""Decoding hourglass models in the engine (model/hourglass_cache.py, infer/hourglass_pools.py):
-prefill and decode give the training forward's logits, greedy tokens are the training
-forward's, continuous batching mixes rows at every phase of k, and the shortened depths'
+"""Decoding hourglass models in the engine (model/hourglass_cache.py, model/hourglass_decode.py,
+infer/hourglass_pools.py): prefill and decode, by the fast step and by the plain forward, give
+the training forward's logits, greedy tokens are the training forward's, continuous batching mixes rows at every phase of k, and the shortened depths'
 pools hold one entry per k tokens. Every spec of the model tests; tiny shapes, seconds on CPU."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.prepare import prepare_model
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model.attention_cache import kv_bytes_per_token
+from trainforge.model.hourglass_decode import HourglassDecoder
 from trainforge.model.llama import build_model
 
 GREEDY = SamplingParams(max_new_tokens=14, temperature=0.0)
@@ -34,11 +35,15 @@ def recorded_logits(engine: Engine) -> list[torch.Tensor]:
     return seen
 
 
+@pytest.mark.parametrize("step", ["fast", "forward"])  # HourglassDecoder, or the model's plain forward
 @pytest.mark.parametrize("T", [1, 5, 6])  # prompts ending at each phase of k = 2 and 3, and one token
 @pytest.mark.parametrize("spec, pool", SPECS)
-def test_prefill_and_decode_give_the_training_forwards_logits(spec, pool, T):
+def test_prefill_and_decode_give_the_training_forwards_logits(spec, pool, T, step):
     model = hourglass_model(spec, pool)
     engine = Engine(model, EngineConfig(max_batch_size=1, block_size=4, max_context=40))
+    assert isinstance(engine.runner.decoder, HourglassDecoder)
+    if step == "forward":
+        engine.runner.decoder = None  # the runner's path for models without decode_calls
     seen = recorded_logits(engine)
     prompt = torch.randint(0, model.cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T)).tolist()
     out = engine.generate([prompt], GREEDY)[0].output_ids

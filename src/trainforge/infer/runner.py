@@ -36,6 +36,7 @@ from trainforge.infer.hourglass_pools import HourglassPools
 from trainforge.infer.kv_pool import KVPool
 from trainforge.model.attention_cache import PagedCache
 from trainforge.model.fast_decode import FastDecoder
+from trainforge.model.hourglass_decode import HourglassDecoder
 from trainforge.model.llama import Transformer
 
 
@@ -68,6 +69,8 @@ class ModelRunner:
         self.slots, self.gather, self.bias = self.cache.slots, self.cache.gather, self.cache.bias
         self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions) \
             if FastDecoder.supports(model) else None
+        if self.hourglass is not None and HourglassDecoder.supports(model):
+            self.decoder = HourglassDecoder(model, self.hourglass.cache, self.tokens, self.positions)
         self._verifier: FastDecoder | None = None  # the fast verification step (module docstring)
         if lookahead and self.decoder is not None:
             n = max_rows * (lookahead + 1)

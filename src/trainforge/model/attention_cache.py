@@ -222,6 +222,11 @@ class PagedCache(AttentionCache):
         self._shape = (0, 0)  # (B, S) of the decode step
         self._verify_tokens = 0  # T of a verification forward; 0 = one decode token per row
 
+    @property
+    def decode_shape(self) -> tuple[int, int]:
+        """(rows, context slots) of the decode step ``set_decode`` last set."""
+        return self._shape
+
     def set_prefill(self, slots: torch.Tensor) -> None:
         """The next forward is one sequence's prompt (positions 0..T-1) stored at ``slots`` (T,)."""
         self._prefill_slots = slots

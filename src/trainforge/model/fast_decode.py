@@ -102,8 +102,10 @@ class DecodeWorkspace:
     ``context_slots`` cached tokens, allocated once; modules take views of the current
     step shape (``rows`` x ``context``, set by ``FastDecoder``)."""
 
-    def __init__(self, model: Transformer, max_rows: int, context_slots: int):
-        cfg = model.cfg
+    def __init__(self, model: Transformer, max_rows: int, context_slots: int, cfg=None):
+        """``cfg``: the shapes to size for (default the model's; an hourglass stage's config
+        for a workspace of its shortened blocks, ``hourglass_decode.py``)."""
+        cfg = cfg or model.cfg
         emb = model.tok_embeddings.weight
         self.dtype, self.device = emb.dtype, emb.device
         self.head_dim = D = cfg.head_dim

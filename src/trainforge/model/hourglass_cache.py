@@ -72,12 +72,14 @@ class HourglassCache(AttentionCache):
         self.inner = [torch.zeros(max_rows, d_in, dtype=dtype, device=device) for *_, d_in in self.factors]
         self.device = torch.device(device)
         self._prefill_row: int | None = None
-        # Per level, for the decode step: the rows entering it (engine rows), each one's group
-        # slot, which of them close a group (indices into the entering rows) and those rows'
-        # positions at the level's inner rate.
-        self._enter: list[torch.Tensor] = []
+        # Per level, for the decode step: the rows entering it (engine rows, ascending), each
+        # one's group slot, the rows among them that close a group (engine rows: as an index,
+        # and on the host for the owner), and those rows' positions at the level's inner rate. Row sets that are 0..n-1 are slices: the common
+        # case (level 0, and a batch whose rows share a phase) then indexes nothing.
+        self._enter: list[torch.Tensor | slice] = []
         self._slot: list[torch.Tensor] = []
-        self._due: list[torch.Tensor] = []
+        self._due_rows: list[torch.Tensor | slice] = []
+        self._due_np: list[np.ndarray] = []
         self._pos: list[torch.Tensor] = []
 
     def layer(self, index: int) -> LayerCache:
@@ -94,21 +96,28 @@ class HourglassCache(AttentionCache):
         self._prefill_row = None
         t = np.asarray(positions, dtype=np.int64)
         rows = np.arange(len(t))
-        self._enter, self._slot, self._due, self._pos = [], [], [], []
-        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device)  # noqa: E731
+        self._enter, self._slot, self._due_rows, self._due_np, self._pos = [], [], [], [], []
         for k, rate, _, _ in self.factors:
             p = t[rows] // rate  # the entering rows' positions at the level's outer rate
             due = np.flatnonzero(p % k == 0)
-            self._enter.append(as_tensor(rows))
-            self._slot.append(as_tensor((p + k - 1) % k))
-            self._due.append(as_tensor(due))
-            self._pos.append(as_tensor((p[due] // k)[:, None]))  # (B', 1): one token per row
+            self._enter.append(self._index(rows))
+            self._slot.append(self._tensor((p + k - 1) % k))
             rows = rows[due]
+            self._due_rows.append(self._index(rows))
+            self._due_np.append(rows)
+            self._pos.append(self._tensor((p[due] // k)[:, None]))  # (B', 1): one token per row
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+
+    def _index(self, a: np.ndarray) -> torch.Tensor | slice:
+        """Indices ``a`` (ascending) as a slice when they are 0..n-1."""
+        return slice(0, len(a)) if not len(a) or a[-1] == len(a) - 1 else self._tensor(a)
 
     def due_rows(self, level: int) -> np.ndarray:
         """Engine rows whose token closes a group of ``level`` this decode step (the rows the
         owner lays out the next depth's cache metadata for, in this order)."""
-        return self._enter[level][self._due[level]].cpu().numpy()
+        return self._due_np[level]
 
     # -- called by the trunk ----------------------------------------------------------------
 
@@ -126,9 +135,12 @@ class HourglassCache(AttentionCache):
             groups[self._prefill_row].zero_()  # group 0's shift rows are zeros
             groups[self._prefill_row, :tail.shape[0]] = tail
             return module(x), torch.arange(n, device=x.device)
-        enter, due = self._enter[level], self._due[level]
-        groups[enter, self._slot[level]] = x[:, 0]
-        return module.pool_groups(groups[enter[due]][:, None]), self._pos[level]
+        enter = self._enter[level]
+        if isinstance(enter, slice):
+            groups[enter][torch.arange(x.shape[0], device=x.device), self._slot[level]] = x[:, 0]
+        else:
+            groups[enter, self._slot[level]] = x[:, 0]
+        return module.pool_groups(groups[self._due_rows[level]][:, None]), self._pos[level]
 
     def upsample(self, level: int, y: torch.Tensor, residual: torch.Tensor, module: nn.Module) -> torch.Tensor:
         """The level's upsampling: y the inner blocks' output (from ``shorten``'s rows),
@@ -137,10 +149,9 @@ class HourglassCache(AttentionCache):
         if self._prefill_row is not None:
             inner[self._prefill_row] = y[0, -1]
             return module(y, residual)
-        enter, due = self._enter[level], self._due[level]
-        if due.numel():
-            inner[enter[due]] = y[:, 0]
-        return module(inner[enter][:, None], residual)
+        if y.shape[0]:
+            inner[self._due_rows[level]] = y[:, 0]
+        return module(inner[self._enter[level]][:, None], residual)
 
     # -- rows -------------------------------------------------------------------------------
 

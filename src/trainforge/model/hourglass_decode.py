@@ -1,0 +1,146 @@
+"""The allocation-light decode step of an hourglass model: ``fast_decode.FastDecoder``'s
+bound calls for each run of blocks, the trunk's shortenings and upsamplings between them.
+
+``HourglassTrunk.forward`` with an ``HourglassCache`` is the definition; this runs the same
+modules in the same order for one token per row. The step is a list of *segments*: a run of
+consecutive blocks at one depth, a level's shortening, or its upsampling (``segments``).
+Each depth has its own ``DecodeWorkspace``, sized for its stage's width and head dim, and
+its own rotary tables (the trunk's at the shortened rate). A run of blocks binds its
+modules' ``decode_calls`` once per (rows, context) and replays them, as ``FastDecoder`` does
+for a dense model; at depth d >= 1 the rows are those whose token closes a group this step
+(the cache chooses them; none: the run is skipped), the context that depth's paged cache's.
+The shortenings and upsamplings go through ``HourglassCache.shorten`` / ``upsample`` (the
+trunk's modules, a few small allocating ops per level), moving the stream between the
+depths' workspaces. Parity with the plain forward: tests/infer/test_hourglass_decode.py.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from trainforge.model.fast_decode import DecodeWorkspace
+from trainforge.model.hourglass_cache import HourglassCache, block_depths
+from trainforge.model.hourglass_spec import shortening_spans
+from trainforge.model.llama import Transformer, rope_tables_folded
+
+
+def segments(cfg) -> list[tuple[str, int, list[int]]]:
+    """The trunk's order as ("blocks", depth, [block indices]), ("shorten", level, []) and
+    ("upsample", level, []), outside in and back out (``HourglassTrunk.forward``'s walk)."""
+    spans, depths = shortening_spans(cfg.hourglass_stages), block_depths(cfg)
+    out: list[tuple[str, int, list[int]]] = []
+    for j in range(cfg.n_layers):
+        out += [("shorten", level, []) for level, (first, _) in enumerate(spans) if first == j]
+        if out and out[-1][0] == "blocks" and out[-1][1] == depths[j]:
+            out[-1][2].append(j)
+        else:
+            out.append(("blocks", depths[j], [j]))
+        out += [("upsample", level, []) for level in reversed(range(len(spans))) if spans[level][1] - 1 == j]
+    return out
+
+
+class HourglassDecoder:
+    """``FastDecoder``'s interface (``step``, ``nbytes``) for an hourglass ``model`` over
+    ``cache`` (its depth caches are ``PagedCache``s the owner sets up each step)."""
+
+    MAX_PLANS = 256  # (segment, rows, context) bindings kept
+
+    def __init__(self, model: Transformer, cache: HourglassCache, tokens: torch.Tensor, positions: torch.Tensor):
+        cfg = model.cfg
+        self.model, self.cache, self.tokens, self.positions = model, cache, tokens, positions
+        self.trunk = model.hourglass
+        depths = block_depths(cfg)
+        full = cache.caches[0]
+        self.ws: dict[int, DecodeWorkspace] = {}
+        self.tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for d in sorted(set(depths) | {0}):  # depth 0 embeds and projects even with no full-rate block
+            c = cache.caches[d]
+            self.ws[d] = DecodeWorkspace(model, full.max_rows, c.context_slots,
+                                         cfg.stage_config(depths.index(d)) if d else cfg)
+            cos, sin = (model.rope_cos, model.rope_sin) if d == 0 else (
+                getattr(self.trunk, f"rope_cos_{d - 1}"), getattr(self.trunk, f"rope_sin_{d - 1}"))
+            self.tables[d] = rope_tables_folded(cos, sin, self.ws[d].dtype)
+        # A shortening level with no blocks of its own (an empty intermediate stage) passes
+        # the stream through: its depth still needs a stream buffer of its width.
+        self._x = {level + 1: torch.empty(full.max_rows, d_in, dtype=self.ws[0].dtype, device=self.ws[0].device)
+                   for level, (*_, d_in) in enumerate(cache.factors) if level + 1 not in self.ws}
+        self.segments = segments(cfg)
+        self._plans: dict[tuple[int, int, int], list[Callable[[], None]]] = {}
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Whether every module of the blocks and the final norm has ``decode_calls``."""
+        return all(hasattr(m, "decode_calls") for b in model.layers.values() for m in (
+            b, b.attention_norm, b.attention, b.ffn_norm, b.feed_forward)) and hasattr(model.norm, "decode_calls")
+
+    @property
+    def nbytes(self) -> int:
+        return (sum(ws.nbytes for ws in self.ws.values()) + sum(t.nbytes for t in self._x.values())
+                + sum(c.nbytes + s.nbytes for c, s in self.tables.values()))
+
+    def stream(self, depth: int, rows: int) -> torch.Tensor:
+        """The residual stream (rows, width) of ``depth``'s workspace."""
+        return self.ws[depth]._x[:rows] if depth in self.ws else self._x[depth][:rows]
+
+    def _plan(self, index: int, rows: int, context: int) -> list[Callable[[], None]]:
+        key = (index, rows, context)
+        calls = self._plans.get(key)
+        if calls is None:
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            calls = self._plans[key] = self._bind(index, rows, context)
+        return calls
+
+    def _bind(self, index: int, B: int, S: int) -> list[Callable[[], None]]:
+        if index == len(self.segments):  # the final norm and the output projection
+            ws = self.ws[0]
+            x, (h, _) = ws._x[:B], ws.hidden(B)
+            return [*self.model.norm.decode_calls(ws, x, h), ws.linear(self.model.output).bind(h, ws.logits[:B])]
+        _, depth, blocks = self.segments[index]
+        ws = self.ws[depth]
+        ws.begin(B, S)
+        x = ws.residual()
+        calls: list[Callable[[], None]] = []
+        for j in blocks:
+            calls += self.model.layers[str(j)].decode_calls(ws, x, self.cache.layer(j))
+        return calls
+
+    def _enter(self, depth: int, rows: int, positions: torch.Tensor) -> None:
+        """Each row's rotary rows at ``depth`` for its position there (B,)."""
+        if depth in self.ws:
+            ws, (cos, sin) = self.ws[depth], self.tables[depth]
+            torch.index_select(cos, 0, positions, out=ws._cos[:rows])
+            torch.index_select(sin, 0, positions, out=ws._sin[:rows])
+
+    @torch.no_grad()
+    def step(self, rows: int, context: int) -> torch.Tensor:
+        """One decode step for rows 0..B-1; returns logits (B, V), a view of the workspace."""
+        model, cache = self.model, self.cache
+        n = {0: rows}  # rows at each depth this step
+        ctx = {0: context}
+        x0 = self.stream(0, rows)
+        torch.index_select(model.tok_embeddings.weight, 0, self.tokens[:rows], out=x0)
+        self._enter(0, rows, self.positions[:rows])
+        for index, (kind, k, _) in enumerate(self.segments):
+            if kind == "blocks":
+                if n[k]:
+                    for call in self._plan(index, n[k], ctx[k]):
+                        call()
+            elif kind == "shorten":
+                h, pos = cache.shorten(k, self.stream(k, n[k])[:, None], self.trunk.shorten[str(k)])
+                n[k + 1] = h.shape[0]
+                if n[k + 1]:
+                    self.stream(k + 1, n[k + 1]).copy_(h[:, 0])
+                    self._enter(k + 1, n[k + 1], pos[:, 0])
+                    inner = cache.caches[k + 1]
+                    ctx[k + 1] = inner.decode_shape[1] if inner is not None else 0
+            else:  # upsample
+                x = self.stream(k, n[k])
+                out = cache.upsample(k, self.stream(k + 1, n[k + 1])[:, None], x[:, None], self.trunk.upsample[str(k)])
+                x.copy_(out[:, 0])
+        for call in self._plan(len(self.segments), rows, 0):
+            call()
+        return self.ws[0].logits[:rows]
