@@ -1,7 +1,8 @@
 """Decoding hourglass models in the engine (model/hourglass_cache.py, model/hourglass_decode.py,
 infer/hourglass_pools.py): prefill and decode, by the fast step and by the plain forward, give
-the training forward's logits, greedy tokens are the training forward's, continuous batching mixes rows at every phase of k, and the shortened depths'
-pools hold one entry per k tokens. Every spec of the model tests; tiny shapes, seconds on CPU."""
+the training forward's logits, greedy tokens are the training forward's, continuous batching
+mixes rows at every phase of k, and the shortened depths' pools hold one entry per k tokens.
+Every spec of the model tests; tiny shapes, seconds on CPU."""
 
 from __future__ import annotations
 

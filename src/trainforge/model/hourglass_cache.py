@@ -74,8 +74,9 @@ class HourglassCache(AttentionCache):
         self._prefill_row: int | None = None
         # Per level, for the decode step: the rows entering it (engine rows, ascending), each
         # one's group slot, the rows among them that close a group (engine rows: as an index,
-        # and on the host for the owner), and those rows' positions at the level's inner rate. Row sets that are 0..n-1 are slices: the common
-        # case (level 0, and a batch whose rows share a phase) then indexes nothing.
+        # and on the host for the owner), and those rows' positions at the level's inner rate.
+        # Row sets that are 0..n-1 are slices: the common case (level 0, and a batch whose rows
+        # share a phase) then indexes nothing.
         self._enter: list[torch.Tensor | slice] = []
         self._slot: list[torch.Tensor] = []
         self._due_rows: list[torch.Tensor | slice] = []
