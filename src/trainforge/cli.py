@@ -166,14 +166,16 @@ def _fit(cfg, run_dir: Path, resume: bool, from_step: int | None, signals) -> tu
 
     trainer = Trainer(cfg, run_dir, resume=resume, from_step=from_step)
     while True:
+        failed = True
         try:
             summary = trainer.fit(signals)
+            failed = False
         except NonFiniteLoss:
             destroy_distributed()  # every rank raised at the same step (all-reduced losses)
             signals.outcome = exit_codes.NONFINITE_LOSS
             raise
         finally:
-            trainer.close()
+            trainer.close(failed)
         if summary.get("stopped_by") is not StopKind.REBALANCE:
             break
         # Pipeline re-balance: the checkpoint just written is reloaded into a fresh split

@@ -180,6 +180,28 @@ def test_mlflow_resume_continues_one_run_with_the_config(run, mlflow_run):
     assert tomllib.loads(open(local).read())["training"]["steps"] == STEPS
 
 
+def test_a_run_that_crashes_is_failed_in_mlflow_not_finished(small_data, tmp_path, monkeypatch):
+    """The CLI's training loop closes the trackers with the outcome: a run ended by an
+    exception shows FAILED in MLflow (it showed FINISHED, like a completed run)."""
+    from mlflow.tracking import MlflowClient
+
+    from trainforge.cli import _fit as cli_fit
+    from trainforge.train.stop_signals import StopSignals
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.chdir(tmp_path)
+    cfg = debug_config(small_data, "--training.steps", "4", "--training.threads", "1", "--monitor.mlflow", "true",
+                       "--monitor.mlflow_tracking_uri", uri, "--monitor.mlflow_experiment", "tf-crash")
+
+    def crash(self, *a, **kw):
+        raise RuntimeError("injected failure in the training step")
+    monkeypatch.setattr(Trainer, "fit", crash)
+    with pytest.raises(RuntimeError, match="injected"):
+        cli_fit(cfg, tmp_path / "run", False, None, StopSignals())
+    run_id = json.loads((tmp_path / "run" / "trackers.json").read_text())["mlflow"]
+    assert MlflowClient(uri).get_run(run_id).info.status == "FAILED"
+
+
 # -- TensorBoard -------------------------------------------------------------------------
 
 def test_tensorboard_draws_train_and_val_loss_on_one_chart(run):

@@ -114,6 +114,7 @@ class MlflowSink:
                 get_logger().warning(f"MLflow run {self.run_id}: a metrics batch was not logged ({e}); "
                                      "metrics.jsonl has every record")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """``failed``: the run ended by an error (MLflow shows it FAILED, not FINISHED)."""
         self.flush()
-        self.client.set_terminated(self.run_id)
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")

@@ -131,15 +131,18 @@ class Monitor:
         for sink in (*self.sinks, *self.trackers):
             sink.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         """Remove the hooks, push to the Pushgateway (if set), keep the endpoint up for
-        ``linger_s``, then close every sink."""
+        ``linger_s``, then close every sink; ``failed`` (the run ended by an error) is told
+        to the experiment trackers, which record the run's status."""
         if self.probe is not None:
             self.probe.close()
         if self.section.linger_s and self.prometheus is not None and self.prometheus.address is not None:
             time.sleep(self.section.linger_s)
-        for sink in (*self.sinks, *self.trackers):
+        for sink in self.sinks:
             sink.close()
+        for tracker in self.trackers:
+            tracker.close(failed)
         self.sinks, self.trackers = [], []
         if self.jsonl is not None:
             self.jsonl.close()

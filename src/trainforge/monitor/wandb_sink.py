@@ -50,5 +50,7 @@ class WandbSink:
     def flush(self) -> None:
         pass  # the W&B service process writes as it receives
 
-    def close(self) -> None:
-        self.run.finish()  # waits for the service process: nothing logged is lost, no process left
+    def close(self, failed: bool = False) -> None:
+        # Waits for the service process: nothing logged is lost, no process left. A non-zero
+        # exit code marks the run failed in W&B.
+        self.run.finish(exit_code=1 if failed else 0)

@@ -424,7 +424,8 @@ class Trainer:
         when parameters are stored low, else the trained model."""
         return self.mp.master.module if self.mp.master is not None else self.model
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """``failed``: training ended by an exception (experiment trackers record it so)."""
         self.train_batches.close()
-        self.metrics.close()
+        self.metrics.close(failed)
 
