@@ -168,6 +168,22 @@ def test_shape_conflict_names_each_key(hf_llama, small_data, tmp_path):
     t.close()
 
 
+def test_shape_conflict_with_a_moe_directory_names_its_config_json_keys(small_data, tmp_path):
+    """A Glm4Moe directory's keys, not Llama's: the expert width is 'moe_intermediate_size'."""
+    import dataclasses
+
+    from trainforge.infer.hf_export import save_hf_dir
+    from trainforge.model.llama import build_model
+
+    cfg = dataclasses.replace(FLAVORS["moe-debug"], max_seq_len=128)
+    hf_dir = save_hf_dir(tmp_path / "glm", build_model(cfg, seed=0).state_dict(), cfg,
+                         tokenizer_path=small_data / "tokenizer.json")
+    assert json.loads((hf_dir / "config.json").read_text())["model_type"] == "glm4_moe"
+    _refused(_config(small_data, hf_dir, "--model.moe_inter_dim", "16", "--model.n_activated_experts", "3"),
+             tmp_path / "run", ConfigError, "model.moe_inter_dim = 16 but", "'moe_intermediate_size' 32",
+             "model.n_activated_experts = 3 but", "'num_experts_per_tok' 2")
+
+
 def test_missing_directory_is_refused_at_config_load(tmp_path):
     with pytest.raises(ConfigError, match="model.init_from"):
         _config(None, tmp_path / "nope")

@@ -190,6 +190,15 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
 
 # -- config.json ----------------------------------------------------------------------------------
 
+def field_to_hf(model_type: str) -> dict[str, str]:
+    """ModelConfig field -> the config.json key of a Glm4Moe or Mixtral directory (what an
+    error about its shape names)."""
+    glm = model_type == GLM4_MOE
+    return {**_FIELD_TO_HF, "n_routed_experts": "n_routed_experts" if glm else "num_local_experts",
+            "moe_inter_dim": "moe_intermediate_size" if glm else "intermediate_size",
+            "tie_embeddings": "tie_word_embeddings"}
+
+
 _FIELD_TO_HF = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
                 "n_kv_heads": "num_key_value_heads", "vocab_size": "vocab_size", "ffn_hidden_dim": "intermediate_size",
                 "max_seq_len": "max_position_embeddings", "n_activated_experts": "num_experts_per_tok",
@@ -315,9 +324,7 @@ def model_config_from_hf(d: dict[str, Any], mtp_weights: bool = True) -> ModelCo
         return ModelConfig(**values)
     except TrainforgeError as e:  # named by ModelConfig's fields: rename them to config.json's keys
         msg = str(e)
-        names = {**_FIELD_TO_HF, "n_routed_experts": "n_routed_experts" if glm else "num_local_experts",
-                 "moe_inter_dim": "moe_intermediate_size" if glm else "intermediate_size"}
-        for ours, theirs in names.items():
+        for ours, theirs in field_to_hf(d["model_type"]).items():
             msg = msg.replace(f"config key 'model.{ours}'", f"config.json key '{theirs}'")
             msg = msg.replace(f"config key '{ours}'", f"config.json key '{theirs}'")
             msg = msg.replace(f"model.{ours}", f"'{theirs}'")

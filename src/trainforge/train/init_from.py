@@ -25,6 +25,8 @@ import torch
 from trainforge.errors import CheckpointError, ConfigError
 from trainforge.model.config import ModelConfig
 from trainforge.model.hf_deepseek import FIELD_TO_HF as DEEPSEEK_KEYS
+from trainforge.model.hf_moe import GLM4_MOE, MIXTRAL
+from trainforge.model.hf_moe import field_to_hf as moe_field_to_hf
 from trainforge.model.preflight import HF_KEYS
 from trainforge.storage.manifest import sha256_file
 
@@ -59,7 +61,9 @@ def open_init_source(path: str | Path) -> InitSource:
     try:
         if is_hf_dir(path):
             hf_config, cfg, _ = hf_model_config(path)
-            keys = DEEPSEEK_KEYS if hf_config.get("model_type") == "deepseek_v3" else _LLAMA_KEYS
+            model_type = hf_config.get("model_type")
+            keys = (DEEPSEEK_KEYS if model_type == "deepseek_v3" else
+                    moe_field_to_hf(model_type) if model_type in (GLM4_MOE, MIXTRAL) else _LLAMA_KEYS)
             keys = {k: f"config.json key {v!r}" for k, v in keys.items()}
             weights, kind = path, "huggingface"
         else:
