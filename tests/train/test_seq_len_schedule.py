@@ -164,6 +164,13 @@ def test_linear_ramp_reshapes_the_batch_logs_each_change_and_records_seq_len(tmp
     assert err.count("step 3: seq_len 16 -> 32 (linear ramp; batch 16 -> 8 sequences") == 1
     assert err.count("step 7: seq_len 32 -> 64 (linear ramp") == 1
     assert t.train_batches.state_dict()["position"] == 10  # one global batch of full windows per step
+    # MFU counts each step's FLOPs at the length it ran at (the window's mean), not at seq_len 64.
+    for r in records:
+        window = [q["seq_len"] for q in records if q["time_unix_s"] == r["time_unix_s"]]
+        flops = sum(t.model_config.flops_per_token(n) for n in window) / len(window)
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / r["mfu_peak_flops"], rel=1e-9)
+    assert records[0]["mfu"] < records[0]["tokens_per_s"] * t.model_config.flops_per_token(64) / \
+        records[0]["mfu_peak_flops"]
 
 
 def test_fixed_registers_nothing_and_records_no_seq_len(tmp_path, small_data):

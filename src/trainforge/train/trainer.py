@@ -394,13 +394,19 @@ class Trainer:
         elapsed = time.perf_counter() - window_start
         now = time.time()
         tps = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
-        mfu = self.peak_flops.mfu(tps * self.flops_per_token, step=self.step)  # may raise the peak: record after
-        peak = self.peak_flops.record()  # mfu_peak_flops, mfu_peak_source
         window = Window([p[0] for p in pending], losses, norms,
                         window_resources(self.device, self.dims.world_size, self.comm_probe))
         window.stats.update(self.train_batches.window_stats())  # this rank's data pipeline: I/O wait, cache tiers
         window.stats.update(self.layout.window_stats())
         self.components.on_log(self, window)
+        # FLOPs per token at the lengths the window's steps ran at (training.seq_len_schedule
+        # records them): attention's share shrinks with the length, so the full length's
+        # count would overstate the MFU of shorter steps.
+        lengths = window.per_step.get("seq_len")
+        flops_per_token = (sum(map(self.model_config.flops_per_token, lengths)) / len(lengths) if lengths
+                           else self.flops_per_token)
+        mfu = self.peak_flops.mfu(tps * flops_per_token, step=self.step)  # may raise the peak: record after
+        peak = self.peak_flops.record()  # mfu_peak_flops, mfu_peak_source
         for i, ((step, step_lr, _, _), loss_v, norm_v) in enumerate(zip(pending, losses, norms)):
             # time_unix_s: the wall clock at the window's end (the report's --x time axis).
             record = {"step": step, "time_unix_s": now, "loss": loss_v, "lr": step_lr, "grad_norm": norm_v,
