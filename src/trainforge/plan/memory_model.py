@@ -87,20 +87,12 @@ def block_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     return total - routed, routed
 
 
-def _attention_widths(cfg: ModelConfig) -> int:
-    """Per-token width of the score and value products (ModelConfig.flops_per_token's)."""
-    if cfg.is_mla:
-        return cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
-    return 2 * cfg.dim
-
-
 def block_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int) -> float:
     """Training FLOPs (forward + backward) of one block per token: 6 x its active
-    parameters plus its attention products, as ``ModelConfig.flops_per_token`` counts. An
-    hourglass block (shortened, narrower) counts per input token at its stage's rate and width."""
-    if cfg.is_hourglass and layer < cfg.n_layers:
-        return cfg.block_flops_per_token(layer, seq_len)
-    return 6.0 * cfg._block_params(layer, active=True) + 6.0 * _attention_widths(cfg) * seq_len
+    parameters plus its attention products, as ``ModelConfig.flops_per_token`` counts (its
+    ``block_flops_per_token``, which also counts an hourglass block at its stage's rate and
+    width, and an MTP block, numbered from n_layers, at the full rate)."""
+    return cfg.block_flops_per_token(layer, seq_len)
 
 
 def head_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

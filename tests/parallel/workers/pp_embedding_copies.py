@@ -13,12 +13,12 @@ from trainforge.train.trainer import Trainer
 _close = Trainer.close
 
 
-def _close_saving_embeddings(self):
+def _close_saving_embeddings(self, failed: bool = False):
     # FSDP2 shards: gathered (a collective of the stage's dp ranks, which all hold one copy).
     copies = [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
               for part in self.model_parts for name, p in part.named_parameters() if name == "tok_embeddings.weight"]
     torch.save(copies, self.run_dir / f"embedding_rank{self.dist.rank}.pt")
-    _close(self)
+    _close(self, failed)
 
 
 Trainer.close = _close_saving_embeddings
