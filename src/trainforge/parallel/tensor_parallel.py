@@ -24,8 +24,9 @@
   the same loss-parallel cross-entropy. Why replicated: the shift by k positions does not
   commute with a sequence shard (rank r's shard of h[:, :T-k] is not a slice of its shard of
   h), and re-sharding T - k positions would need padding, since tp cannot divide both T and
-  T - 1. The gather is paid once per depth: depth 1's h is the slice of the last block's
-  output, presented as the Shard(1) DTensor it is, which DTensor all-gathers, and the
+  T - 1. The gather is paid once per depth: depth 1's h is the slice of the trunk's output
+  (the last block's, or an hourglass's outermost upsampling's when its last stage has no
+  blocks), presented as the Shard(1) DTensor it is, which DTensor all-gathers, and the
   shifted tokens' embeddings, which the shared embedding reduce-scatters, are all-gathered
   back. Inside the module an all-reduce replaces sequence parallel's all-gather +
   reduce-scatter (the same bytes); the cost is that its norms and residual adds run on all
