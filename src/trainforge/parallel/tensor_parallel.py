@@ -24,8 +24,9 @@
   the same loss-parallel cross-entropy. Why replicated: the shift by k positions does not
   commute with a sequence shard (rank r's shard of h[:, :T-k] is not a slice of its shard of
   h), and re-sharding T - k positions would need padding, since tp cannot divide both T and
-  T - 1. The gather is paid once per depth: depth 1's h is the slice of the last block's
-  output, presented as the Shard(1) DTensor it is, which DTensor all-gathers, and the
+  T - 1. The gather is paid once per depth: depth 1's h is the slice of the trunk's output
+  (the last block's, or an hourglass's outermost upsampling's when its last stage has no
+  blocks), presented as the Shard(1) DTensor it is, which DTensor all-gathers, and the
   shifted tokens' embeddings, which the shared embedding reduce-scatters, are all-gathered
   back. Inside the module an all-reduce replaces sequence parallel's all-gather +
   reduce-scatter (the same bytes); the cost is that its norms and residual adds run on all
@@ -149,10 +150,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
         if sequence_parallel:
             module.register_forward_pre_hook(_replicate_mtp_inputs(tp_mesh))
     if mtp and sequence_parallel and model.layers:
-        # The last block's (B, T/tp, dim) shard, presented as the (B, T, dim) Shard(1) DTensor it
+        # The trunk's last (B, T/tp, dim) shard, presented as the (B, T, dim) Shard(1) DTensor it
         # is, so Transformer.mtp_hidden's shift h[:, :T-1] slices the global sequence. The final
         # norm (SequenceParallel) takes the DTensor as it took the shard.
-        model.layers[next(reversed(model.layers.keys()))].register_forward_hook(_sequence_shard_output(tp_mesh))
+        _last_full_rate_module(model).register_forward_hook(_sequence_shard_output(tp_mesh))
 
     if tied:
         # parallelize_module registered a fresh Parameter on each module; both are the same
@@ -224,6 +225,20 @@ def _replicate_mtp_inputs(tp_mesh: DeviceMesh):
     return hook
 
 
+def _last_full_rate_module(model: nn.Module) -> nn.Module:
+    """The module whose output is the trunk's last full-rate hidden state: the last block, or,
+    in an hourglass whose last stage has no blocks, the outermost upsampling (the last block is
+    then a shortened one, its output the replicated shortened sequence). A pipeline stage ends
+    at the full rate (pipeline.check_hourglass_split), so its last block closes the outermost
+    level or none; the upsampling's own hook (``_shard_sequence_output``) runs first and hands
+    this one the sequence shard."""
+    last = next(reversed(model.layers.keys()))
+    trunk = getattr(model, "hourglass", None)
+    if trunk is not None and trunk.spans and trunk.spans[0][1] - 1 == int(last):
+        return trunk.upsample["0"]
+    return model.layers[last]
+
+
 def _sequence_shard_output(tp_mesh: DeviceMesh):
     """Forward hook: a block's local (B, T/tp, dim) output as the (B, T, dim) Shard(1) DTensor."""
     def hook(module, args, out):
@@ -244,7 +259,9 @@ def _parallelize_hourglass(trunk: nn.Module, tp_mesh: DeviceMesh, sequence_paral
     for module in (*trunk.shorten.values(), *trunk.upsample.values()):
         if module.proj is not None:
             parallelize_module(module.proj, tp_mesh, _ReplicateParallel(use_local_output=True))
-    if not sequence_parallel:
+    if not sequence_parallel or "0" not in trunk.shorten:
+        # Without the outermost level (a pipeline stage holding only full-rate blocks; a stage
+        # holds a level whole or not at all) the stage's stream never leaves its sequence shard.
         return
     trunk.shorten["0"].register_forward_pre_hook(_gather_sequence_arg(tp_mesh, 0))
     trunk.upsample["0"].register_forward_pre_hook(_gather_sequence_arg(tp_mesh, 1))
