@@ -4,6 +4,9 @@ One thread per process: two threads per process collapse when several share 2 co
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import io
 import json
 import os
 import re
@@ -14,21 +17,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 WORKERS = Path(__file__).parent / "workers"
 ROOT = Path(__file__).resolve().parents[2]  # the repository: a launch imports prepare steps from tests.*
 
 
 @dataclass(frozen=True)
 class Prepared:
-    """A run of ``run_train_many`` that needs a step on disk first: rank 0 calls
+    """A run of ``run_train_many`` that needs a step first: rank 0 calls
     ``prepare(*prepare_args)`` once the runs before it in the launch have ended, then every
     rank starts ``args`` (the arguments after ``train``). ``prepare`` is a module-level
     function (the launch imports it by name) taking JSON-able arguments (paths as strings);
-    not allowed on a multi-process launch's first run (no process group yet to wait on)."""
+    not allowed on a multi-process launch's first run (no process group yet to wait on).
+    ``every_rank``: every rank calls it instead (a patch, such as
+    workers/pp_embedding_copies.py's; it then holds for the launch's later runs too)."""
 
     args: list[str]
     prepare: Callable
     prepare_args: tuple = ()
+    every_rank: bool = False
 
 
 def copy_until(src: str, dst: str, step: int) -> None:
@@ -77,23 +85,19 @@ def run_train_many(nproc: int, runs: dict[str, list[str] | Prepared], timeout_s:
     (workers/cli_many.py), one after another through the real CLI, in ``runs``' order.
     Returns, per name, that run's exit code and its part of the launch's stdout and stderr,
     as if it had been launched alone. Fails (showing the launch's output) if the launch fails
-    or a run did not finish. ``nproc`` 1: one plain process, no torchrun (as
-    ``python -m trainforge train`` runs, no process group)."""
+    or a run did not finish. ``nproc`` 1: in this process (``train_here``)."""
+    if nproc == 1:
+        return train_here(runs)
     order = []
     for name, run in runs.items():
         if isinstance(run, Prepared):
-            fn = f"{run.prepare.__module__}:{run.prepare.__qualname__}"
-            order.append([name, ["train", *run.args], [fn, list(run.prepare_args)]])
+            fn = f"{_module_name(run.prepare)}:{run.prepare.__qualname__}"
+            order.append([name, ["train", *run.args], [fn, list(run.prepare_args), run.every_rank]])
         else:
             order.append([name, ["train", *run]])
     env = torchrun_env()
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    if nproc == 1:
-        r = subprocess.run([sys.executable, str(WORKERS / "cli_many.py"), json.dumps(order)], capture_output=True,
-                           text=True, timeout=timeout_s, env=env)
-    else:
-        r = run_torchrun(WORKERS / "cli_many.py", nproc, json.dumps(order), timeout_s=timeout_s, check=False,
-                         env=env)
+    r = run_torchrun(WORKERS / "cli_many.py", nproc, json.dumps(order), timeout_s=timeout_s, check=False, env=env)
     out, err = _split_runs(r.stdout), _split_runs(r.stderr)
     missing = [name for name in runs if name not in out or out[name][1] is None]
     if r.returncode != 0 or missing:
@@ -101,6 +105,45 @@ def run_train_many(nproc: int, runs: dict[str, list[str] | Prepared], timeout_s:
                              f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-8000:]}")
     return {name: subprocess.CompletedProcess(order[i][1], out[name][1], out[name][0], err[name][0])
             for i, name in enumerate(runs)}
+
+
+def _module_name(fn: Callable) -> str:
+    """``fn``'s module as the launch imports it, from the repository root: pytest imports a
+    test file under a name rooted at its first folder without __init__.py (tests/ has none:
+    ``compression.test_compressed_training``), which the launch's sys.path lacks."""
+    path = Path(inspect.getfile(fn)).resolve()
+    if path.is_relative_to(ROOT):
+        return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    return fn.__module__
+
+
+def train_here(runs: dict[str, list[str] | Prepared]) -> dict[str, subprocess.CompletedProcess]:
+    """``runs`` as ``run_train_many`` takes them, through the real CLI (``trainforge.cli.main``)
+    in THIS process, one after another, as ``python -m trainforge train`` would run each with
+    OMP_NUM_THREADS=1: the test process has imported torch already, which a new process
+    pays ~2-4 s of CPU for (torch, then torch._dynamo at the first optimizer). Each run's
+    stdout and stderr are captured (Python-level: the CLI's prints, its logger, warnings) and
+    returned with its exit code. The thread count is restored after each run."""
+    from trainforge import cli
+
+    done = {}
+    for name, run in runs.items():
+        args = ["train", *(run.args if isinstance(run, Prepared) else run)]
+        if isinstance(run, Prepared):
+            run.prepare(*run.prepare_args)
+        threads = torch.get_num_threads()
+        out, err = io.StringIO(), io.StringIO()
+        torch.set_num_threads(1)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    rc = cli.main(args)
+                except SystemExit as e:  # as the process would have exited
+                    rc = e.code if isinstance(e.code, int) else 1
+        finally:
+            torch.set_num_threads(threads)
+        done[name] = subprocess.CompletedProcess(args, rc, out.getvalue(), err.getvalue())
+    return done
 
 
 def launches_by_world_size(runs: dict[str, tuple[int, list[str]]]):
