@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.parallel.torchrun import resumed, run_train_many, torchrun_env
+from tests.parallel.torchrun import resumed, run_train_many, torchrun_env, train_here
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.parallel.dims import ParallelDims
@@ -39,6 +39,15 @@ def run(cmd: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env())
     assert r.returncode == expect_rc, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
+
+
+def train_one(run_dir, data, *extra: str):
+    """``train_cmd(1, run_dir, data, *extra)``, run in this process (torchrun.train_here: no
+    interpreter and torch import to pay for); fails the test on a non-zero exit. Returns
+    ``run_dir``."""
+    r = train_here({"one": train_cmd(1, run_dir, data, *extra)[4:]})["one"]
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return run_dir
 
 
 def losses(run_dir) -> dict[int, float]:
