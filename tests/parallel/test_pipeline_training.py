@@ -1,6 +1,8 @@
 """Pipeline parallelism through the real trainer and CLI under torchrun: every schedule,
 and the full dp2 x tp2 x pp2 layout on 8 processes, match single-process training;
-a pipelined checkpoint resumes in one process."""
+a pipelined checkpoint resumes in one process. Three launches in all: the 8-process run,
+every 2-process run (cli_many, the resumed copies made in the launch), and the
+single-process runs in the test process."""
 
 from __future__ import annotations
 
@@ -14,11 +16,11 @@ from tests.parallel.test_data_parallel import (
     WEIGHT_ATOL,
     assert_same_losses,
     assert_same_training,
-    run,
     train_cmd,
     weights,
 )
-from tests.parallel.torchrun import WORKERS, resumed, run_train_many, torchrun_env, with_worker
+from tests.parallel.torchrun import Prepared, resumed, run_train_many, torchrun_env
+from tests.parallel.workers.pp_rebalance import predict_even_balance
 from trainforge.monitor.jsonl import read_jsonl
 
 LAYERS = ["--model.n_layers", "4"]  # interleaved / V schedules need 2 stages per rank
@@ -65,6 +67,10 @@ def pp2_runs(tmp_path_factory, small_data, run3d):
     # 4 V stages, debug has 2 layers: refused on both ranks before any work (exit 2 each).
     runs["bad-layout"] = ["--run_dir", str(root / "bad-layout"), "--data.path", str(small_data), *COMMON,
                           "--parallel.pp", "2", "--parallel.dp_shard", "1", "--parallel.pp_schedule", "zbv"]
+    # Last: its plan patch (workers/pp_rebalance.py, on every rank) holds for the rest of the launch.
+    runs["rebalance"] = Prepared(["--run_dir", str(root / "rebalance"), *common, "--parallel.microbatches", "2",
+                                  "--parallel.rebalance_threshold", "1e-6", "--parallel.rebalance_min_steps", "2",
+                                  "--checkpoint.keep_last", "10"], predict_even_balance, every_rank=True)
     return root, run_train_many(2, runs)
 
 
@@ -127,20 +133,17 @@ def test_pipelined_checkpoint_resumes_in_one_process(pp2_runs, singles, referenc
 
 
 @pytest.mark.slow
-def test_drifted_pipeline_rebalances_and_training_is_unchanged(tmp_path, small_data, reference4):
-    """Drift forced (the worker's plan predicts perfect balance, so measured stage times
-    always drift): checkpoint, re-measure, re-split and continue every 2 steps; exact
-    resume keeps training equal to the reference."""
-    run_dir = tmp_path / "run"
-    cmd = train_cmd(2, run_dir, small_data, "--training.batch_size", "8", *LAYERS, "--parallel.pp", "2",
-                    "--parallel.dp_shard", "1", "--parallel.microbatches", "2",
-                    "--parallel.rebalance_threshold", "1e-6", "--parallel.rebalance_min_steps", "2",
-                    "--checkpoint.keep_last", "10")
-    r = run(with_worker(cmd, WORKERS / "pp_rebalance.py"))  # same CLI, patched plan
+def test_drifted_pipeline_rebalances_and_training_is_unchanged(pp2_runs, reference4):
+    """Drift forced (the plan predicts perfect balance, so measured stage times always
+    drift): checkpoint, re-measure, re-split and continue every 2 steps; exact resume keeps
+    training equal to the reference."""
+    root, done = pp2_runs
+    r = done["rebalance"]
+    assert r.returncode == 0, r.stderr[-3000:]
     assert r.stderr.count("rebalance: measured stage ms") == 2  # at steps 2 and 4
     assert r.stderr.count("pipeline split auto") == 3  # measured at start and after each re-balance
-    assert_same_training(run_dir, reference4)
-    records = [x for x in read_jsonl(run_dir / "metrics.jsonl") if "loss" in x]
+    assert_same_training(root / "rebalance", reference4)
+    records = [x for x in read_jsonl(root / "rebalance" / "metrics.jsonl") if "loss" in x]
     assert all(len(x["stage_compute_s"]) == 2 for x in records)
 
 
