@@ -1,12 +1,13 @@
 """Pipeline parallelism through the real trainer and CLI under torchrun: every schedule,
 and the full dp2 x tp2 x pp2 layout on 8 processes, match single-process training;
 a pipelined checkpoint resumes in one process. Three launches in all: the 8-process run,
-every 2-process run (cli_many, the resumed copies made in the launch), and the
-single-process runs in the test process."""
+its 4-process resume, and every 2-process run (cli_many); the single-process runs (the
+reference, the resumed copies) run in the test process."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,10 +17,11 @@ from tests.parallel.test_data_parallel import (
     WEIGHT_ATOL,
     assert_same_losses,
     assert_same_training,
+    run,
     train_cmd,
     weights,
 )
-from tests.parallel.torchrun import Prepared, resumed, run_train_many, torchrun_env
+from tests.parallel.torchrun import Prepared, copy_until, resumed, run_train_many, torchrun_env
 from tests.parallel.workers.pp_rebalance import predict_even_balance
 from trainforge.monitor.jsonl import read_jsonl
 
@@ -30,7 +32,7 @@ PP2 = [*LAYERS, "--parallel.pp", "2", "--parallel.dp_shard", "1"]
 # there), and the two layouts that checkpoint then resumes at for steps 4-6.
 DP2_TP2_PP2 = ["--training.batch_size", "4", *LAYERS, "--parallel.pp", "2", "--parallel.tp", "2",
                "--parallel.dp_shard", "2", "--parallel.microbatches", "2", "--training.steps", "3"]
-RESHARD_TO = {2: ["--parallel.pp", "2", "--parallel.tp", "1", "--parallel.dp_shard", "1", "--training.batch_size", "8",
+RESHARD_TO = {4: ["--parallel.pp", "2", "--parallel.tp", "1", "--parallel.dp_shard", "2", "--training.batch_size", "4",
                   "--training.steps", "6"],
               1: ["--parallel.pp", "1", "--parallel.tp", "1", "--parallel.dp_shard", "1", "--training.batch_size", "8",
                   "--training.steps", "6"]}
@@ -39,9 +41,9 @@ RESHARD_TO = {2: ["--parallel.pp", "2", "--parallel.tp", "1", "--parallel.dp_sha
 @pytest.fixture(scope="module")
 def run3d(tmp_path_factory, small_data):
     """The dp2 x tp2 x pp2 run on 8 processes, its own launch (no other run here has 8 ranks);
-    its resumes join the 2-process launch and the single process below. Returns (run
-    directory, CompletedProcess): the test asserts the exit code, so that a failure here
-    fails that test alone."""
+    its one-process resume joins the single-process runs below. Returns (run directory,
+    CompletedProcess): the test asserts the exit code, so that a failure here fails that
+    test alone."""
     run_dir = tmp_path_factory.mktemp("run3d") / "run"
     r = subprocess.run(train_cmd(8, run_dir, small_data, *DP2_TP2_PP2), capture_output=True, text=True,
                        timeout=240, env=torchrun_env())
@@ -49,21 +51,17 @@ def run3d(tmp_path_factory, small_data):
 
 
 @pytest.fixture(scope="module")
-def pp2_runs(tmp_path_factory, small_data, run3d):
-    """Every 2-process run of this file through the plain CLI, in ONE torchrun launch
-    (tests/parallel/workers/cli_many.py: one after another on the same 2 ranks): one per
-    schedule, the run test_pipelined_checkpoint_resumes_in_one_process resumes, the 3D run
-    resumed at pp 2 alone, and the refused layout. Returns (root: run directories by name,
-    name -> CompletedProcess)."""
+def pp2_runs(tmp_path_factory, small_data):
+    """Every 2-process run of this file, in ONE torchrun launch (tests/parallel/workers/cli_many.py:
+    one after another on the same 2 ranks): one per schedule, the run
+    test_pipelined_checkpoint_resumes_in_one_process resumes, the refused layout and the
+    forced re-balance. Returns (root: run directories by name, name -> CompletedProcess)."""
     root = tmp_path_factory.mktemp("pp2_runs")
     common = ["--data.path", str(small_data), *COMMON, "--training.batch_size", "8", *PP2]
     runs = {s: ["--run_dir", str(root / s), *common, "--parallel.pp_schedule", s, "--parallel.microbatches", str(m),
                 "--parallel.pp_split", "even"] for s, m in SCHEDULES}
     runs["pp-resumable"] = ["--run_dir", str(root / "pp-resumable"), *common, "--parallel.microbatches", "2",
                             "--training.steps", "6", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5"]
-    run_dir3d, r3d = run3d
-    if r3d.returncode == 0:
-        runs["3d-at-2"] = resumed(run_dir3d, root / "3d-at-2", 3, *RESHARD_TO[2])
     # 4 V stages, debug has 2 layers: refused on both ranks before any work (exit 2 each).
     runs["bad-layout"] = ["--run_dir", str(root / "bad-layout"), "--data.path", str(small_data), *COMMON,
                           "--parallel.pp", "2", "--parallel.dp_shard", "1", "--parallel.pp_schedule", "zbv"]
@@ -76,7 +74,7 @@ def pp2_runs(tmp_path_factory, small_data, run3d):
 
 @pytest.fixture(scope="module")
 def singles(pp2_runs, run3d, small_data):
-    """The single-process runs, in one process (cli_many, no torchrun): the reference, and
+    """The single-process runs, in this process (run_train_many(1, ...)): the reference, and
     the step-3 checkpoints of the pipelined run and of the 3D run resumed at pp 1. Returns
     (root, name -> CompletedProcess)."""
     root, done = pp2_runs
@@ -108,20 +106,25 @@ def test_pipeline_schedule_matches_single_process(pp2_runs, reference4, schedule
 
 
 @pytest.mark.slow
-def test_dp2_tp2_pp2_on_8_processes_matches_single_process_and_reshards(run3d, pp2_runs, singles, reference4):
+def test_dp2_tp2_pp2_on_8_processes_matches_single_process_and_reshards(tmp_path, run3d, singles, reference4):
     """The full 3D layout matches single-process training (losses, the step-3 validation loss
     and every weight after 3 steps); its step-3 checkpoint then resumes at two other layouts
-    (pp 2 alone on 2 processes, and 1 process), which continue as the single process does."""
+    (pp2 x dp2 on 4 processes, and 1 process), which continue as the single process does."""
     run_dir, r = run3d
     assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert assert_same_losses(run_dir, reference4, range(1, 4)) >= {3}
     a, b = (weights(d / "checkpoints" / "step_0000003") for d in (run_dir, reference4))
     for k in b:
         torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
-    for (root, done), name in ((pp2_runs, "3d-at-2"), (singles, "3d-at-1")):
-        assert done[name].returncode == 0, done[name].stderr[-3000:]
-        assert "step_0000003" in done[name].stderr  # it resumed, from step 3
-        assert_same_training(root / name, reference4)
+    at4 = tmp_path / "3d-at-4"
+    copy_until(run_dir, at4, 3)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "trainforge",
+         "train", "--resume", str(at4), *RESHARD_TO[4]])
+    assert_same_training(at4, reference4)
+    root, done = singles
+    assert done["3d-at-1"].returncode == 0, done["3d-at-1"].stderr[-3000:]
+    assert "step_0000003" in done["3d-at-1"].stderr  # it resumed, from step 3
+    assert_same_training(root / "3d-at-1", reference4)
 
 
 @pytest.mark.slow
