@@ -130,6 +130,8 @@ def train_here(runs: dict[str, list[str] | Prepared]) -> dict[str, subprocess.Co
     for name, run in runs.items():
         args = ["train", *(run.args if isinstance(run, Prepared) else run)]
         if isinstance(run, Prepared):
+            if run.every_rank:  # here it would patch the test session itself
+                raise ValueError(f"run {name!r}: an every_rank prepare step (a patch) needs a launch, nproc >= 2")
             run.prepare(*run.prepare_args)
         threads = torch.get_num_threads()
         out, err = io.StringIO(), io.StringIO()
