@@ -10,17 +10,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from tests.parallel.test_data_parallel import (
-    COMMON,
-    WEIGHT_ATOL,
-    assert_same_losses,
-    assert_same_training,
-    run,
-    train_cmd,
-    weights,
-)
+from tests.parallel.test_data_parallel import COMMON, assert_same_training, run, train_cmd
 from tests.parallel.torchrun import Prepared, copy_until, resumed, run_train_many, torchrun_env
 from tests.parallel.workers.pp_rebalance import predict_even_balance
 from trainforge.monitor.jsonl import read_jsonl
@@ -28,14 +19,11 @@ from trainforge.monitor.jsonl import read_jsonl
 LAYERS = ["--model.n_layers", "4"]  # interleaved / V schedules need 2 stages per rank
 SCHEDULES = [("gpipe", 2), ("1f1b", 2), ("interleaved-1f1b", 4), ("zbv", 4), ("dualpipev", 4)]
 PP2 = [*LAYERS, "--parallel.pp", "2", "--parallel.dp_shard", "1"]
-# The full 3D layout, to its step-3 checkpoint (8 processes on 2 cores: each step costs ~2.5 s
-# there), and the two layouts that checkpoint then resumes at for steps 4-6.
+# The full 3D layout, and the two layouts its step-3 checkpoint then resumes at.
 DP2_TP2_PP2 = ["--training.batch_size", "4", *LAYERS, "--parallel.pp", "2", "--parallel.tp", "2",
-               "--parallel.dp_shard", "2", "--parallel.microbatches", "2", "--training.steps", "3"]
-RESHARD_TO = {4: ["--parallel.pp", "2", "--parallel.tp", "1", "--parallel.dp_shard", "2", "--training.batch_size", "4",
-                  "--training.steps", "6"],
-              1: ["--parallel.pp", "1", "--parallel.tp", "1", "--parallel.dp_shard", "1", "--training.batch_size", "8",
-                  "--training.steps", "6"]}
+               "--parallel.dp_shard", "2", "--parallel.microbatches", "2", "--checkpoint.keep_last", "5"]
+RESHARD_TO = {4: ["--parallel.pp", "2", "--parallel.tp", "1", "--parallel.dp_shard", "2", "--training.batch_size", "4"],
+              1: ["--parallel.pp", "1", "--parallel.tp", "1", "--parallel.dp_shard", "1", "--training.batch_size", "8"]}
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +95,11 @@ def test_pipeline_schedule_matches_single_process(pp2_runs, reference4, schedule
 
 @pytest.mark.slow
 def test_dp2_tp2_pp2_on_8_processes_matches_single_process_and_reshards(tmp_path, run3d, singles, reference4):
-    """The full 3D layout matches single-process training (losses, the step-3 validation loss
-    and every weight after 3 steps); its step-3 checkpoint then resumes at two other layouts
-    (pp2 x dp2 on 4 processes, and 1 process), which continue as the single process does."""
+    """The full 3D layout matches single-process training; its step-3 checkpoint then
+    resumes at two other layouts (pp2 x dp2 on 4 processes, and 1 process)."""
     run_dir, r = run3d
     assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    assert assert_same_losses(run_dir, reference4, range(1, 4)) >= {3}
-    a, b = (weights(d / "checkpoints" / "step_0000003") for d in (run_dir, reference4))
-    for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
+    assert_same_training(run_dir, reference4)
     at4 = tmp_path / "3d-at-4"
     copy_until(run_dir, at4, 3)
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "-m", "trainforge",
