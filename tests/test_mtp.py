@@ -335,44 +335,52 @@ def test_split_backward_of_the_last_stage_with_one_mtp_depth_equals_the_full_bac
 
 
 MTP_DP = ["--model.flavor", "moe-debug", "--model.mtp_depth", "2"]
-
-
-@pytest.fixture(scope="module")
-def mtp_reference(tmp_path_factory, small_data):
-    from tests.parallel.test_data_parallel import GLOBAL_BATCH, run, train_cmd
-
-    ref = tmp_path_factory.mktemp("mtp_ref") / "run"
-    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *MTP_DP))
-    return ref
-
-
 MTP_DP_LAYOUTS = {"ddp2": ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"],
                   "fsdp2-ep2": ["--parallel.dp_shard", "-1", "--parallel.ep", "2"]}  # plain FSDP2 also passes
 
 
 @pytest.fixture(scope="module")
-def mtp_dp_runs(tmp_path_factory, small_data):
-    """Both data-parallel layouts on 2 processes in ONE torchrun launch
-    (tests/parallel/workers/cli_many.py: one after another through the real CLI)."""
+def mtp_runs(tmp_path_factory, small_data):
+    """The 2-process runs in ONE torchrun launch (tests/parallel/workers/cli_many.py: one
+    after another through the real CLI): both data-parallel layouts, then the pp2 run with
+    each rank saving its embedding copies at the end; then, in one plain process, the
+    single-process reference and the pp2 run's step-3 checkpoint resumed at pp 1. Returns
+    (root: run directories by name, name -> CompletedProcess)."""
     from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH
-    from tests.parallel.torchrun import run_train_many
+    from tests.parallel.torchrun import Prepared, resumed, run_train_many
+    from tests.parallel.workers.pp_embedding_copies import save_embeddings_at_close
 
-    root = tmp_path_factory.mktemp("mtp_dp")
-    return root, run_train_many(2, {
-        name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
-               "--training.batch_size", str(GLOBAL_BATCH // 2), *MTP_DP, *layout]
-        for name, layout in MTP_DP_LAYOUTS.items()})
+    root = tmp_path_factory.mktemp("mtp_runs")
+    runs = {name: ["--run_dir", str(root / name), "--data.path", str(small_data), *COMMON,
+                   "--training.batch_size", str(GLOBAL_BATCH // 2), *MTP_DP, *layout]
+            for name, layout in MTP_DP_LAYOUTS.items()}
+    # Last: the embedding patch holds for the rest of the launch.
+    runs["pp2"] = Prepared(["--run_dir", str(root / "pp2"), "--data.path", str(small_data), *COMMON,
+                            *pipelined_mtp_args(2)], save_embeddings_at_close, every_rank=True)
+    done = run_train_many(2, runs)
+    done |= run_train_many(1, {
+        "reference": ["--run_dir", str(root / "reference"), "--data.path", str(small_data), *COMMON,
+                      "--training.batch_size", str(GLOBAL_BATCH), *MTP_DP],
+        "pp2-at-1": resumed(root / "pp2", root / "pp2-at-1", 3, "--parallel.pp", "1", "--parallel.dp_shard", "1")})
+    return root, done
+
+
+@pytest.fixture(scope="module")
+def mtp_reference(mtp_runs):
+    root, done = mtp_runs
+    assert done["reference"].returncode == 0, done["reference"].stderr[-3000:]
+    return root / "reference"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(MTP_DP_LAYOUTS))  # CI time: plain FSDP2 not repeated
-def test_data_parallel_mtp_matches_single_process(mtp_dp_runs, mtp_reference, layout):
+def test_data_parallel_mtp_matches_single_process(mtp_runs, mtp_reference, layout):
     """A MoE model with 2 MTP depths on 2 processes (gloo) against 1 at the same global
     batch: losses within 1e-4 over 6 steps, the MTP losses too, every weight within 1e-5
     (with expert parallelism the MTP block's experts are split like the others)."""
     from tests.parallel.test_data_parallel import assert_same_training
 
-    root, done = mtp_dp_runs
+    root, done = mtp_runs
     assert done[layout].returncode == 0
     got = root / layout
     assert_same_training(got, mtp_reference)
@@ -394,23 +402,32 @@ def assert_same_records(run_dir, ref_dir, keys: tuple[str, ...]) -> None:
 PP_MTP_KEYS = ("mtp_loss_1", "mtp_loss_2", "grad_norm", "val_loss", "val_mtp_loss_1")
 
 
-def pipelined_mtp_run(run_dir, small_data, nproc: int, *layout: str):
-    """``trainforge train`` of the MTP model on 2 pipeline stages (1F1B, 2 microbatches) x
-    nproc / 2 FSDP2 ranks, at the reference's global batch; each rank saves its embedding
+def pipelined_mtp_args(nproc: int) -> list[str]:
+    """The MTP model on 2 pipeline stages (1F1B, 2 microbatches) x nproc / 2 FSDP2 ranks, at
+    the reference's global batch."""
+    from tests.parallel.test_data_parallel import GLOBAL_BATCH
+
+    return ["--training.batch_size", str(GLOBAL_BATCH * 2 // nproc), *MTP_DP, "--parallel.pp", "2",
+            "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "2", "--parallel.dp_shard", str(nproc // 2),
+            "--checkpoint.keep_last", "5"]
+
+
+def pipelined_mtp_run(run_dir, small_data, nproc: int):
+    """``trainforge train`` with ``pipelined_mtp_args(nproc)``; each rank saves its embedding
     copies at the end (workers/pp_embedding_copies.py)."""
-    from tests.parallel.test_data_parallel import GLOBAL_BATCH, run, train_cmd
+    from tests.parallel.test_data_parallel import run, train_cmd
     from tests.parallel.torchrun import WORKERS, with_worker
 
-    cmd = train_cmd(nproc, run_dir, small_data, "--training.batch_size", str(GLOBAL_BATCH * 2 // nproc), *MTP_DP,
-                    "--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "2",
-                    "--parallel.dp_shard", str(nproc // 2), "--checkpoint.keep_last", "5", *layout)
+    cmd = train_cmd(nproc, run_dir, small_data, *pipelined_mtp_args(nproc))
     run(with_worker(cmd, WORKERS / "pp_embedding_copies.py"))
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def mtp_pp2(tmp_path_factory, small_data):
-    return pipelined_mtp_run(tmp_path_factory.mktemp("mtp_pp2") / "run", small_data, 2)
+def mtp_pp2(mtp_runs):
+    root, done = mtp_runs
+    assert done["pp2"].returncode == 0, done["pp2"].stderr[-3000:]
+    return root / "pp2"
 
 
 def assert_pipelined_mtp_matches(run_dir, ref_dir, nproc: int) -> None:
@@ -438,18 +455,14 @@ def test_pipelined_mtp_with_fsdp2_matches_single_process(tmp_path, small_data, m
 
 
 @pytest.mark.slow
-def test_pipelined_mtp_checkpoint_resumes_in_one_process(tmp_path, small_data, mtp_pp2, mtp_reference):
+def test_pipelined_mtp_checkpoint_resumes_in_one_process(mtp_runs, mtp_pp2, mtp_reference):
     """The pp2 run's step-3 checkpoint (DCP; the embedding under one FQN on both pipeline
     ranks) resumes at pp1 and continues as the single-process run."""
-    import shutil
-    import sys
+    from tests.parallel.test_data_parallel import assert_same_training
 
-    from tests.parallel.test_data_parallel import assert_same_training, run
-
-    resumed = tmp_path / "resumed"
-    shutil.copytree(mtp_pp2, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step_0000006")  # as if interrupted after step 3
-    run([sys.executable, "-m", "trainforge", "train", "--resume", str(resumed), "--parallel.pp", "1",
-         "--parallel.dp_shard", "1"])
+    root, done = mtp_runs
+    assert done["pp2-at-1"].returncode == 0, done["pp2-at-1"].stderr[-3000:]
+    resumed = root / "pp2-at-1"
+    assert "step_0000003" in done["pp2-at-1"].stderr  # it resumed, from step 3
     assert_same_training(resumed, mtp_reference)
     assert_same_records(resumed, mtp_reference, PP_MTP_KEYS)

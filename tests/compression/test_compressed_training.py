@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.parallel.test_data_parallel import losses, run, train_cmd
-from tests.parallel.torchrun import run_torchrun, run_train_many
+from tests.parallel.torchrun import Prepared, run_torchrun, run_train_many
 from trainforge.monitor.jsonl import read_jsonl
 
 WORKERS = Path(__file__).parent / "workers"
@@ -44,17 +44,34 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory, small_data):
+    """``get(nproc)``: the LAYOUTS runs of that world size, in ONE launch of
+    workers/sync_check.py the first time a test asks for it, as {run directory: its SYNC
+    line}. Returns (root: run directories by layout name, get)."""
+    root = tmp_path_factory.mktemp("sync_runs")
+    made: dict[int, dict[str, str]] = {}
+
+    def get(nproc: int) -> dict[str, str]:
+        if nproc not in made:
+            runs = [[str(root / name), ["--data.path", str(small_data), "--model.flavor", "debug",
+                                        "--training.seq_len", "32", "--training.steps", "8",
+                                        "--training.log_interval", "4", "--training.val_interval", "0",
+                                        "--training.val_batches", "2", "--sample.max_new_tokens", "0",
+                                        "--training.threads", "1", "--compression.warmup_steps", "2", *extra]]
+                    for name, (n, extra) in LAYOUTS.items() if n == nproc]
+            r = run_torchrun(WORKERS / "sync_check.py", nproc, json.dumps(runs), timeout_s=240)
+            made[nproc] = {ln.split()[1]: ln for ln in r.stdout.splitlines() if ln.startswith("SYNC ")}
+        return made[nproc]
+    return root, get
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_replicas_stay_bit_identical_and_report_wire_bytes(layout, tmp_path, small_data):
-    nproc, extra = LAYOUTS[layout]
-    overrides = ["--data.path", str(small_data), "--model.flavor", "debug", "--training.seq_len", "32",
-                 "--training.steps", "8", "--training.log_interval", "4", "--training.val_interval", "0",
-                 "--training.val_batches", "2", "--sample.max_new_tokens", "0", "--training.threads", "1",
-                 "--compression.warmup_steps", "2", *extra]
-    r = run_torchrun(WORKERS / "sync_check.py", nproc, str(tmp_path / "run"), *overrides, timeout_s=240)
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("SYNC"))
+def test_replicas_stay_bit_identical_and_report_wire_bytes(layout, sync_runs):
+    root, get = sync_runs
+    line = get(LAYOUTS[layout][0])[str(root / layout)]
     assert "mismatched=[]" in line and "checked=0" not in line, line
-    records = [rec for rec in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "wire_bytes_per_step" in rec]
+    records = [rec for rec in read_jsonl(root / layout / "metrics.jsonl") if "wire_bytes_per_step" in rec]
     assert records, "no wire accounting in the metrics"
     last = records[-1]
     # After warm-up every bucket is at 4 bits (int4, and adaptive on these smooth early gradients).
@@ -96,12 +113,22 @@ def drop_compression_state(ckpt_dir: Path) -> None:
     (ckpt_dir / "meta.json").write_text(json.dumps(meta))
 
 
+def resumable_copy(straight: str, resumed: str, without_compression_state: bool) -> None:
+    """The prepare step (on rank 0, in the launch) of a resumed run: ``resumed`` is
+    ``straight`` interrupted after step 3, its step-3 checkpoint stripped of the
+    compression state if ``without_compression_state``."""
+    interrupted_after_step_3(Path(straight), Path(resumed))
+    if without_compression_state:
+        drop_compression_state(Path(resumed) / "checkpoints" / "step_0000003")
+
+
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory, small_data):
-    """The CLI runs of the resume tests and the PowerSGD baseline, by world size in one
-    torchrun launch each (tests/parallel/workers/cli_many.py: one after another through the
-    real CLI), four launches instead of seven: the uninterrupted runs, then their step-3
-    copies resumed. Returns (root: run directories by name, name -> CompletedProcess)."""
+    """The CLI runs of the resume tests, the PowerSGD baseline and its refusal with FSDP2, by
+    world size in one torchrun launch each (tests/parallel/workers/cli_many.py: one after
+    another through the real CLI), two launches instead of eight: the uninterrupted runs,
+    then their step-3 copies (made in the launch) resumed. Returns (root: run directories by
+    name, name -> CompletedProcess)."""
     root = tmp_path_factory.mktemp("compressed_runs")
 
     def fresh(name, *extra):
@@ -115,16 +142,14 @@ def resume_runs(tmp_path_factory, small_data):
         runs = {name: fresh(name, *extra) for name, (n, extra) in straight.items() if n == nproc}
         if nproc == 2:
             runs["powersgd-ddp"] = fresh("powersgd-ddp", "--parallel.dp_replicate", "2", *POWERSGD)
-        done |= run_train_many(nproc, runs)
-    for name in straight:
-        interrupted_after_step_3(root / name, root / name.replace("-straight", "-resumed"))
-    drop_compression_state(root / "no-state-resumed" / "checkpoints" / "step_0000003")
-    for nproc in (2, 4):
-        runs = {}
         for name, (n, extra) in straight.items():
             resumed = name.replace("-straight", "-resumed")
             if n == nproc:
-                runs[resumed] = [*fresh(resumed, *extra), "--resume", str(root / resumed)]
+                runs[resumed] = Prepared([*fresh(resumed, *extra), "--resume", str(root / resumed)], resumable_copy,
+                                         (str(root / name), str(root / resumed), name == "no-state-straight"))
+        if nproc == 4:  # refused on every rank before any work: the launch goes on
+            runs["powersgd-hsdp"] = fresh("powersgd-hsdp", "--parallel.dp_replicate", "2", "--parallel.dp_shard",
+                                          "2", *POWERSGD)
         done |= run_train_many(nproc, runs)
     return root, done
 
@@ -149,15 +174,15 @@ def test_resume_without_compression_state_differs(resume_runs):
     assert all(got[s] == want[s] for s in (1, 2, 3)) and got[6] != want[6]
 
 
-def test_powersgd_baseline_under_ddp_and_refused_with_fsdp(tmp_path, small_data, resume_runs):
+def test_powersgd_baseline_under_ddp_and_refused_with_fsdp(resume_runs):
     root, done = resume_runs
     assert done["powersgd-ddp"].returncode == 0
     last = [rec for rec in read_jsonl(root / "powersgd-ddp" / "metrics.jsonl") if "wire_ratio_vs_fp32" in rec][-1]
     assert last["wire_ratio_vs_fp32"] < 0.9
-    r = run(train_cmd(4, tmp_path / "hsdp", small_data, "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
-                      *POWERSGD), expect_rc=1)  # torchrun: a worker exited 2
+    r = done["powersgd-hsdp"]
+    assert r.returncode == 2, r.stderr[-3000:]
     assert "compression.codec" in r.stderr and "plain DDP only" in r.stderr
-    assert not (tmp_path / "hsdp").exists()  # refused before anything was written
+    assert not (root / "powersgd-hsdp").exists()  # refused before anything was written
 
 
 def test_codec_without_a_replicate_axis_warns_and_trains(tmp_path, small_data):

@@ -5,7 +5,6 @@ torchrun launch (the ``runs`` fixture)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.parallel.torchrun import run_train_many, torchrun_env
+from tests.parallel.torchrun import resumed, run_train_many, torchrun_env, train_here
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.parallel.dims import ParallelDims
@@ -40,6 +39,15 @@ def run(cmd: list[str], expect_rc: int = 0) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=torchrun_env())
     assert r.returncode == expect_rc, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r
+
+
+def train_one(run_dir, data, *extra: str):
+    """``train_cmd(1, run_dir, data, *extra)``, run in this process (torchrun.train_here: no
+    interpreter and torch import to pay for); fails the test on a non-zero exit. Returns
+    ``run_dir``."""
+    r = train_here({"one": train_cmd(1, run_dir, data, *extra)[4:]})["one"]
+    assert r.returncode == 0, f"rc {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return run_dir
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -76,13 +84,6 @@ def assert_same_training(run_dir, ref_dir, steps=range(1, 7)):
         torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_data):
-    ref = tmp_path_factory.mktemp("ref") / "run"
-    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH)))
-    return ref
-
-
 # (nproc, layout) of each data-parallel parity case.
 DP_CASES = {
     "ddp2": (2, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]),
@@ -99,10 +100,11 @@ RESHARD_TO = ["--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data):
-    """Every multi-process training run of this file that succeeds, in three torchrun launches
-    instead of ten (tests/parallel/workers/cli_many.py: each run through the real CLI, one after
-    another on the same ranks). Returns (root: run directories by name, name -> that run's
-    CompletedProcess). A launch costs more than a 6-step debug run on 2 cores."""
+    """Every training run of this file that succeeds, in two torchrun launches and one plain
+    process instead of ten launches and two processes (tests/parallel/workers/cli_many.py:
+    each run through the real CLI, one after another on the same ranks; a resumed copy is
+    made in the launch, after the run it copies). Returns (root: run directories by name,
+    name -> that run's CompletedProcess). A launch costs more than a 6-step debug run on 2 cores."""
     root = tmp_path_factory.mktemp("dp_runs")
 
     def fresh(name, nproc, layout, *extra):
@@ -115,19 +117,28 @@ def runs(tmp_path_factory, small_data):
     # (test_checkpoint_saved_at_one_layout_resumes_at_others).
     done = run_train_many(4, {**{n: fresh(n, *c) for n, c in cases.items() if c[0] == 4},
                               "hsdp-to-3": fresh("hsdp-to-3", *DP_CASES["hsdp2x2"], "--training.steps", "3")})
-    shutil.copytree(root / "hsdp-to-3", root / "resume2")
     # 2 processes: the 2-process parity cases (fsdp2 keeps every checkpoint: it is also the
-    # uninterrupted run of test_distributed_resume_at_the_same_layout_is_bit_identical), and
-    # the HSDP checkpoint resumed as FSDP2 on 2 processes.
+    # uninterrupted run of test_distributed_resume_at_the_same_layout_is_bit_identical), the
+    # HSDP checkpoint resumed as FSDP2 on 2 processes, and the FSDP2 run resumed at its own
+    # layout from its step-3 checkpoint.
     done |= run_train_many(2, {**{n: fresh(n, *c, *(["--checkpoint.keep_last", "5"] if n == "fsdp2" else []))
                                   for n, c in cases.items() if c[0] == 2},
-                               "resume2": ["--resume", str(root / "resume2"), "--training.steps", "6",
-                                           "--training.batch_size", "4", *RESHARD_TO]})
-    # The FSDP2 run resumed at its own layout from its step-3 checkpoint.
-    shutil.copytree(root / "fsdp2", root / "fsdp2-resumed")
-    shutil.rmtree(root / "fsdp2-resumed" / "checkpoints" / "step_0000006")
-    done |= run_train_many(2, {"fsdp2-resumed": ["--resume", str(root / "fsdp2-resumed")]})
+                               "resume2": resumed(root / "hsdp-to-3", root / "resume2", 3, "--training.steps", "6",
+                                                  "--training.batch_size", "4", *RESHARD_TO),
+                               "fsdp2-resumed": resumed(root / "fsdp2", root / "fsdp2-resumed", 3)})
+    # 1 process: the reference, and the HSDP checkpoint resumed in one process.
+    done |= run_train_many(1, {"reference": fresh("reference", 1, []),
+                               "resume1": resumed(root / "hsdp-to-3", root / "resume1", 3, "--training.steps", "6",
+                                                  "--training.batch_size", "8", *RESHARD_TO)})
     return root, done
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    """The single-process run every layout is compared with (same global batch and seed)."""
+    root, done = runs
+    assert done["reference"].returncode == 0, done["reference"].stderr[-3000:]
+    return root / "reference"
 
 
 @pytest.mark.slow
@@ -147,17 +158,15 @@ def test_data_parallel_matches_single_process(runs, reference, case):
 
 
 @pytest.mark.slow
-def test_checkpoint_saved_at_one_layout_resumes_at_others(tmp_path, runs, reference):
+def test_checkpoint_saved_at_one_layout_resumes_at_others(runs, reference):
     """HSDP 2x2 on 4 processes, interrupted at step 3; resumed on 1 process and on
     2 processes (FSDP2): both continue with the reference's losses and weights."""
     root, done = runs
     base = root / "hsdp-to-3"
     assert done["hsdp-to-3"].returncode == 0 and done["resume2"].returncode == 0
     # The saved config holds the old layout; a resume at another layout overrides it.
-    run_dir = tmp_path / "resume1"
-    shutil.copytree(base, run_dir)
-    run([sys.executable, "-m", "trainforge", "train", "--resume", str(run_dir), "--training.steps", "6",
-         "--training.batch_size", "8", *RESHARD_TO])
+    assert done["resume1"].returncode == 0, done["resume1"].stderr[-3000:]
+    run_dir = root / "resume1"
     # Full state at step 3 reshards identically into one process.
     w3 = weights(base / "checkpoints" / "step_0000003")
     ref3 = weights(reference / "checkpoints" / "step_0000003")

@@ -8,15 +8,13 @@ are refused."""
 from __future__ import annotations
 
 import importlib.util
-import shutil
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, assert_same_losses, losses, run, weights
-from tests.parallel.torchrun import WORKERS, run_torchrun, run_train_many
+from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, assert_same_losses, losses, weights
+from tests.parallel.torchrun import WORKERS, resumed, run_torchrun, run_train_many
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS
 from trainforge.parallel.dims import ParallelDims
@@ -28,15 +26,6 @@ COMMON = ["--model.flavor", "moe-debug", "--training.seq_len", "32", "--training
           "--training.warmup_steps", "2", "--training.log_interval", "1", "--training.val_interval", "3",
           "--training.val_batches", "2", "--checkpoint.interval", "3", "--checkpoint.keep_last", "5",
           "--sample.max_new_tokens", "0", "--training.threads", "1"]
-
-
-def launcher(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "trainforge"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "trainforge"]
-
-
-def train_cmd(nproc: int, run_dir, data, *extra: str) -> list[str]:
-    return [*launcher(nproc), "train", "--run_dir", str(run_dir), "--data.path", str(data), *COMMON, *extra]
 
 
 def biases(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,13 +56,6 @@ def assert_same_training(run_dir, ref_dir, steps=range(1, 7), final: int = 6) ->
     return a
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, small_data):
-    ref = tmp_path_factory.mktemp("moe_ref") / "run"
-    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH)))
-    return ref
-
-
 EP_INT8 = ["--parallel.ep", "2", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1",
            "--compression.codec", "int8", "--compression.warmup_steps", "3"]
 EP_LAYOUTS = {  # (batch per rank, layout) on 4 processes
@@ -82,18 +64,37 @@ EP_LAYOUTS = {  # (batch per rank, layout) on 4 processes
 }
 
 
+# Where the ep 2 run's step-3 checkpoint resumes: ep 1 (FSDP2 over every rank), by process count.
+EP1 = ["--parallel.ep", "1", "--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
+
+
 def fresh_args(run_dir, data, batch: int, *extra: str) -> list[str]:
     return ["--run_dir", str(run_dir), "--data.path", str(data), *COMMON, "--training.batch_size", str(batch), *extra]
 
 
 @pytest.fixture(scope="module")
 def runs2(tmp_path_factory, small_data):
-    """The 2-process runs from scratch in ONE torchrun launch (tests/parallel/workers/cli_many.py):
-    ep 2 (FSDP2 over dp_shard 2 for the non-expert parameters) and ep 2 under int8-compressed DDP.
-    Returns (root: run directories by name, name -> CompletedProcess)."""
+    """The 2-process runs in ONE torchrun launch (tests/parallel/workers/cli_many.py): ep 2
+    (FSDP2 over dp_shard 2 for the non-expert parameters), ep 2 under int8-compressed DDP,
+    and the ep 2 run's step-3 checkpoint resumed at ep 1; then the single-process runs in one
+    process: the reference and that checkpoint resumed in one process. Returns (root: run
+    directories by name, name -> CompletedProcess)."""
     root = tmp_path_factory.mktemp("ep_runs2")
-    return root, run_train_many(2, {"ep2": fresh_args(root / "ep2", small_data, 4, "--parallel.ep", "2"),
-                                    "ep-int8": fresh_args(root / "ep-int8", small_data, 4, *EP_INT8)})
+    done = run_train_many(2, {"ep2": fresh_args(root / "ep2", small_data, 4, "--parallel.ep", "2"),
+                              "ep-int8": fresh_args(root / "ep-int8", small_data, 4, *EP_INT8),
+                              "resume2": resumed(root / "ep2", root / "resume2", 3, "--training.batch_size", "4",
+                                                 *EP1)})
+    done |= run_train_many(1, {"reference": fresh_args(root / "reference", small_data, GLOBAL_BATCH),
+                               "resume1": resumed(root / "ep2", root / "resume1", 3, "--training.batch_size", "8",
+                                                  *EP1)})
+    return root, done
+
+
+@pytest.fixture(scope="module")
+def reference(runs2):
+    root, done = runs2
+    assert done["reference"].returncode == 0, done["reference"].stderr[-3000:]
+    return root / "reference"
 
 
 @pytest.fixture(scope="module")
@@ -135,17 +136,15 @@ def test_ep_layouts_match_single_process(runs4, reference, case):
 
 
 @pytest.mark.slow
-def test_ep_checkpoint_resumes_at_other_layouts(tmp_path, reference, ep2_run):
+def test_ep_checkpoint_resumes_at_other_layouts(runs2, reference, ep2_run):
     """The ep 2 run's step-3 sharded checkpoint resumes at ep 1 (FSDP2 over 2 processes)
-    and in one process; both continue with the reference's losses and weights."""
-    for nproc, batch in ((2, 4), (1, 8)):
-        run_dir = tmp_path / f"resume{nproc}"
-        shutil.copytree(ep2_run, run_dir)
-        for later in ("step_0000006",):
-            shutil.rmtree(run_dir / "checkpoints" / later)
-        extra = ["--parallel.ep", "1", "--parallel.dp_replicate", "1", "--parallel.dp_shard", "-1"]
-        run([*launcher(nproc), "train", "--resume", str(run_dir), "--training.batch_size", str(batch), *extra])
-        assert_same_training(run_dir, reference)
+    and in one process (the ``runs2`` fixture); both continue with the reference's losses
+    and weights."""
+    root, done = runs2
+    for name in ("resume2", "resume1"):
+        assert done[name].returncode == 0, done[name].stderr[-3000:]
+        assert "step_0000003" in done[name].stderr  # it resumed, from step 3
+        assert_same_training(root / name, reference)
 
 
 @pytest.mark.parametrize("kw, world, needle", [

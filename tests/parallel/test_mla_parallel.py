@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, assert_same_training, run, train_cmd
+from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, assert_same_training, train_one
 from tests.parallel.torchrun import launches_by_world_size
 
 # The debug flavor with latent attention (dense feed-forwards: MoE + TP is refused).
@@ -18,7 +18,7 @@ MLA = ["--model.q_lora_rank", "32", "--model.kv_lora_rank", "32", "--model.qk_no
 @pytest.fixture(scope="module")
 def mla_reference(tmp_path_factory, small_data):
     ref = tmp_path_factory.mktemp("mla_ref") / "run"
-    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *MLA))
+    train_one(ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *MLA)
     return ref
 
 

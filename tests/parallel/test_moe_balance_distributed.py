@@ -3,17 +3,15 @@ loads every rank uses are the global batch's (one all-reduce), so DDP, FSDP2 and
 2-stage pipeline (with and without gradient accumulation) move the expert bias exactly
 as one process does, and a sharded (DCP)
 checkpoint holds the bias: resuming one continues the same run. The 2-process runs share
-two torchrun launches (the ``runs`` fixture)."""
+one torchrun launch (the ``runs`` fixture)."""
 
 from __future__ import annotations
-
-import shutil
 
 import pytest
 import torch
 
 from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, losses, train_cmd, weights
-from tests.parallel.torchrun import run_train_many
+from tests.parallel.torchrun import resumed, run_train_many
 from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train import dist_checkpoint as dckpt
 
@@ -91,21 +89,20 @@ def reference(references):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data):
-    """Every 2-process run of this file, in two torchrun launches instead of six
+    """Every 2-process run of this file, in ONE torchrun launch instead of six
     (tests/parallel/workers/cli_many.py: each run through the real CLI, one after another on
-    the same ranks): the parity layouts, the DDP-with-accumulation run to resume and the
-    pipelined balance-loss run; then that run resumed from step 3, once its step-6 checkpoint
-    is gone. Returns (root: run directories by name, name -> that run's CompletedProcess)."""
+    the same ranks): the parity layouts, the DDP-with-accumulation run to resume, the
+    pipelined balance-loss run, and a copy of the DDP run as interrupted after step 3
+    (made in the launch) resumed. Returns (root: run directories by name, name -> that
+    run's CompletedProcess)."""
     root = tmp_path_factory.mktemp("moe_runs")
-    done = run_train_many(2, {
+    return root, run_train_many(2, {
         **{name: train_args(root / name, small_data, *MOE, *layout) for name, layout in LAYOUTS.items()},
         "resume": train_args(root / "resume", small_data, *MOE, *DDP_ACCUM, "--checkpoint.keep_last", "5"),
         "aux-pp": train_args(root / "aux-pp", small_data, *AUX, "--parallel.pp", "2", "--parallel.dp_shard", "1",
                              "--parallel.microbatches", "2", "--training.batch_size", "4"),
+        "resumed": resumed(root / "resume", root / "resumed", 3),
     })
-    shutil.rmtree(root / "resume" / "checkpoints" / "step_0000006")  # as if interrupted after step 3
-    done |= {"resumed": run_train_many(2, {"resumed": ["--resume", str(root / "resume")]})["resumed"]}
-    return root, done
 
 
 @pytest.mark.slow
@@ -125,7 +122,7 @@ def test_sharded_checkpoint_resumes_the_bias_with_accumulation(runs, reference):
     root, done = runs
     assert done["resume"].returncode == 0 and done["resumed"].returncode == 0
     assert "step_0000003" in done["resumed"].stderr  # it resumed, from step 3
-    assert_same_balancing(root / "resume", reference, same_val_set=False)  # val set: val_batches x the micro-batch
+    assert_same_balancing(root / "resumed", reference, same_val_set=False)  # val set: val_batches x the micro-batch
 
 
 @pytest.mark.slow

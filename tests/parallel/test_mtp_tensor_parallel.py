@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, LOSS_RTOL, assert_same_training, run, train_cmd
+from tests.parallel.test_data_parallel import COMMON, GLOBAL_BATCH, LOSS_RTOL, assert_same_training, train_one
 from tests.parallel.torchrun import launches_by_world_size
 from tests.parallel.test_mla_parallel import MLA
 from trainforge.monitor.jsonl import read_jsonl
@@ -39,7 +39,7 @@ def references(tmp_path_factory, small_data):
     def get(name: str, extra: list[str]):
         if name not in made:
             ref = tmp_path_factory.mktemp(f"mtp_tp_ref_{name}") / "run"
-            run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *extra))
+            train_one(ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *extra)
             made[name] = ref
         return made[name]
     return get

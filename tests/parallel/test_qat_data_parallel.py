@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.test_data_parallel import GLOBAL_BATCH, assert_same_training, run, train_cmd
+from tests.parallel.test_data_parallel import GLOBAL_BATCH, assert_same_training, train_cmd, train_one
 from tests.parallel.torchrun import run_train_many
 from trainforge.train import dist_checkpoint as dckpt
 
@@ -19,7 +19,7 @@ QAT = ["--qat.scheme", "int4", "--qat.group_size", "16", "--qat.start_step", "3"
 @pytest.fixture(scope="module")
 def qat_reference(tmp_path_factory, small_data):
     ref = tmp_path_factory.mktemp("qat_ref") / "run"
-    run(train_cmd(1, ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *QAT))
+    train_one(ref, small_data, "--training.batch_size", str(GLOBAL_BATCH), *QAT)
     return ref
 
 

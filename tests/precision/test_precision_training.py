@@ -5,11 +5,13 @@ gradients the replicas stay bit-identical, fp32 norm units included."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from tests.compression.test_compressed_training import WORKERS
-from tests.parallel.test_data_parallel import losses, run, train_cmd, weights
+from tests.parallel.test_data_parallel import losses, run, train_cmd, train_one, weights
 from tests.parallel.torchrun import run_torchrun
 from trainforge.config import load_config
 from trainforge.monitor.jsonl import read_jsonl
@@ -58,7 +60,7 @@ def test_bf16_mixed_under_fsdp2_matches_the_single_process_run(tmp_path, small_d
     gradients reduced in fp32); one process autocasts fp32 weights to bf16. Same global
     batch and seed: the same training within bf16 rounding."""
     one, two = tmp_path / "one", tmp_path / "fsdp"
-    run(train_cmd(1, one, small_data, "--training.batch_size", "8", *BF16))
+    train_one(one, small_data, "--training.batch_size", "8", *BF16)
     r = run(train_cmd(2, two, small_data, "--training.batch_size", "4", "--parallel.dp_shard", "-1", *BF16))
     assert "layout: FSDP2 over 2 ranks" in r.stderr and "compute bf16" in r.stderr
     got, want = losses(two), losses(one)
@@ -88,8 +90,8 @@ def test_hsdp_with_compression_keeps_bf16_replicas_identical(tmp_path, small_dat
                  "--training.val_batches", "2", "--sample.max_new_tokens", "0", "--training.threads", "1",
                  "--parallel.dp_replicate", "2", "--parallel.dp_shard", "2", "--compression.codec", "int4",
                  "--compression.warmup_steps", "1", *BF16]
-    r = run_torchrun(WORKERS / "sync_check.py", 4, str(tmp_path / "run"), *overrides, timeout_s=240)
-    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("SYNC"))
+    r = run_torchrun(WORKERS / "sync_check.py", 4, json.dumps([[str(tmp_path / "run"), overrides]]), timeout_s=240)
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("SYNC "))
     assert "mismatched=[]" in line and "checked=0" not in line, line
     recs = [rec for rec in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "loss" in rec]
     assert recs and all(rec["precision"] == {"model": "bf16"} for rec in recs)

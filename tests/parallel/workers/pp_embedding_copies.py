@@ -1,7 +1,11 @@
 """`trainforge train` that, as each rank closes its trainer, saves the copies of the token
 embedding its pipeline stages hold to RUN_DIR/embedding_rank<r>.pt (a list: none on a
 middle stage, one on the first or last, two where one rank holds both; full tensors), so a test can
-check that the first and the last stage's copies of an MTP model stay identical."""
+check that the first and the last stage's copies of an MTP model stay identical.
+
+Run as a script (the CLI's arguments), or ``save_embeddings_at_close`` as a cli_many prepare
+step on every rank (torchrun.Prepared with every_rank): the patch then holds for the rest of
+that launch."""
 
 import sys
 
@@ -21,8 +25,12 @@ def _close_saving_embeddings(self, failed: bool = False):
     _close(self, failed)
 
 
-Trainer.close = _close_saving_embeddings
+def save_embeddings_at_close() -> None:
+    Trainer.close = _close_saving_embeddings
 
-from trainforge.cli import main  # noqa: E402
 
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    save_embeddings_at_close()
+    from trainforge.cli import main
+
+    sys.exit(main(sys.argv[1:]))
