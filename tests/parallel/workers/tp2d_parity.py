@@ -119,7 +119,7 @@ def run_case(name: str, grid: Grid2D) -> dict:
         "weight_grad_max": grads,
         "collectives": log,
         "bytes_sent": sum(c["bytes"] for c in log),
-        "comm_debug_count": comm.get_total_counts(),  # every c10d collective, also any DTensor issued
+        "comm_debug_count": comm.get_total_counts(),  # how many c10d collectives ran, DTensor's included
         "shape": {"tokens": BATCH * SEQ, "dim": DIM, "ffn": FFN, "q": grid.q},
     }
 

@@ -64,8 +64,10 @@ from trainforge.parallel.tp2d.grid import Grid2D
 
 def _gather_last(x: torch.Tensor, group: dist.ProcessGroup, q: int) -> tuple[torch.Tensor, dist.Work]:
     """Start an all-gather of ``x`` (..., n) over ``group`` into (q, ..., n); ``_as_last`` ends it."""
-    out = x.new_empty((q, *x.shape))
-    return out, dist.all_gather_single(out, x.contiguous(), group=group, async_op=True)
+    # Flat buffers: gloo splits the output along dim 0 into one input-shaped chunk per rank.
+    out = x.new_empty(q * x.numel())
+    work = dist.all_gather_single(out, x.contiguous().view(-1), group=group, async_op=True)
+    return out.view(q, *x.shape), work
 
 
 def _as_last(gathered: torch.Tensor) -> torch.Tensor:
@@ -77,8 +79,9 @@ def _reduce_scatter_last(x: torch.Tensor, group: dist.ProcessGroup, q: int) -> t
     """Start a sum-reduce-scatter of ``x`` (..., q * n) over ``group``: block k of the last dim,
     summed over the group, lands on its k-th rank as (..., n)."""
     chunks = x.unflatten(-1, (q, -1)).movedim(-2, 0).contiguous()  # (q, ..., n)
-    out = x.new_empty(chunks.shape[1:])
-    return out, dist.reduce_scatter_single(out, chunks, group=group, async_op=True)
+    out = x.new_empty(chunks[0].numel())
+    work = dist.reduce_scatter_single(out, chunks.view(-1), group=group, async_op=True)
+    return out.view(chunks.shape[1:]), work
 
 
 def _wait(started: tuple[torch.Tensor, dist.Work]) -> torch.Tensor:
