@@ -1,5 +1,6 @@
 """2-D tensor parallelism (SUMMA-style weight split; issue 23). Groundwork, not yet applied by
-``parallel/apply.py`` nor selectable from the config: see /work/notes/readme_tp2d.md.
+``parallel/apply.py`` nor selectable from the config (README, "2-D tensor parallelism":
+what exists and what integration still needs).
 
 The ``tp`` ranks form a q x q grid (``grid.py``); a linear layer's weight is split by input
 features over grid rows and by output features over grid columns, activations by batch rows
