@@ -50,6 +50,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench.ab_worktree import summarise
@@ -74,7 +75,7 @@ DEFAULTS = {
     ("quick", "small"): dict(steps=6, segment=3, batch=2, seq_len=256, val_interval=3, val_batches=1,
                              log_interval=1, warmup=2, new_tokens=8, decode_rounds=1),
 }
-INTERNAL = ("json", "quick", "arm", "until", "run_dir", "round", "decode_job")
+INTERNAL = ("json", "quick", "report_only", "arm", "until", "run_dir", "round", "decode_job")
 
 
 def arm_namespace(a: argparse.Namespace, arm: str) -> tuple[argparse.Namespace, str]:
@@ -199,18 +200,21 @@ def report(a, runs: dict, comparisons: dict, decode: dict | None, loads: list[fl
           f"{a.segment} steps; {cpu}")
     if loads:
         print(f"1-min load average at round starts {min(loads):.2f}-{max(loads):.2f}")
-    print(f"\n{'arm':>15} {'flavor':>16} {'params':>7} {'lengths':>10} {'val@steps':>9} {'train s':>8} {'tok/s':>7} "
-          f"{'RSS MiB':>8} {'tracked':>8} {'acts MiB':>8} {'host cpu':>8}")
+    print(f"\n{'arm':>15} {'flavor':>16} {'params':>7} {'MFLOP/tok':>9} {'lengths':>10} {'val@steps':>9} "
+          f"{'train s':>8} {'tok/s':>7} {'RSS MiB':>8} {'tracked':>8} {'acts MiB':>8} {'host cpu':>8}")
     for arm, r in runs.items():
         cpu_use = f"{r['host_cpu_util']:.0%}" if r["host_cpu_util"] is not None else "-"
         lengths = "/".join(map(str, r["lengths"])) or str(a.seq_len)
-        print(f"{arm:>15} {r['flavor']:>16} {r['params'] / 1e6:>6.2f}M {lengths:>10} {r['val'][-1][2]:>9.4f} "
+        print(f"{arm:>15} {r['flavor']:>16} {r['params'] / 1e6:>6.2f}M {r['flops_per_token'] / 1e6:>9.1f} "
+              f"{lengths:>10} {r['val'][-1][2]:>9.4f} "
               f"{r['train_s']:>8.1f} {r['tokens_per_s']:>7.0f} {mib(r['peak_rss_bytes']):>8} "
               f"{mib(r['tracked_bytes']):>8} {mib(r['activation_bytes']):>8} {cpu_use:>8}")
     print("(RSS: the trainer's peak_memory_bytes = peak RSS of the segment process, max over segments; tracked: "
-          "mem_tracked_bytes = params + grads + optimizer state + saved activations; acts: the saved activations)")
+          "mem_tracked_bytes = params + grads + optimizer state + saved activations; acts: the saved activations; "
+          f"MFLOP/tok: training FLOPs per token at seq_len {a.seq_len}, ModelConfig.flops_per_token)")
     for (cand, base), c in comparisons.items():
-        print(f"\n{cand} vs {base}: training tok/s ratio {fmt_ratio(c['tok_s_ratio'])} over rounds")
+        bound = f" (FLOPs per token {base} / {cand}: {c['flops_ratio']:.3f}x)" if c["flops_ratio"] != 1 else ""
+        print(f"\n{cand} vs {base}: training tok/s ratio {fmt_ratio(c['tok_s_ratio'])} over rounds{bound}")
         print(f"  val loss @ {a.steps} steps: {c['val_at_steps'][0]:.4f} vs {c['val_at_steps'][1]:.4f} "
               f"({c['val_at_steps_rel']:+.2%}); @ equal training time {c['equal_time_s']:.1f} s: "
               f"{c['val_at_time'][0]:.4f} vs {c['val_at_time'][1]:.4f} ({c['val_at_time_rel']:+.2%})")
@@ -244,6 +248,37 @@ def report(a, runs: dict, comparisons: dict, decode: dict | None, loads: list[fl
     return targets
 
 
+def analyse(a: argparse.Namespace, out: Path, arms: list[str], ends: list[int]) -> tuple[dict, dict]:
+    """Each arm's run read back from ``out``, and the COMPARISONS between them."""
+    from trainforge.model import FLAVORS
+
+    tokens_per_step = a.batch * a.seq_len
+    runs = {}
+    for arm in arms:
+        ns, schedule = arm_namespace(a, arm)
+        r = read_run(out / arm, tokens_per_step)
+        r.update(read_memory(out / arm), flavor=ns.flavor, schedule=schedule,
+                 params=FLAVORS[ns.flavor].num_params(),
+                 flops_per_token=FLAVORS[ns.flavor].flops_per_token(a.seq_len),
+                 round_tok_s=round_tokens_per_s(r["clock"], ends, tokens_per_step))
+        runs[arm] = r
+    comparisons = {}
+    for cand, base in COMPARISONS:
+        if cand not in runs or base not in runs:
+            continue
+        c, b = runs[cand], runs[base]
+        t_eq = min(c["train_s"], b["train_s"])
+        at_steps = (c["val"][-1][2], b["val"][-1][2])
+        at_t = (at_time(c["val"], t_eq), at_time(b["val"], t_eq))
+        comparisons[(cand, base)] = {
+            "tok_s_ratio": summarise([x / y for x, y in zip(c["round_tok_s"], b["round_tok_s"])]),
+            "val_at_steps": at_steps, "val_at_steps_rel": at_steps[0] / at_steps[1] - 1,
+            "equal_time_s": t_eq, "val_at_time": at_t, "val_at_time_rel": at_t[0] / at_t[1] - 1,
+            "flops_ratio": b["flops_per_token"] / c["flops_per_token"],
+            "changes": c["changes"]}
+    return runs, comparisons
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", default="tiny", choices=list(PAIRS), help="tiny: hourglass-tiny vs tiny; small: ...")
@@ -263,6 +298,7 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/bench_hourglass")
     p.add_argument("--lock", default="/tmp/cpu.lock", help="flock file each round runs under; '' = none")
     p.add_argument("--json", default=None)
+    p.add_argument("--report_only", action="store_true", help="print an earlier run's --out (same arguments) again")
     p.add_argument("--arm", help=argparse.SUPPRESS)  # internal: run one segment
     p.add_argument("--until", type=int, help=argparse.SUPPRESS)
     p.add_argument("--run_dir", help=argparse.SUPPRESS)
@@ -289,46 +325,26 @@ def main() -> None:
         p.error(f"--arms: unknown {unknown}; choose from {list(ARMS)}")
 
     from bench.train_throughput import cpu_model
-    from trainforge.model import FLAVORS
 
     out = Path(a.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     passthrough = [f"--{k}={v}" for k, v in vars(a).items() if k not in INTERNAL]
     ends = segment_ends(a.steps, a.segment)
-    loads = run_rounds("bench.hourglass", passthrough, arms, ends, a.lock, a.threads) if arms else []
+    loads = []
+    if not a.report_only:
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        loads = run_rounds("bench.hourglass", passthrough, arms, ends, a.lock, a.threads) if arms else []
 
-    tokens_per_step = a.batch * a.seq_len
-    runs = {}
-    for arm in arms:
-        ns, schedule = arm_namespace(a, arm)
-        r = read_run(out / arm, tokens_per_step)
-        r.update(read_memory(out / arm), flavor=ns.flavor, schedule=schedule,
-                 params=FLAVORS[ns.flavor].num_params(),
-                 round_tok_s=round_tokens_per_s(r["clock"], ends, tokens_per_step))
-        runs[arm] = r
-    comparisons = {}
-    for cand, base in COMPARISONS:
-        if cand not in runs or base not in runs:
-            continue
-        c, b = runs[cand], runs[base]
-        t_eq = min(c["train_s"], b["train_s"])
-        at_steps = (c["val"][-1][2], b["val"][-1][2])
-        at_t = (at_time(c["val"], t_eq), at_time(b["val"], t_eq))
-        comparisons[(cand, base)] = {
-            "tok_s_ratio": summarise([x / y for x, y in zip(c["round_tok_s"], b["round_tok_s"])]),
-            "val_at_steps": at_steps, "val_at_steps_rel": at_steps[0] / at_steps[1] - 1,
-            "equal_time_s": t_eq, "val_at_time": at_t, "val_at_time_rel": at_t[0] / at_t[1] - 1,
-            "changes": c["changes"]}
-
-    decode = None
-    if a.decode_rounds:
+    runs, comparisons = analyse(a, out, arms, ends)
+    if a.decode_rounds and not a.report_only:
         cmd = [sys.executable, "-m", "bench.hourglass", *passthrough, "--decode_job"]
+        t0 = time.perf_counter()
         r = subprocess.run(["flock", a.lock, *cmd] if a.lock else cmd, capture_output=True, text=True,
                            env={**os.environ, "OMP_NUM_THREADS": str(a.threads)})
         if r.returncode != 0:
             sys.exit(f"decode job failed:\n{r.stderr[-3000:]}")
-        decode = json.loads((out / "decode.json").read_text())
+        print(f"decode: {time.perf_counter() - t0:.0f} s (waiting for the lock included)", flush=True)
+    decode = json.loads((out / "decode.json").read_text()) if (out / "decode.json").exists() else None
     cpu = cpu_model()
     targets = report(a, runs, comparisons, decode, loads, cpu)
     if a.json:
