@@ -1,9 +1,12 @@
 """Hourglass against dense (issue 22): training speed, memory and loss, the ``auto`` length
 schedule, and batch-1 decode, for an hourglass flavor and the dense flavor of about its size.
 
-    OMP_NUM_THREADS=1 python -m bench.hourglass                 # hourglass-tiny vs tiny (~10 min)
-    OMP_NUM_THREADS=1 python -m bench.hourglass --quick         # smoke run (~2 min)
+    OMP_NUM_THREADS=1 python -m bench.hourglass                 # hourglass-tiny vs tiny
+    OMP_NUM_THREADS=1 python -m bench.hourglass --quick         # smoke run
     OMP_NUM_THREADS=1 python -m bench.hourglass --pair small    # hourglass-small vs small (slow)
+
+On a 2-core machine at one thread the default is ~5 minutes of work in 5 locked jobs of 1-2
+minutes (4 training rounds, then decode), ``--quick`` ~1 minute; waiting for the lock comes on top.
 
 Training: three arms through the real trainer on the built-in corpus, with the same steps,
 seed, batch and tokens per step: ``dense`` (the pair's dense flavor, fixed length),
