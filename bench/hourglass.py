@@ -7,6 +7,8 @@ schedule, and batch-1 decode, for an hourglass flavor and the dense flavor of ab
 
 On a 2-core machine at one thread the default is ~5 minutes of work in 5 locked jobs of 1-2
 minutes (4 training rounds, then decode), ``--quick`` ~1 minute; waiting for the lock comes on top.
+Do not wrap the command in ``flock --lock``: it takes the lock per job itself, and a job waiting
+for a lock its own parent holds never starts (``--lock ''`` runs unlocked).
 
 Training: three arms through the real trainer on the built-in corpus, with the same steps,
 seed, batch and tokens per step: ``dense`` (the pair's dense flavor, fixed length),
