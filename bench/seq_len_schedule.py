@@ -50,8 +50,9 @@ def arm_args(a: argparse.Namespace, arm: str) -> list[str]:
     return common + [x.format(**fill) for x in ARMS[arm]]
 
 
-def segment(a: argparse.Namespace) -> None:
-    """One locked job: continue ``a.arm`` in ``a.run_dir`` up to step ``a.until``."""
+def segment(a: argparse.Namespace, args: list[str] | None = None) -> None:
+    """One locked job: continue ``a.arm`` (or the run of trainer ``args``, e.g. another
+    bench's arm) in ``a.run_dir`` up to step ``a.until``."""
     from trainforge.config import load_config
     from trainforge.train.trainer import Trainer
 
@@ -61,7 +62,7 @@ def segment(a: argparse.Namespace) -> None:
                 trainer.request_stop("bench segment")
 
     run_dir = Path(a.run_dir)
-    cfg = load_config(None, arm_args(a, a.arm))
+    cfg = load_config(None, args if args is not None else arm_args(a, a.arm))
     t = Trainer(cfg, run_dir, resume=(run_dir / "checkpoints").is_dir(), callbacks=[StopAt()], progress=False)
     try:
         t.fit()
@@ -82,7 +83,8 @@ def read_run(run_dir: Path, tokens_per_step: int) -> dict:
                if r.get("seq_len") != prev.get("seq_len")]
     cpu = [r["host_cpu_util"] for r in train if isinstance(r.get("host_cpu_util"), (int, float))]
     return {"train_s": t, "tokens_per_s": len(train) * tokens_per_step / t, "val": val,
-            "lengths": lengths, "changes": changes, "host_cpu_util": sum(cpu) / len(cpu) if cpu else None}
+            "lengths": lengths, "changes": changes, "host_cpu_util": sum(cpu) / len(cpu) if cpu else None,
+            "clock": clock}
 
 
 def at_time(val: list[tuple[int, float, float]], t: float) -> float:
@@ -91,6 +93,45 @@ def at_time(val: list[tuple[int, float, float]], t: float) -> float:
         if t0 <= t <= t1:
             return v0 + (v1 - v0) * (t - t0) / max(t1 - t0, 1e-12)
     return val[-1][2]
+
+
+def segment_ends(steps: int, segment: int) -> list[int]:
+    """The step each round ends at: every ``segment`` steps, and ``steps``."""
+    return [min(u, steps) for u in range(segment, steps + segment, segment)]
+
+
+def run_round(module: str, arms: list[str], out: Path) -> None:
+    """Inside the lock: this round's segment of each arm, one ``python -m module`` process
+    each (this process's arguments plus ``--arm ARM --run_dir out/ARM``), in turn."""
+    times = []
+    for arm in arms:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", module, *sys.argv[1:], "--arm", arm, "--run_dir", str(out / arm)],
+                       check=True)
+        times.append(f"{arm} {time.perf_counter() - t0:.0f} s")
+    print("; ".join(times))
+
+
+def run_rounds(module: str, passthrough: list[str], arms: list[str], ends: list[int], lock: str,
+               threads: int) -> list[float]:
+    """Round k = one job (under ``flock lock`` unless it is ''): ``python -m module
+    *passthrough --round ARMS --until ends[k]``, the arms' order rotating each round.
+    Exits naming the round if one fails; returns the 1-min load average at each round's start."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    loads = []
+    for k, until in enumerate(ends):
+        order = arms[k % len(arms):] + arms[:k % len(arms)]
+        cmd = [sys.executable, "-m", module, *passthrough, "--round", ",".join(order), "--until", str(until)]
+        if lock:
+            cmd = ["flock", lock, *cmd]
+        loads.append(os.getloadavg()[0])
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"round to step {until} failed:\n{r.stderr[-3000:]}")
+        print(f"round {k + 1}/{len(ends)} ({', '.join(order)}) to step {until}: {time.perf_counter() - t0:.0f} s "
+              f"(waiting for the lock included); {r.stdout.strip()}", flush=True)
+    return loads
 
 
 def main() -> None:
@@ -122,37 +163,15 @@ def main() -> None:
     a = p.parse_args()
     if a.arm:
         return segment(a)
-    if a.round:  # inside the lock: this round's segment of each arm, one process each, in turn
-        times = []
-        for arm in a.round.split(","):
-            t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "bench.seq_len_schedule", *sys.argv[1:], "--arm", arm,
-                            "--run_dir", str(Path(a.out) / arm)], check=True)
-            times.append(f"{arm} {time.perf_counter() - t0:.0f} s")
-        print("; ".join(times))
-        return None
+    if a.round:
+        return run_round("bench.seq_len_schedule", a.round.split(","), Path(a.out))
 
     arms = a.arms.split(",")
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     passthrough = [f"--{k}={v}" for k, v in vars(a).items() if k not in ("json", "arm", "until", "run_dir", "round")]
-    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    loads = []
-    ends = [min(u, a.steps) for u in range(a.segment, a.steps + a.segment, a.segment)]
-    for k, until in enumerate(ends):
-        # One locked job per round: segment k of every arm, the arms' order rotating each round.
-        order = arms[k % len(arms):] + arms[:k % len(arms)]
-        cmd = [sys.executable, "-m", "bench.seq_len_schedule", *passthrough, "--round", ",".join(order),
-               "--until", str(until)]
-        if a.lock:
-            cmd = ["flock", a.lock, *cmd]
-        loads.append(os.getloadavg()[0])
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            sys.exit(f"round to step {until} failed:\n{r.stderr[-3000:]}")
-        print(f"round {k + 1}/{len(ends)} ({', '.join(order)}) to step {until}: {time.perf_counter() - t0:.0f} s "
-              f"(waiting for the lock included); {r.stdout.strip()}", flush=True)
+    loads = run_rounds("bench.seq_len_schedule", passthrough, arms, segment_ends(a.steps, a.segment), a.lock,
+                       a.threads)
 
     tokens_per_step = a.batch * a.seq_len
     runs = {arm: read_run(out / arm, tokens_per_step) for arm in arms}
