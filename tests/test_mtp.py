@@ -367,9 +367,9 @@ def mtp_runs(tmp_path_factory, small_data):
 
 @pytest.fixture(scope="module")
 def mtp_reference(mtp_runs):
-    root, done = mtp_runs
-    assert done["reference"].returncode == 0, done["reference"].stderr[-3000:]
-    return root / "reference"
+    from tests.parallel.torchrun import completed_run
+
+    return completed_run(*mtp_runs, "reference")
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.parallel.torchrun import resumed, run_train_many, torchrun_env, train_here
+from tests.parallel.torchrun import completed_run, resumed, run_train_many, torchrun_env, train_here
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.parallel.dims import ParallelDims
@@ -136,9 +136,7 @@ def runs(tmp_path_factory, small_data):
 @pytest.fixture(scope="module")
 def reference(runs):
     """The single-process run every layout is compared with (same global batch and seed)."""
-    root, done = runs
-    assert done["reference"].returncode == 0, done["reference"].stderr[-3000:]
-    return root / "reference"
+    return completed_run(*runs, "reference")
 
 
 @pytest.mark.slow

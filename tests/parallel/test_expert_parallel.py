@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.parallel.test_data_parallel import LOSS_RTOL, WEIGHT_ATOL, assert_same_losses, losses, weights
-from tests.parallel.torchrun import WORKERS, resumed, run_torchrun, run_train_many
+from tests.parallel.torchrun import WORKERS, completed_run, resumed, run_torchrun, run_train_many
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS
 from trainforge.parallel.dims import ParallelDims
@@ -92,9 +92,7 @@ def runs2(tmp_path_factory, small_data):
 
 @pytest.fixture(scope="module")
 def reference(runs2):
-    root, done = runs2
-    assert done["reference"].returncode == 0, done["reference"].stderr[-3000:]
-    return root / "reference"
+    return completed_run(*runs2, "reference")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.parallel.test_data_parallel import COMMON, assert_same_training, run, train_cmd
-from tests.parallel.torchrun import Prepared, copy_until, resumed, run_train_many, torchrun_env
+from tests.parallel.torchrun import Prepared, completed_run, copy_until, resumed, run_train_many, torchrun_env
 from tests.parallel.workers.pp_rebalance import predict_even_balance
 from trainforge.monitor.jsonl import read_jsonl
 
@@ -77,9 +77,7 @@ def singles(pp2_runs, run3d, small_data):
 
 @pytest.fixture(scope="module")
 def reference4(singles):
-    root, done = singles
-    assert done["reference"].returncode == 0, done["reference"].stderr[-3000:]
-    return root / "reference"
+    return completed_run(*singles, "reference")
 
 
 @pytest.mark.slow

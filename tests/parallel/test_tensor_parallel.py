@@ -9,14 +9,13 @@ below assert them against the stated tolerances.
 from __future__ import annotations
 
 import dataclasses
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.parallel.torchrun import WORKERS, run_torchrun
+from tests.parallel.torchrun import WORKERS, rank_results
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS, ModelConfig, build_model
 from trainforge.parallel.tensor_parallel import (
@@ -38,9 +37,7 @@ CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied", "mla-sp-lp", 
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("tp_parity")
-    run_torchrun(WORKERS / "tp_parity.py", TP, str(out), timeout_s=180)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(TP)]
+    return rank_results(WORKERS / "tp_parity.py", TP, tmp_path_factory.mktemp("tp_parity"), timeout_s=180)
 
 
 @pytest.mark.slow

@@ -8,11 +8,10 @@ collectives it issued to JSON; the tests below assert them.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
-from tests.parallel.torchrun import WORKERS, run_torchrun
+from tests.parallel.torchrun import WORKERS, rank_results
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS
 from trainforge.parallel.tp2d import (
@@ -31,9 +30,7 @@ CASES = ["mlp", "swiglu"]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("tp2d")
-    run_torchrun(WORKERS / "tp2d_parity.py", TP, str(out), timeout_s=120)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(TP)]
+    return rank_results(WORKERS / "tp2d_parity.py", TP, tmp_path_factory.mktemp("tp2d"), timeout_s=120)
 
 
 @pytest.mark.slow

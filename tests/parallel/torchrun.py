@@ -78,6 +78,18 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout_s: float = 
     return r
 
 
+def rank_results(script: str | Path, nproc: int, out: Path, timeout_s: float = 240.0) -> list[dict]:
+    """Run a worker that writes ``OUT/rank{r}.json`` on every rank; returns those dicts by rank."""
+    run_torchrun(script, nproc, str(out), timeout_s=timeout_s)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def completed_run(root: Path, done: dict[str, subprocess.CompletedProcess], name: str) -> Path:
+    """``root / name`` after checking that run ``name`` of a ``run_train_many`` result succeeded."""
+    assert done[name].returncode == 0, done[name].stderr[-3000:]
+    return root / name
+
+
 def run_train_many(nproc: int, runs: dict[str, list[str] | Prepared], timeout_s: float = 600.0
                    ) -> dict[str, subprocess.CompletedProcess]:
     """Several ``trainforge train`` argument lists (``runs``: name -> the arguments after
