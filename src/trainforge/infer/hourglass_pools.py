@@ -67,9 +67,6 @@ class HourglassPools:
     def can_reserve(self, n_tokens: int) -> bool:
         return all(p.can_reserve(self.entries(d, n_tokens)) for d, p in self.pools.items())
 
-    def blocks_needed(self, n_tokens: int) -> dict[int, int]:
-        return {d: p.blocks_for(self.entries(d, n_tokens)) for d, p in self.pools.items()}
-
     def add(self, seq_id: int, row: int, reserve_tokens: int, prompt_tokens: int) -> None:
         """Reserve for a new sequence in engine row ``row`` and set up its prefill."""
         bs = self.block_size
