@@ -1,0 +1,226 @@
+// Q8_0 / Q4_0 block kernels (llama.cpp layouts): weights in 32-value blocks with one fp16
+// scale each, activations quantised per 32-block to int8 on the fly, integer dot products,
+// fp32 accumulation. One .so carries every instruction path (per-function target
+// attributes); the path is chosen per call by CPU features or TRAINFORGE_CPU_ISA.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace {
+
+constexpr int64_t QK = 32;
+
+bool supports(const std::string& isa) {
+  __builtin_cpu_init();
+  if (isa == "scalar") return true;
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+
+// Read per call so a test can switch paths inside one process.
+std::string chosen_isa() {
+  const char* env = std::getenv("TRAINFORGE_CPU_ISA");
+  if (env != nullptr && env[0] != '\0') {
+    std::string want(env);
+    TORCH_CHECK(want == "avx2" || want == "avx512" || want == "scalar",
+                "TRAINFORGE_CPU_ISA must be avx2, avx512 or scalar, got '", want, "'");
+    TORCH_CHECK(supports(want), "TRAINFORGE_CPU_ISA=", want, " but this CPU lacks it");
+    return want;
+  }
+  if (supports("avx512")) return "avx512";
+  if (supports("avx2")) return "avx2";
+  return "scalar";
+}
+
+// Same arithmetic as formats.quantize_activations: d = absmax/127, q = rint(x * (1/d)).
+void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float db = amax / 127.f;
+    const float id = db != 0.f ? 1.f / db : 0.f;
+    d[b] = db;
+    for (int i = 0; i < QK; ++i) q[b * QK + i] = (int8_t)std::nearbyint(xb[i] * id);
+  }
+}
+
+// ---- scalar -------------------------------------------------------------------------------
+float dot_q8_scalar(const int8_t* w, const at::Half* dw, const int8_t* x, const float* dx,
+                    int64_t nb) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t s = 0;
+    for (int i = 0; i < QK; ++i) s += (int32_t)w[b * QK + i] * x[b * QK + i];
+    acc += (float)dw[b] * dx[b] * (float)s;
+  }
+  return acc;
+}
+
+float dot_q4_scalar(const uint8_t* w, const at::Half* dw, const int8_t* x, const float* dx,
+                    int64_t nb) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t s = 0;
+    const uint8_t* wb = w + b * QK / 2;
+    for (int j = 0; j < QK / 2; ++j) {
+      s += ((int32_t)(wb[j] & 0xF) - 8) * x[b * QK + j];
+      s += ((int32_t)(wb[j] >> 4) - 8) * x[b * QK + j + 16];
+    }
+    acc += (float)dw[b] * dx[b] * (float)s;
+  }
+  return acc;
+}
+
+// ---- AVX2 ---------------------------------------------------------------------------------
+__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// maddubs needs unsigned * signed: |w| * (x with w's sign) has the same products; the
+// 16-bit pair sums stay below 2*127*127 so they never saturate.
+__attribute__((target("avx2,fma"))) inline __m256 block_dot_avx2(__m256i w, __m256i x) {
+  const __m256i aw = _mm256_sign_epi8(w, w);
+  const __m256i sx = _mm256_sign_epi8(x, w);
+  const __m256i p16 = _mm256_maddubs_epi16(aw, sx);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+// Low nibbles are elements 0..15, high nibbles 16..31 (llama.cpp order), minus 8.
+__attribute__((target("avx2,fma"))) inline __m256i unpack_q4_avx2(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, m);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
+}
+
+__attribute__((target("avx2,fma"))) float dot_q8_avx2(const int8_t* w, const at::Half* dw,
+                                                        const int8_t* x, const float* dx,
+                                                        int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + b * QK));
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
+    const __m256 scale = _mm256_set1_ps((float)dw[b] * dx[b]);
+    acc = _mm256_fmadd_ps(scale, block_dot_avx2(wv, xv), acc);
+  }
+  return hsum256(acc);
+}
+
+__attribute__((target("avx2,fma"))) float dot_q4_avx2(const uint8_t* w, const at::Half* dw,
+                                                        const int8_t* x, const float* dx,
+                                                        int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = unpack_q4_avx2(w + b * QK / 2);
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
+    const __m256 scale = _mm256_set1_ps((float)dw[b] * dx[b]);
+    acc = _mm256_fmadd_ps(scale, block_dot_avx2(wv, xv), acc);
+  }
+  return hsum256(acc);
+}
+
+// ---- AVX-512 VNNI (256-bit dpbusd: one block per instruction) -----------------------------
+#define T512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+T512 inline __m256 block_dot_vnni(__m256i w, __m256i x) {
+  const __m256i aw = _mm256_sign_epi8(w, w);
+  const __m256i sx = _mm256_sign_epi8(x, w);
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
+}
+
+T512 float dot_q8_avx512(const int8_t* w, const at::Half* dw, const int8_t* x,
+                         const float* dx, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + b * QK));
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps((float)dw[b] * dx[b]), block_dot_vnni(wv, xv), acc);
+  }
+  return hsum256(acc);
+}
+
+T512 float dot_q4_avx512(const uint8_t* w, const at::Half* dw, const int8_t* x,
+                         const float* dx, int64_t nb) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = unpack_q4_avx2(w + b * QK / 2);
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps((float)dw[b] * dx[b]), block_dot_vnni(wv, xv), acc);
+  }
+  return hsum256(acc);
+}
+
+// ---- op bodies ----------------------------------------------------------------------------
+template <typename W, typename Dot>
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                        int64_t row_bytes, Dot dot) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
+  TORCH_CHECK(d.scalar_type() == at::kHalf, "d must be fp16 (N, K/32)");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(qs.size(1) == row_bytes && d.size(0) == N && d.size(1) == nb,
+              "weight shapes do not match K=", K);
+  const at::Tensor w = qs.contiguous(), dd = d.contiguous();
+  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({M, nb}, x.options());
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K,
+                    xd.data_ptr<float>() + m * nb);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const W* wp = (const W*)w.data_ptr();
+  const at::Half* dp = dd.data_ptr<at::Half>();
+  const int8_t* xqp = xq.data_ptr<int8_t>();
+  const float* xdp = xd.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // Rows across threads; each weight row is read once for all M activation rows.
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m)
+        op[m * N + n] = dot(wp + n * row_bytes, dp + n * nb, xqp + m * K, xdp + m * nb, nb);
+  });
+  return out;
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  TORCH_CHECK(qs.scalar_type() == at::kChar, "q8_0 qs must be int8 (N, K)");
+  const std::string isa = chosen_isa();
+  auto dot = isa == "avx512" ? dot_q8_avx512 : isa == "avx2" ? dot_q8_avx2 : dot_q8_scalar;
+  return block_linear<int8_t>(x, qs, d, x.size(1), dot);
+}
+
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  TORCH_CHECK(qs.scalar_type() == at::kByte, "q4_0 qs must be uint8 (N, K/2)");
+  const std::string isa = chosen_isa();
+  auto dot = isa == "avx512" ? dot_q4_avx512 : isa == "avx2" ? dot_q4_avx2 : dot_q4_scalar;
+  return block_linear<uint8_t>(x, qs, d, x.size(1) / 2, dot);
+}
+
+std::string isa_op() { return chosen_isa(); }
+bool supports_op(std::string isa) { return supports(isa); }
+
+}  // namespace
+
+TORCH_LIBRARY(trainforge_cpu, m) {
+  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  m.def("q4_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  m.def("isa() -> str", &isa_op);
+  m.def("supports(str isa) -> bool", &supports_op);
+}
+
+TORCH_LIBRARY_IMPL(trainforge_cpu, CPU, m) {
+  m.impl("q8_0_linear", &q8_0_linear);
+  m.impl("q4_0_linear", &q4_0_linear);
+}

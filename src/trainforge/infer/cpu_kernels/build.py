@@ -1,0 +1,66 @@
+"""Build blocks.cpp with torch.utils.cpp_extension on first use, cached per source + torch.
+
+When there is no compiler, the build fails or TRAINFORGE_CPU_ISA names a path this CPU
+lacks, `load_kernels()` returns None and warns once: the engine then keeps today's kernels.
+"""
+
+import functools
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("blocks.cpp")
+
+
+def cache_dir() -> Path:
+    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return root / "trainforge" / "cpu_kernels" / digest
+
+
+@functools.cache
+def _build() -> str | None:
+    """Returns None on success, else the reason (cached: one build attempt per process)."""
+    try:
+        from torch.utils import cpp_extension
+
+        out = cache_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="trainforge_cpu_kernels",
+            sources=[str(_SOURCE)],
+            build_directory=str(out),
+            extra_cflags=["-O3"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, compile error, unwritable cache: all fall back
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(
+        f"trainforge CPU block kernels unavailable ({reason}); "
+        "the engine falls back to today's kernels",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def load_kernels():
+    """The `torch.ops.trainforge_cpu` namespace, or None (with one warning) if unusable."""
+    reason = _build()
+    if reason is None:
+        try:
+            torch.ops.trainforge_cpu.isa()  # raises if TRAINFORGE_CPU_ISA is unsupported here
+        except RuntimeError as exc:
+            reason = str(exc).splitlines()[0]
+    if reason is not None:
+        _warn_once(reason)
+        return None
+    return torch.ops.trainforge_cpu

@@ -1,0 +1,63 @@
+"""Q8_0 / Q4_0 block formats (llama.cpp semantics) and plain PyTorch references.
+
+Blocks are 32 values along K with one fp16 scale each, so GGUF tensors map onto these
+layouts later without re-quantising.
+"""
+
+import torch
+
+BLOCK = 32
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"K={k} must be a multiple of {BLOCK}")
+    return w.float().reshape(n, k // BLOCK, BLOCK)
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> qs int8 (N, K), d fp16 (N, K/32); value = qs * d."""
+    b = _blocks(w)
+    d = b.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    qs = torch.round(b * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return qs.reshape(w.shape), d.half()
+
+
+def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> qs uint8 (N, K/2), d fp16 (N, K/32); value = (q - 8) * d.
+
+    d = max / -8 with max the signed value of largest magnitude (llama.cpp), and byte j of a
+    block holds element j in its low nibble and element j + 16 in its high nibble.
+    """
+    b = _blocks(w)
+    idx = b.abs().argmax(-1, keepdim=True)
+    d = b.gather(-1, idx).squeeze(-1) / -8.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = (torch.round(b * inv.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    return packed.reshape(w.shape[0], -1), d.half()
+
+
+def dequantize_q8_0(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n, k = qs.shape
+    return (qs.float().reshape(n, -1, BLOCK) * d.float().unsqueeze(-1)).reshape(n, k)
+
+
+def dequantize_q4_0(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    n = qs.shape[0]
+    p = qs.reshape(n, -1, BLOCK // 2)
+    q = torch.cat([p & 0xF, p >> 4], dim=-1).float() - 8.0
+    return (q * d.float().unsqueeze(-1)).reshape(n, -1)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """Per-32-block int8 round trip of x (M, K), the same arithmetic as the C++ kernels
+    (d = absmax/127 in fp32, q = round(x * (1/d)), half to even), returned dequantised."""
+    m, k = x.shape
+    b = x.float().reshape(m, k // BLOCK, BLOCK)
+    d = b.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv.unsqueeze(-1))
+    return (q * d.unsqueeze(-1)).reshape(m, k)

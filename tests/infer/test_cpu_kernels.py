@@ -1,0 +1,89 @@
+"""Parity of the Q8_0 / Q4_0 C++ block kernels with plain PyTorch, on every ISA path."""
+
+import pytest
+import torch
+
+from trainforge.infer.cpu_kernels import build, formats
+
+ISAS = ["scalar", "avx2", "avx512"]
+# Bounds vs the unquantised fp32 matmul: Q4_0 on Gaussian weights lands near 10%, so 15%.
+FORMATS = {
+    "q8_0": (formats.quantize_q8_0, formats.dequantize_q8_0, 0.01),
+    "q4_0": (formats.quantize_q4_0, formats.dequantize_q4_0, 0.15),
+}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    loaded = build.load_kernels()
+    if loaded is None:
+        pytest.skip("kernels did not build (warning says why)")
+    return loaded
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("k", [32, 64, 256])
+def test_block_linear_matches_reference(ops, monkeypatch, isa, fmt, m, k):
+    if not ops.supports(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    monkeypatch.setenv("TRAINFORGE_CPU_ISA", isa)
+    assert ops.isa() == isa
+    quant, dequant, fp32_bound = FORMATS[fmt]
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    w = torch.randn(37, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    qs, d = quant(w)
+    out = getattr(ops, f"{fmt}_linear")(x, qs, d)
+    # Same integers as the kernel: only the fp32 summation order differs.
+    exact = formats.quantize_activations(x) @ dequant(qs, d).T
+    assert _rel(out, exact) < 1e-5
+    assert _rel(out, x @ w.T) < fp32_bound
+
+
+def test_q4_0_packs_in_llama_cpp_order():
+    # Block of 32 with -8 at element 0 sets d = 1 (largest magnitude -8 -> d = -8 / -8).
+    w = torch.zeros(1, 32)
+    w[0, 0] = -8.0
+    w[0, 1] = 3.0  # element 1: low nibble of byte 1
+    w[0, 16] = 5.0  # element 16: high nibble of byte 0
+    w[0, 31] = -2.0  # element 31: high nibble of byte 15
+    qs, d = formats.quantize_q4_0(w)
+    assert d.item() == 1.0
+    assert qs.shape == (1, 16)
+    assert qs[0, 0].item() == (0 + 8 - 8) | ((5 + 8) << 4)  # q = value / d + 8 ... d = 1
+    assert qs[0, 1].item() == (3 + 8) | (8 << 4)
+    assert qs[0, 15].item() == 8 | ((-2 + 8) << 4)
+    assert torch.equal(formats.dequantize_q4_0(qs, d), w)
+
+
+def test_q8_0_scale_is_absmax_over_127():
+    w = torch.linspace(-2.54, 1.0, 32).reshape(1, 32)
+    qs, d = formats.quantize_q8_0(w)
+    assert d.dtype == torch.float16
+    assert d.item() == pytest.approx(2.54 / 127, rel=1e-3)
+    assert qs[0, 0].item() == -127
+
+
+def test_unsupported_forced_isa_warns_and_returns_none(ops, monkeypatch):
+    if ops.supports("avx512"):
+        monkeypatch.setenv("TRAINFORGE_CPU_ISA", "avx9000")  # rejected by name instead
+    else:
+        monkeypatch.setenv("TRAINFORGE_CPU_ISA", "avx512")
+    build._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match="falls back to today's kernels"):
+        assert build.load_kernels() is None
+
+
+def test_failed_build_warns_once_and_returns_none(monkeypatch):
+    monkeypatch.setattr(build, "_build", lambda: "RuntimeError: no compiler")
+    build._warn_once.cache_clear()
+    with pytest.warns(RuntimeWarning, match="no compiler.*falls back") as record:
+        assert build.load_kernels() is None
+        assert build.load_kernels() is None
+    assert len(record) == 1
