@@ -204,14 +204,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="parameter dtype (quantised layers keep their own)")
-    p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="quantise a float checkpoint's linear layers (and MoE experts) at load time (see "
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4", "q8_0", "q4_0"],
+                   help="quantise a float checkpoint's linear layers (and MoE experts: int8 / int4) at load "
+                        "time: int8 per channel, int4 per group, q8_0 / q4_0 in 32-value blocks on the C++ CPU "
+                        "kernels (llama.cpp's formats) (see "
                         "`trainforge quantize` for the offline step); auto = the grid a QAT checkpoint was "
                         "trained for ([qat]), else none")
     p.add_argument("--group_size", type=int, default=None,
                    help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
     p.add_argument("--quant_kernel", default=None,
-                   help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, reference), or "
+                   help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, blocks, dequant, reference), or "
                         "'measure' (time them here once, cached); default: the order measured for the device")
     p.add_argument("--no_fuse", action="store_true", help="skip the fusion pass (QKV, gate+up, add+RMSNorm)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (slow start on CPU)")
@@ -284,7 +286,11 @@ def _load_for_engine(a, kv_slots=None):
     # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
     mode, group_size, _ = _trained_grid(a.checkpoint, a.quantize, a.group_size)
     # kv_slots(cfg): the engine's KV pool in token slots, for the preflight before any weight is read.
-    loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots)
+    # Quantising at load on CPU: the float weights are mapped from the file (read as each layer is
+    # quantised, reclaimable after), so the fp32 model is never resident beside the quantised one.
+    mapped = mode != "none" and a.device == "cpu"
+    loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots, mapped=mapped,
+                        quantize_to={"mode": mode, "group_size": group_size} if mode != "none" else None)
     if mode != "none":
         if loaded.quantization:
             raise TrainforgeError(f"--quantize {mode}: {a.checkpoint} is already quantised "
@@ -379,26 +385,30 @@ def _quantize(argv: list[str]) -> int:
     p.add_argument("--checkpoint", required=True,
                    help="float trainforge checkpoint / run directory, or a Hugging Face directory")
     p.add_argument("--output", required=True, help="new directory for the quantised checkpoint")
-    p.add_argument("--mode", required=True, choices=["int8", "int4"], help="int8 per output channel or int4 per group")
+    p.add_argument("--mode", required=True, choices=["int8", "int4", "q8_0", "q4_0"],
+                   help="int8 per output channel, int4 per group, or q8_0 / q4_0: 32-value blocks with one fp16 "
+                        "scale (llama.cpp's formats, run by the C++ CPU kernels; routed experts stay float)")
     p.add_argument("--group_size", type=int, default=None,
                    help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
     a = p.parse_args(argv)
     if Path(a.output).exists():
         raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
     a.mode, a.group_size, _ = _trained_grid(a.checkpoint, a.mode, a.group_size, "--mode")  # a QAT run: its grid
-    loaded = load_model(a.checkpoint)
+    # Mapped: the float weights are views of the file's pages, read as each tensor is quantised and
+    # reclaimable after, so the process never holds the fp32 model beside the quantised one.
+    loaded = load_model(a.checkpoint, mapped=True)
     if loaded.quantization:
         raise TrainforgeError(f"{a.checkpoint} is already quantised ({loaded.quantization['mode']})")
     model = loaded.model
+    sd = model.state_dict()
+    before = sum(t.nbytes for t in sd.values())
     try:
-        qsd, info = quantize_state_dict(model.state_dict(), linear_names(model), a.mode, a.group_size,
-                                        expert_names(model))
+        qsd, info = quantize_state_dict(sd, linear_names(model), a.mode, a.group_size, expert_names(model))
     except ValueError as e:
         raise TrainforgeError(f"--{e}") from None
     tok_file = loaded.path / "tokenizer.json"
     out = save_quantized(a.output, qsd, info, dataclasses.asdict(model.cfg),
                          tok_file if tok_file.is_file() else None, {"path": str(loaded.path)})
-    before = sum(t.nbytes for t in model.state_dict().values())
     after = (out / "model.safetensors").stat().st_size
     print(f"quantised {len(info['layers'])} linear layers"
           + (f" and {len(info['experts'])} layers of routed experts" if info["experts"] else "") + f" to {a.mode}"

@@ -149,7 +149,8 @@ def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tor
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None,
-               mapped: bool = False, verify: bool = True) -> LoadedModel:
+               mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None
+               ) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
     directory (newest checkpoint), or a Hugging Face directory (Llama, DeepSeek-V3, Glm4Moe, Mixtral;
     float or compressed-tensors int8/int4). ``dtype`` is the float
@@ -164,14 +165,16 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     model larger than RAM can be read through; the memory check is then skipped. ``verify=False``
     skips the sha256 check of a trainforge checkpoint's files, for a caller that checks them
     itself (``trainforge export`` hashes them beside the conversion and commits nothing on a
-    mismatch)."""
+    mismatch). A caller that quantises the float weights after loading (``--quantize``) passes
+    ``quantize_to`` (``{"mode", "group_size"}``): the memory check then counts the weights at that
+    size, and runs for a mapped load that has a KV pool (``kv_slots``) to hold."""
     path = Path(path)
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
     mapped = mapped and device.type == "cpu"
     if is_hf_dir(path):
-        return _load_hf(path, device, dtype, kv_slots, mapped)
-    return _load_trainforge(path, device, dtype, kv_slots, mapped, verify)
+        return _load_hf(path, device, dtype, kv_slots, mapped, quantize_to)
+    return _load_trainforge(path, device, dtype, kv_slots, mapped, verify, quantize_to)
 
 
 def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
@@ -179,8 +182,11 @@ def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_sl
     if device.type == "meta":
         return
     qbytes = None
-    if quantization:  # codes + their fp32 scales (int4: a scale and a zero per group; int8: one per row)
-        qbytes = 0.5 + 8 / quantization.get("group_size", 128) if quantization.get("mode") == "int4" else 1.0
+    if quantization:  # codes + their scales (int4: fp32 scale and zero per group; int8: one per row;
+        # q8_0 / q4_0: one fp16 scale per 32 values)
+        mode = quantization.get("mode")
+        qbytes = {"int4": 0.5 + 8 / quantization.get("group_size", 128), "q8_0": 1 + 2 / 32,
+                  "q4_0": 0.5 + 2 / 32}.get(mode, 1.0)
     elem = torch.empty((), dtype=dtype).element_size()
     check_inference(cfg, device, elem, kv_slots(cfg) if kv_slots is not None else 0, elem,
                     positions_key=positions_key, where=where, quantized_bytes=qbytes, error=CheckpointError)
@@ -207,13 +213,15 @@ def trainforge_model_config(path: Path, verify: bool = False) -> tuple[Path, dic
 
 
 def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
-                     mapped: bool = False, verify: bool = True) -> LoadedModel:
+                     mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None
+                     ) -> LoadedModel:
     from trainforge.data.tokenizer import eos_id, load_tokenizer
     from trainforge.storage import checkpoint_format as ckpt
 
     ck, meta, cfg = trainforge_model_config(path, verify=verify)
-    if not mapped:
-        _preflight(cfg, device, dtype, kv_slots, meta.get("quantization"), "model_config.max_seq_len", str(ck))
+    if not mapped or kv_slots is not None:
+        _preflight(cfg, device, dtype, kv_slots, meta.get("quantization") or quantize_to, "model_config.max_seq_len",
+                   str(ck))
     weights = ck / ckpt.MODEL_FILE
     if not weights.is_file():
         raise CheckpointError(f"{weights} is missing (a multi-process checkpoint? load it with `trainforge train "
@@ -340,12 +348,12 @@ def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]
 
 
 def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
-             mapped: bool = False) -> LoadedModel:
+             mapped: bool = False, quantize_to: dict[str, Any] | None = None) -> LoadedModel:
     config_file = path / "config.json"
     hf_config, cfg, files = hf_model_config(path)
     deepseek, moe = hf_deepseek.is_deepseek_v3(hf_config), hf_moe.is_hf_moe(hf_config)
-    if not mapped:
-        _preflight(cfg, device, dtype, kv_slots, None, "config.json key 'max_position_embeddings'", str(path))
+    if not mapped or kv_slots is not None:
+        _preflight(cfg, device, dtype, kv_slots, quantize_to, "config.json key 'max_position_embeddings'", str(path))
     if not files:
         found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         raise CheckpointError(f"{path}: no *.safetensors weights" + (f" (found {found}: pickle formats are not "

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from trainforge.infer.quantize.blocks import Q4_0Linear, Q8_0Linear
 from trainforge.infer.quantize.common import QuantLinear, choose_kernel, measure_kernels
 from trainforge.infer.quantize.experts import QuantExperts
 from trainforge.infer.quantize.int4 import Int4Linear, quantize_int4
@@ -39,10 +40,11 @@ from trainforge.model.moe import GroupedExperts, routers
 from trainforge.storage.atomic import atomic_directory
 from trainforge.storage.checkpoint_format import MODEL_FILE, TOKENIZER_FILE, write_meta
 
-MODES = ("int8", "int4")
+MODES = ("int8", "int4", "q8_0", "q4_0")
+BLOCK_MODES = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear}  # 32-value blocks (llama.cpp's), blocks.py
 METADATA_KEY = "trainforge_quantization"
 
-__all__ = ["MODES", "Int4Experts", "Int4Linear", "Int8Experts", "Int8Linear", "QuantExperts", "QuantLinear",
+__all__ = ["BLOCK_MODES", "MODES", "Int4Experts", "Int4Linear", "Int8Experts", "Int8Linear", "Q4_0Linear", "Q8_0Linear", "QuantExperts", "QuantLinear",
            "choose_kernel", "expert_names", "linear_names", "measure_kernels", "pack_quantized", "quantize_model",
            "quantize_state_dict", "save_quantized", "swap_quantized_linears"]
 
@@ -68,7 +70,9 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
     """Offline transform. ``names``: the linear layers to quantise (``<name>.weight`` in ``sd``);
     ``experts``: the routed experts (``<name>.w1``, ``.w2``, ``.w3``), listed in ``info["experts"]``.
     Returns (stored-form state dict, info). Layers int4 cannot group (in_features not a
-    multiple of ``group_size``) stay float and are listed in ``info["skipped"]``."""
+    multiple of ``group_size``; 32 for the block modes) stay float and are listed in
+    ``info["skipped"]``, as do routed experts under a block mode (its kernels cover dense
+    linears; int8 / int4 quantise experts)."""
     if mode not in MODES:
         raise ValueError(f"quantization mode {mode!r}: use one of {MODES}")
     if mode == "int4" and (group_size < 2 or group_size % 2):
@@ -81,7 +85,14 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
         info["group_size"] = kw["group_size"] = group_size
     for name in names:
         w = sd[f"{name}.weight"]
-        if mode == "int8":
+        if mode in BLOCK_MODES:
+            why = BLOCK_MODES[mode].skip_reason(w.shape[1])
+            if why:
+                info["skipped"][name] = why
+                continue
+            stored = BLOCK_MODES[mode].quantize_stored(w)
+            out.update({f"{name}.{k}": v for k, v in stored.items()})
+        elif mode == "int8":
             q, scales = quantize_int8(w)
             out[f"{name}.weight"], out[f"{name}.scales"] = q, scales
         else:
@@ -91,7 +102,11 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
             packed, scales, zeros = quantize_int4(w, group_size)
             out[f"{name}.weight"], out[f"{name}.scales"], out[f"{name}.zeros"] = packed, scales, zeros
         info["layers"].append(name)
-    kind = QuantExperts._KINDS[mode]
+    if mode in BLOCK_MODES:
+        info["skipped"].update({name: f"routed experts stay float under {mode} (int8 / int4 quantise them)"
+                                for name in experts})
+        experts = ()
+    kind = QuantExperts._KINDS.get(mode)
     for name in experts:
         w1, w2, w3 = (sd[f"{name}.{p}"] for p in ("w1", "w2", "w3"))
         why = kind.skip_reason(w1.shape[2], w1.shape[1], **kw)
@@ -109,7 +124,7 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
     """Runtime swap: every layer in ``info["layers"]`` becomes an (empty) quantised linear, and
     every ``info["experts"]`` an (empty) quantised experts module, on the same device as the
     float one it replaces. Fill them with ``load_state_dict(assign=True)``."""
-    cls = {"int8": Int8Linear, "int4": Int4Linear}[info["mode"]]
+    cls = {"int8": Int8Linear, "int4": Int4Linear, **BLOCK_MODES}[info["mode"]]
     kw = {"group_size": info["group_size"]} if info["mode"] == "int4" else {}
     for name in info["layers"]:
         parent_name, _, attr = name.rpartition(".")
@@ -119,7 +134,7 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
             raise ValueError(f"{name} is a {type(old).__name__}, not an nn.Linear: the quantised file does not "
                              "fit this model")
         setattr(parent, attr, cls(old.in_features, old.out_features, kernel=kernel, device=old.weight.device, **kw))
-    kind = QuantExperts._KINDS[info["mode"]]
+    kind = QuantExperts._KINDS.get(info["mode"])
     for name in info.get("experts", []):  # absent in files written before MoE
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

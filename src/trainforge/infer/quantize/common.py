@@ -33,6 +33,10 @@ PREFERENCE: dict[tuple[str, str], tuple[str, ...]] = {
     ("int8", "cuda"): ("torchao", "int8pack", "reference"),
     ("int4", "cpu"): ("int4pack_cpu", "reference"),
     ("int4", "cuda"): ("torchao", "int4pack_cuda", "reference"),
+    ("q8_0", "cpu"): ("blocks", "dequant", "reference"),
+    ("q8_0", "cuda"): ("dequant", "reference"),
+    ("q4_0", "cpu"): ("blocks", "dequant", "reference"),
+    ("q4_0", "cuda"): ("dequant", "reference"),
 }
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # (M, K) activations -> (M, N)

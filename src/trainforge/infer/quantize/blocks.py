@@ -1,0 +1,110 @@
+"""Q8_0 / Q4_0 weights: 32-value blocks along the input dim, one fp16 scale each (llama.cpp's layouts).
+
+Stored form (safetensors, beside each other; the layouts of ``cpu_kernels/formats.py``):
+
+- ``q8_0``: ``<layer>.weight`` int8 (N, K), ``<layer>.scales`` fp16 (N, K/32); W = q * d.
+- ``q4_0``: ``<layer>.weight`` uint8 (N, K/2), ``<layer>.scales`` fp16 (N, K/32); W = (q - 8) * d,
+  byte j of a block holding element j in its low nibble and element j + 16 in its high one.
+
+These are a GGUF file's Q8_0 / Q4_0 blocks with the scale split out, so a GGUF checkpoint loads
+onto them byte for byte (``gguf_loading.py``), and the kernel reads the stored form as it is:
+packing copies nothing and the process holds the weights once, at 1.06 / 0.56 bytes a value.
+
+Kernels (``common.PREFERENCE``):
+
+- ``blocks`` (CPU): the C++ ops ``torch.ops.trainforge_cpu.q8_0_linear`` / ``q4_0_linear``
+  (``cpu_kernels/``: activations quantised to int8 per block on the fly, integer dot products on
+  AVX-512 VNNI / AVX2 / scalar, chosen by the CPU's features), built on first use.
+- ``dequant``: dequantise once at pack time and run fp32 ``F.linear``: the fallback where the C++
+  ops cannot be built (one warning) and the path on CUDA; it gives up the memory saving.
+- ``reference``: dequantise on every call; exact, slow.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainforge.infer.cpu_kernels import load_kernels
+from trainforge.infer.cpu_kernels.formats import (BLOCK, dequantize_q4_0, dequantize_q8_0, quantize_q4_0,
+                                                  quantize_q8_0)
+from trainforge.infer.quantize.common import Kernel, QuantLinear
+
+
+class _BlockLinear(QuantLinear):
+    """What Q8_0 and Q4_0 share; subclasses name the codes' shape and the kernel op."""
+
+    STORED = ("weight", "scales")
+    CODES_PER_BYTE = 1
+    CODE_DTYPE = torch.int8
+    OP = ""
+
+    def __init__(self, in_features: int, out_features: int, kernel: str = "auto", device=None):
+        super().__init__(in_features, out_features, kernel)
+        if in_features % BLOCK:
+            raise ValueError(f"{self.MODE}: in_features {in_features} is not a multiple of {BLOCK}")
+        self.register_buffer("weight", torch.empty(out_features, in_features // self.CODES_PER_BYTE,
+                                                   dtype=self.CODE_DTYPE, device=device))
+        self.register_buffer("scales", torch.empty(out_features, in_features // BLOCK, dtype=torch.float16,
+                                                   device=device))
+
+    @staticmethod
+    def skip_reason(in_features: int) -> str | None:
+        return None if in_features % BLOCK == 0 else f"in_features {in_features} is not a multiple of {BLOCK}"
+
+    @classmethod
+    def quantize_stored(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor, kernel: str = "auto") -> "_BlockLinear":
+        return cls.from_stored(cls.quantize_stored(w.detach()), w.shape[1], w.shape[0], kernel=kernel)
+
+    def supports(self, name: str) -> str | None:
+        if name == "blocks":
+            if self.weight.device.type != "cpu":
+                return "the block kernels run on CPU only"
+            if load_kernels() is None:  # warns once, with the reason
+                return "the C++ block kernels are unavailable"
+        return None
+
+    def build_kernel(self, name: str) -> Kernel:
+        if name == "blocks":
+            op = getattr(load_kernels(), self.OP)
+            # The closure holds the stored tensors themselves (pack() then drops the buffers): one copy.
+            qs, d = self.weight.contiguous(), self.scales.contiguous()
+            return lambda x: op(x.float().contiguous(), qs, d)
+        if name == "dequant":
+            w = self.dequantize()
+            return lambda x: F.linear(x.float(), w)
+        if name == "reference":
+            return self.reference_forward
+        raise ValueError(f"{self.MODE} kernel {name!r}: use one of blocks, dequant, reference, auto")
+
+
+class Q8_0Linear(_BlockLinear):
+    MODE = "q8_0"
+    OP = "q8_0_linear"
+
+    @classmethod
+    def quantize_stored(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        qs, d = quantize_q8_0(w)
+        return {"weight": qs, "scales": d}
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_q8_0(self.weight, self.scales)
+
+
+class Q4_0Linear(_BlockLinear):
+    MODE = "q4_0"
+    OP = "q4_0_linear"
+    CODES_PER_BYTE = 2
+    CODE_DTYPE = torch.uint8
+
+    @classmethod
+    def quantize_stored(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        qs, d = quantize_q4_0(w)
+        return {"weight": qs, "scales": d}
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_q4_0(self.weight, self.scales)
