@@ -1,7 +1,7 @@
 """Inference speed: trainforge's engine against Hugging Face ``generate()`` and a plain
 KV-cache loop, on the same weights, in one process, interleaved.
 
-    python -m bench.inference                        # tiny + 90m, fp32 / int8 / int4
+    python -m bench.inference                        # tiny + 90m, fp32 / int8 / int4 / q8_0 / q4_0
     python -m bench.inference --compile              # adds torch.compile'd decode (slow start)
     python -m bench.inference --sizes tiny --json out.json
 
@@ -16,7 +16,7 @@ What is measured, per size:
 - **Batch-1 decode** for ``hf`` (``LlamaForCausalLM.generate``, greedy, SDPA attention),
   ``plain`` (the model's own static KV cache, one ``model(token)`` call and one ``.item()``
   per token: the loop ``trainforge generate`` had before the engine), and the engine
-  ``fp32`` / ``int8`` / ``int4`` (fused, quantised in memory by the two-phase transform;
+  ``fp32`` / ``int8`` / ``int4`` / ``q8_0`` / ``q4_0`` (fused, quantised in memory by the two-phase transform;
   ``compiled`` with ``--compile``). One prompt of 16 tokens; each run generates
   ``--new_tokens`` tokens greedily (EOS ignored). TTFT = request to first token (prefill
   included); decode tok/s = (n - 1) / (last token - first token). Rounds run every variant
@@ -80,8 +80,8 @@ from trainforge.model.hf import to_hf_config_dict, to_hf_state_dict
 
 SIZES = {"tiny": FLAVORS["tiny"], "90m": dataclasses.replace(FLAVORS["small"], vocab_size=8192)}
 PROMPT_TOKENS = 16
-TARGETS = {"fp32_share": 0.70, "int8_vs_plain": 3.0, "int4_vs_plain": 4.0, "agreement": 0.95, "vs_hf": 2.0,
-           "batching_32": 4.0}
+TARGETS = {"fp32_share": 0.70, "int8_vs_plain": 3.0, "int4_vs_plain": 4.0, "q8_0_vs_plain": 3.0, "q4_0_vs_plain": 4.0,
+           "agreement": 0.95, "vs_hf": 2.0, "batching_32": 4.0}
 
 
 def best_seconds(fn, repeats: int = 5) -> float:
@@ -258,9 +258,9 @@ def bench_size(size: str, args) -> dict:
     # int4 groups: the largest of 128 / 64 / 32 that divides every linear's input size, so no
     # layer is left in fp32 (tiny's 704-wide MLP takes 64).
     group_size = args.group_size or next(g for g in (128, 64, 32) if cfg.dim % g == 0 and cfg.ffn_hidden_dim % g == 0)
-    for mode, kw in (("int8", {}), ("int4", {"group_size": group_size})):
+    for mode in args.modes:
         m = copy.deepcopy(base)
-        info = quantize_model(m, mode, pack=False, **kw)
+        info = quantize_model(m, mode, pack=False, **({"group_size": group_size} if mode == "int4" else {}))
         assert not info["skipped"], info["skipped"]
         variants.append(Ours(mode, m, ctx))
     if args.compile:
@@ -304,7 +304,7 @@ def bench_size(size: str, args) -> dict:
         for ref in ("plain", "hf"):
             row[f"vs_{ref}"] = summary([a.decode_tok_s / b.decode_tok_s for a, b in zip(s, samples[ref])])
             row[f"ttft_vs_{ref}"] = summary([b.ttft_s / a.ttft_s for a, b in zip(s, samples[ref])])
-        if isinstance(v, Ours) and v.name in ("int8", "int4"):
+        if isinstance(v, Ours) and v.name in args.modes:
             row["agreement_teacher_forced"] = teacher_forced_agreement(v.model, variants[2].model,
                                                                        prompt + fp32_ids, len(prompt))
             row["agreement_free_running"] = float(np.mean([a == b for a, b in zip(s[0].ids, fp32_ids)]))
@@ -318,8 +318,9 @@ def bench_size(size: str, args) -> dict:
     return out
 
 
-def checkpoint_agreement(path: str, group_size: int, n_prompts: int = 8, n_new: int = 64) -> dict:
-    """Greedy-token agreement of int8 / int4 with fp32 on a trained checkpoint: prompts are
+def checkpoint_agreement(path: str, group_size: int, modes: list[str], n_prompts: int = 8, n_new: int = 64
+                         ) -> dict:
+    """Greedy-token agreement of the quantised modes with fp32 on a trained checkpoint: prompts are
     the first 32 tokens of standard-library modules, continued greedily by fp32."""
     import sysconfig
     from pathlib import Path
@@ -335,9 +336,9 @@ def checkpoint_agreement(path: str, group_size: int, n_prompts: int = 8, n_new: 
     ref = Engine(prepare_model(copy.deepcopy(fp32)), EngineConfig(max_batch_size=n_prompts, max_context=32 + n_new)).generate(
         prompts, params)
     out = {"checkpoint": str(loaded.path), "params": fp32.cfg.num_params(), "prompts": n_prompts, "new_tokens": n_new}
-    for mode, kw in (("int8", {}), ("int4", {"group_size": group_size})):
+    for mode in modes:
         m = copy.deepcopy(fp32)
-        quantize_model(m, mode, **kw)
+        quantize_model(m, mode, **({"group_size": group_size} if mode == "int4" else {}))
         got = Engine(prepare_model(m), EngineConfig(max_batch_size=n_prompts, max_context=32 + n_new)).generate(prompts, params)
         tf = [teacher_forced_agreement(m, fp32, p + r.output_ids, len(p)) for p, r in zip(prompts, ref)]
         free = [np.mean([a == b for a, b in zip(g.output_ids, r.output_ids)]) for g, r in zip(got, ref)]
@@ -398,7 +399,7 @@ def batching(model, cfg, N: int, size: str, args) -> dict:
     return res
 
 
-def report(results: dict, machine: dict, trained: dict | None) -> None:
+def report(results: dict, machine: dict, trained: dict | None, modes: list[str]) -> None:
     print("\n" + json.dumps(machine, indent=1))
     for size, r in results.items():
         bw = r["copy_bandwidth_gbs"]
@@ -433,24 +434,24 @@ def report(results: dict, machine: dict, trained: dict | None) -> None:
               f"({trained['params'] / 1e6:.1f}M params, {trained['prompts']} prompts x {trained['new_tokens']} "
               "tokens): "
               + ", ".join(f"{m} {100 * trained[m]['teacher_forced']:.1f}% teacher-forced / "
-                          f"{100 * trained[m]['free_running']:.1f}% free-running" for m in ("int8", "int4")))
+                          f"{100 * trained[m]['free_running']:.1f}% free-running" for m in modes))
     print("\ntargets:")
     for size, r in results.items():
         v = r["variants"]
         checks = {
             "fp32 >= 70% of the bandwidth bound": v["fp32"]["bound_share"] >= TARGETS["fp32_share"],
-            "int8 >= 3x plain": v["int8"]["vs_plain"]["median"] >= TARGETS["int8_vs_plain"],
-            "int4 >= 4x plain": v["int4"]["vs_plain"]["median"] >= TARGETS["int4_vs_plain"],
-            "int8/int4 agreement >= 95% (teacher-forced, random weights)":
-                min(v[m]["agreement_teacher_forced"] for m in ("int8", "int4")) >= TARGETS["agreement"],
+            **{f"{m} >= {TARGETS[f'{m}_vs_plain']:.0f}x plain": v[m]["vs_plain"]["median"] >=
+               TARGETS[f"{m}_vs_plain"] for m in modes},
+            "quantised agreement >= 95% (teacher-forced, random weights)":
+                min(v[m]["agreement_teacher_forced"] for m in modes) >= TARGETS["agreement"],
             "fp32 >= 2x HF generate": v["fp32"]["vs_hf"]["median"] >= TARGETS["vs_hf"],
             "batching >= 4x sequential at 32": r["batching"][32]["ratio"]["median"] >= TARGETS["batching_32"],
         }
         for what, ok in checks.items():
             print(f"  {size}: {what}: {'PASS' if ok else 'FAIL'}")
     if trained:
-        ok = min(trained[m]["teacher_forced"] for m in ("int8", "int4")) >= TARGETS["agreement"]
-        print(f"  trained checkpoint: int8/int4 agreement >= 95% (teacher-forced): {'PASS' if ok else 'FAIL'}")
+        ok = min(trained[m]["teacher_forced"] for m in modes) >= TARGETS["agreement"]
+        print(f"  trained checkpoint: quantised agreement >= 95% (teacher-forced): {'PASS' if ok else 'FAIL'}")
 
 
 def main() -> None:
@@ -461,6 +462,9 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=0, help="0 = 64 (tiny) / 32 (90m)")
     p.add_argument("--batch_new_tokens", type=int, default=0, help="0 = 64 (tiny) / 32 (90m)")
     p.add_argument("--batch_rounds", type=int, default=2)
+    p.add_argument("--modes", nargs="+", default=["int8", "int4", "q8_0", "q4_0"],
+                   choices=["int8", "int4", "q8_0", "q4_0"],
+                   help="quantised variants (q8_0 / q4_0: the 32-value block formats on the C++ CPU kernels)")
     p.add_argument("--group_size", type=int, default=0,
                    help="int4 group size; 0 = the largest of 128/64/32 dividing every layer's input size")
     p.add_argument("--compile", action="store_true", help="also a torch.compile'd decode step (minutes to compile)")
@@ -474,7 +478,8 @@ def main() -> None:
     kernels = {"int8": measure_kernels("int8", "cpu"), "int4": measure_kernels("int4", "cpu", group_size=128)}
     print("kernel ms per call, batch-1 4096 x 4096: " + json.dumps(kernels), flush=True)
     results = {size: bench_size(size, args) for size in args.sizes}
-    trained = checkpoint_agreement(args.agreement_checkpoint, args.group_size or 64) if args.agreement_checkpoint \
+    trained = checkpoint_agreement(args.agreement_checkpoint, args.group_size or 64, args.modes) \
+        if args.agreement_checkpoint \
         else None
     wall = time.perf_counter() - t0
     after_procs = process_cpu_s()
@@ -486,7 +491,7 @@ def main() -> None:
                "load": load_note(c0, cpu_counters(), wall),
                "busiest_other_processes_cpu_s": [(round(s, 1), cmd) for s, cmd in busiest],
                "kernel_ms_4096x4096": kernels}
-    report(results, machine, trained)
+    report(results, machine, trained, args.modes)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"machine": machine, "results": results, "trained_agreement": trained}, fh, indent=1)
