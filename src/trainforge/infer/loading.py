@@ -172,6 +172,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
     mapped = mapped and device.type == "cpu"
+    if path.suffix == ".gguf":  # llama.cpp's single-file format (gguf_loading.py)
+        from trainforge.infer.gguf_loading import load_gguf
+
+        return load_gguf(path, device, dtype, kv_slots)
     if is_hf_dir(path):
         return _load_hf(path, device, dtype, kv_slots, mapped, quantize_to)
     return _load_trainforge(path, device, dtype, kv_slots, mapped, verify, quantize_to)
