@@ -29,7 +29,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.n
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, linear_type=Q.F32, embd_type=Q.F32, overrides=None, arch="llama", truncate=0):
+def write_gguf(path, model, linear_type=Q.F32, embd_type=Q.F32, overrides=None, arch="llama", truncate=0,
+               tokenizer=None, tokenizer_model="gpt2"):
     """The converter's tensor names and q/k permutation over the HF export of ``model``."""
     cfg = model.cfg
     hf = {k: v.detach().float().numpy() for k, v in to_hf_state_dict(model.state_dict(), cfg).items()}
@@ -44,6 +45,15 @@ def write_gguf(path, model, linear_type=Q.F32, embd_type=Q.F32, overrides=None, 
     w.add_layer_norm_rms_eps(cfg.norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_eos_token_id(3)
+    if tokenizer is not None:  # as the converter writes a byte-level BPE: tokens by id, merges, types
+        import json
+
+        bpe = json.loads(tokenizer.to_str())["model"]
+        vocab = sorted(bpe["vocab"].items(), key=lambda kv: kv[1])
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_token_list([t for t, _ in vocab])
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+        w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     hf_layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -176,4 +186,38 @@ def test_non_llama_architecture_is_refused(tmp_path, model):
 def test_truncated_file_is_refused(tmp_path, model):
     path = write_gguf(tmp_path / "cut.gguf", model, truncate=1000)
     with pytest.raises(CheckpointError, match="cut.gguf could not be read as a GGUF file"):
+        load_model(path)
+
+
+def _bpe(vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(["the cat sat on the mat, the hat; that's that."] * 20, trainer)
+    return tok
+
+
+def test_gpt2_tokenizer_is_rebuilt_from_metadata(tmp_path):
+    import dataclasses
+
+    tok = _bpe(300)
+    n = tok.get_vocab_size()
+    m = build_model(dataclasses.replace(CFG, vocab_size=n), seed=5).eval()
+    loaded = load_model(write_gguf(tmp_path / "tok.gguf", m, tokenizer=tok))
+    text = "the cat's hat sat on that mat<|endoftext|> 123 ünïcode"
+    assert loaded.tokenizer.encode(text).ids == tok.encode(text).ids
+    assert loaded.tokenizer.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_sentencepiece_tokenizer_is_refused_with_the_way_round(tmp_path):
+    import dataclasses
+
+    tok = _bpe(300)
+    m = build_model(dataclasses.replace(CFG, vocab_size=tok.get_vocab_size()), seed=5).eval()
+    path = write_gguf(tmp_path / "sp.gguf", m, tokenizer=tok, tokenizer_model="llama")
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.model is 'llama'.*Hugging Face directory"):
         load_model(path)

@@ -157,10 +157,8 @@ def _dequantised(t) -> torch.Tensor:
     return torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape))
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any] | None, Any]:
-    """(config, our state dict on CPU, quantization info or None, the reader) of a GGUF file."""
-    reader = _reader(path)
-    cfg = model_config_from_gguf(reader, path)
+def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(our state dict on CPU, quantization info or None) of a GGUF file's tensors."""
     tensors = {t.name: t for t in reader.tensors}
     supported = list(_FLOAT_TYPES) + list(_BLOCK_TYPES)
     for name, t in tensors.items():
@@ -201,7 +199,7 @@ def read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[st
             info["skipped"][ours] = f"GGUF {kind} in a {mode} file: loaded as float"
     for g, ours in others.items():
         sd[ours] = _dequantised(tensors[g])
-    return cfg, sd, (info if mode else None), reader
+    return sd, (info if mode else None)
 
 
 def gguf_tokenizer(reader, path: Path) -> tuple[Any, tuple[int, ...]]:
@@ -242,9 +240,15 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots) ->
     """``load_model`` for a ``.gguf`` file: a ``LoadedModel`` whose source is "gguf"."""
     from trainforge.infer.loading import LoadedModel, _materialise, _preflight
 
-    cfg, sd, info, reader = read_gguf(path)
-    _preflight(cfg, device, dtype, kv_slots, info, "GGUF key 'llama.context_length'", str(path))
+    reader = _reader(path)
+    cfg = model_config_from_gguf(reader, path)
+    tok, eos = gguf_tokenizer(reader, path)  # before any weight is read: a refusal costs nothing
+    # The memory check counts the file's majority block type (its exact mix is known after reading).
+    kinds = Counter(t.tensor_type.name for t in reader.tensors if t.tensor_type.name in _BLOCK_TYPES)
+    mode = _BLOCK_TYPES[kinds.most_common(1)[0][0]] if kinds else None
+    _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
+               str(path))
+    sd, info = read_gguf(reader, cfg, path)
     sd = {k: v.to(device) for k, v in sd.items()}
     model = _materialise(cfg, sd, device, dtype, info, str(path))
-    tok, eos = gguf_tokenizer(reader, path)
     return LoadedModel(model, tok, eos, path.stem, "gguf", info, path)
