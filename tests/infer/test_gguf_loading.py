@@ -221,3 +221,19 @@ def test_sentencepiece_tokenizer_is_refused_with_the_way_round(tmp_path):
     path = write_gguf(tmp_path / "sp.gguf", m, tokenizer=tok, tokenizer_model="llama")
     with pytest.raises(CheckpointError, match="tokenizer.ggml.model is 'llama'.*Hugging Face directory"):
         load_model(path)
+
+
+def test_trainforge_generate_reads_a_gguf_file(tmp_path, model, capsys):
+    """The CLI path (prepare_model: fusion, the Q8_0 block kernels): F32 gives the original model's
+    greedy tokens; Q8_0's 0.4 % weight error keeps this decisive model's tokens too."""
+    from trainforge.cli import main
+
+    prompt = [5, 17, 42, 8]
+    want = argmax_loop(model, prompt, 12)
+    for qtype in (Q.F32, Q.Q8_0):
+        path = write_gguf(tmp_path / f"{qtype.name}.gguf", model, linear_type=qtype)
+        capsys.readouterr()
+        assert main(["generate", "--checkpoint", str(path), "--prompt_ids", ",".join(map(str, prompt)),
+                     "--max_new_tokens", "12", "--temperature", "0", "--ignore_eos", "--print_ids"]) == 0
+        got = [int(t) for t in capsys.readouterr().out.strip().splitlines()[-1].split(",")]
+        assert got == want, qtype.name
