@@ -163,12 +163,23 @@ def test_unpermute_inverts_llama_cpp_permute():
 
 def test_mixed_block_types_dequantise_the_minority(tmp_path, model):
     path = write_gguf(tmp_path / "mix.gguf", model, linear_type=Q.Q4_0, overrides={"output.weight": Q.Q8_0,
-                                                                                     "blk.0.ffn_up.weight": Q.F16})
+                                                                                     "blk.0.ffn_up.weight": Q.F16,
+                                                                                     "blk.1.attn_v.weight": Q.BF16})
     info = load_model(path).quantization
     assert info["mode"] == "q4_0" and "output" not in info["layers"]
     assert "Q8_0" in info["skipped"]["output"] and "F16" in info["skipped"]["layers.0.feed_forward.w3"]
+    assert "BF16" in info["skipped"]["layers.1.attention.wv"]
     m = load_model(path).model
     torch.testing.assert_close(m.output.weight, _gguf_dequantised(path, "output.weight"), atol=0, rtol=0)
+    torch.testing.assert_close(m.layers["1"].attention.wv.weight, model.layers["1"].attention.wv.weight.bfloat16()
+                               .float(), atol=0, rtol=0)
+
+
+def test_f16_file_holds_the_weights_rounded_to_fp16(tmp_path, model):
+    m = load_model(write_gguf(tmp_path / "h.gguf", model, linear_type=Q.F16, embd_type=Q.F16)).model
+    for name in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "layers.1.attention.wk.weight", "output.weight"):
+        want = model.get_parameter(name).half().float()
+        torch.testing.assert_close(m.get_parameter(name), want, atol=0, rtol=0, msg=name)
 
 
 def test_unsupported_type_is_refused_naming_the_tensor(tmp_path, model):

@@ -157,6 +157,12 @@ def _dequantised(t) -> torch.Tensor:
     return torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape))
 
 
+def _majority_mode(tensors: list) -> str | None:
+    """The quantization mode of the block type most of ``tensors`` have, or None when none is Q8_0 / Q4_0."""
+    counts = Counter(t.tensor_type.name for t in tensors if t.tensor_type.name in _BLOCK_TYPES)
+    return _BLOCK_TYPES[counts.most_common(1)[0][0]] if counts else None
+
+
 def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """(our state dict on CPU, quantization info or None) of a GGUF file's tensors."""
     tensors = {t.name: t for t in reader.tensors}
@@ -179,8 +185,7 @@ def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Ten
                               f"{missing[:8]}, unexpected {unexpected[:8]}")
     if "rope_freqs.weight" in tensors:  # llama 3.1's long-context factors
         raise CheckpointError(f"{path}: rope_freqs.weight (Llama 3.1 RoPE scaling) is not supported by trainforge")
-    counts = Counter(tensors[g].tensor_type.name for g in linears if tensors[g].tensor_type.name in _BLOCK_TYPES)
-    mode = _BLOCK_TYPES[counts.most_common(1)[0][0]] if counts else None
+    mode = _majority_mode([tensors[g] for g in linears])
     sd: dict[str, torch.Tensor] = {}
     info: dict[str, Any] = {"mode": mode, "layers": [], "experts": [], "skipped": {}, "format": "gguf"}
     rope_heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
@@ -244,8 +249,7 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots) ->
     cfg = model_config_from_gguf(reader, path)
     tok, eos = gguf_tokenizer(reader, path)  # before any weight is read: a refusal costs nothing
     # The memory check counts the file's majority block type (its exact mix is known after reading).
-    kinds = Counter(t.tensor_type.name for t in reader.tensors if t.tensor_type.name in _BLOCK_TYPES)
-    mode = _BLOCK_TYPES[kinds.most_common(1)[0][0]] if kinds else None
+    mode = _majority_mode([t for t in reader.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
     _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
                str(path))
     sd, info = read_gguf(reader, cfg, path)
