@@ -47,6 +47,15 @@ _LINEARS = {  # GGUF name relative to blk.{i}. -> ours relative to layers.{i}.
 _NORMS = {"attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
 
 
+def open_gguf(path: Path):
+    """(the file's ``GGUFReader``, its ``ModelConfig``, the block mode most linears are in or None);
+    only the header is read (the tensors are a map of the file)."""
+    reader = _reader(path)
+    cfg = model_config_from_gguf(reader, path)
+    mode = _majority_mode([t for t in reader.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
+    return reader, cfg, mode
+
+
 def _reader(path: Path):
     try:
         import gguf
@@ -239,20 +248,3 @@ def gguf_tokenizer(reader, path: Path) -> tuple[Any, tuple[int, ...]]:
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, ty in enumerate(types) if ty in (3, 4)])
     return tok, eos_ids
-
-
-def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots) -> Any:
-    """``load_model`` for a ``.gguf`` file: a ``LoadedModel`` whose source is "gguf"."""
-    from trainforge.infer.loading import LoadedModel, _materialise, _preflight
-
-    reader = _reader(path)
-    cfg = model_config_from_gguf(reader, path)
-    tok, eos = gguf_tokenizer(reader, path)  # before any weight is read: a refusal costs nothing
-    # The memory check counts the file's majority block type (its exact mix is known after reading).
-    mode = _majority_mode([t for t in reader.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
-    _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
-               str(path))
-    sd, info = read_gguf(reader, cfg, path)
-    sd = {k: v.to(device) for k, v in sd.items()}
-    model = _materialise(cfg, sd, device, dtype, info, str(path))
-    return LoadedModel(model, tok, eos, path.stem, "gguf", info, path)
