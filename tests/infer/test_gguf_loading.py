@@ -71,7 +71,12 @@ def write_gguf(path, model, linear_type=Q.F32, embd_type=Q.F32, overrides=None, 
             a = llama_cpp_permute(a, cfg.n_heads, cfg.n_kv_heads)
         qtype = Q.F32 if a.ndim == 1 else embd_type if name == "token_embd.weight" else linear_type
         qtype = (overrides or {}).get(name, qtype)
-        if qtype == Q.F32:
+        if qtype == Q.Q6_K:  # gguf-py has no Q6_K encoder: random codes, finite scales (256-value blocks of 210 B)
+            b = np.random.default_rng(0).integers(0, 256, (a.shape[0], a.shape[1] // 256, 210), dtype=np.uint8)
+            b[..., 208:] = np.array([0.01], dtype=np.float16).view(np.uint8)
+            b[..., 192:208] = np.random.default_rng(1).integers(-8, 8, (16,), dtype=np.int8).view(np.uint8)
+            w.add_tensor(name, b.reshape(a.shape[0], -1), raw_dtype=qtype)
+        elif qtype == Q.F32:
             w.add_tensor(name, a.astype(np.float32))
         elif qtype == Q.F16:
             w.add_tensor(name, a.astype(np.float16))
@@ -248,3 +253,19 @@ def test_trainforge_generate_reads_a_gguf_file(tmp_path, model, capsys):
                      "--max_new_tokens", "12", "--temperature", "0", "--ignore_eos", "--print_ids"]) == 0
         got = [int(t) for t in capsys.readouterr().out.strip().splitlines()[-1].split(",")]
         assert got == want, qtype.name
+
+
+def test_q6_k_output_of_a_q4_0_preset_loads_as_float(tmp_path):
+    """llama-quantize's Q4_0 preset keeps output.weight in Q6_K: decoded to float (gguf-py's decoder),
+    the linears still byte for byte; Q6_K in a linear is refused."""
+    import dataclasses
+
+    m = build_model(dataclasses.replace(CFG, dim=256, n_heads=8, n_kv_heads=2), seed=6).eval()
+    path = write_gguf(tmp_path / "p.gguf", m, linear_type=Q.Q4_0, embd_type=Q.Q4_0,
+                      overrides={"output.weight": Q.Q6_K})
+    loaded = load_model(path)
+    assert loaded.quantization["mode"] == "q4_0" and "Q6_K" in loaded.quantization["skipped"]["output"]
+    torch.testing.assert_close(loaded.model.output.weight, _gguf_dequantised(path, "output.weight"), atol=0, rtol=0)
+    bad = write_gguf(tmp_path / "b.gguf", m, linear_type=Q.Q4_0, overrides={"blk.0.ffn_gate.weight": Q.Q6_K})
+    with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_gate\.weight is of GGUF type Q6_K"):
+        load_model(bad)

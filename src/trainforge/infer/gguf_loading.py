@@ -20,8 +20,9 @@ applies to a quantised tensor's rows of blocks unchanged.
 Mixed files: linears in the file's majority block type load quantised under that mode; linears in
 the other block type (llama.cpp's q4_0 files often keep ``output.weight`` in Q8_0) or in a float
 type are dequantised to float and listed in ``info["skipped"]``. The token embedding is float in
-our engine (dequantised when the file quantises it). Other types (Q4_K, Q6_K, ...) are refused,
-naming the tensor.
+our engine (dequantised when the file quantises it), and so is ``output.weight`` when it is in
+another type gguf-py decodes (llama-quantize's Q4_0 preset writes it in Q6_K). Other types (Q4_K,
+Q6_K, ... in a linear) are refused, naming the tensor.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ _LINEARS = {  # GGUF name relative to blk.{i}. -> ours relative to layers.{i}.
     "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
     "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
 }
+# Float in our engine whatever the file's type (dequantised on load): llama-quantize's Q4_0 / Q8_0
+# presets keep output.weight in Q6_K, and the embedding is a table lookup we keep float.
+_FLOAT_ANY_TYPE = ("token_embd.weight", "output.weight")
 _NORMS = {"attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
 
 
@@ -151,16 +155,18 @@ def _stored_form(t, mode: str) -> dict[str, torch.Tensor]:
     return {"weight": torch.from_numpy(qs), "scales": torch.from_numpy(d)}
 
 
-def _dequantised(t) -> torch.Tensor:
+def _dequantised(t, path: Path) -> torch.Tensor:
     import gguf
 
-    name = t.tensor_type.name
-    if name == "F32":
+    if t.tensor_type.name == "F32":
         a = np.asarray(t.data, dtype=np.float32)
-    elif name in ("F16", "BF16") or name in _BLOCK_TYPES:
-        a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-    else:  # checked before
-        raise AssertionError(name)
+    else:  # F16, BF16, a block type; for the two _FLOAT_ANY_TYPE tensors, any type gguf-py decodes
+        try:  # gguf-py decodes the K-quants in numpy (it has no encoder for them)
+            a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        except NotImplementedError:
+            raise CheckpointError(f"{path}: tensor {t.name} is of GGUF type {t.tensor_type.name}, which the gguf "
+                                  "package cannot decode; requantise the file with llama-quantize "
+                                  "(--output-tensor-type q8_0 --token-embedding-type q8_0)") from None
     shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dims innermost first
     # A copy: the reader's arrays are views of a read-only map.
     return torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape))
@@ -177,7 +183,8 @@ def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Ten
     tensors = {t.name: t for t in reader.tensors}
     supported = list(_FLOAT_TYPES) + list(_BLOCK_TYPES)
     for name, t in tensors.items():
-        if t.tensor_type.name not in supported:
+        # The two _FLOAT_ANY_TYPE tensors: checked as they are decoded (_dequantised).
+        if t.tensor_type.name not in supported and name not in _FLOAT_ANY_TYPE:
             raise CheckpointError(f"{path}: tensor {name} is of GGUF type {t.tensor_type.name}; trainforge reads "
                                   f"{', '.join(supported)} (requantise the file with llama-quantize to Q8_0 or Q4_0, "
                                   "or load the Hugging Face directory)")
@@ -207,12 +214,12 @@ def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Ten
             sd.update({f"{ours}.{s}": (_unpermute(v, heads) if heads else v) for s, v in stored.items()})
             info["layers"].append(ours)
             continue
-        w = _dequantised(t)
+        w = _dequantised(t, path)
         sd[f"{ours}.weight"] = _unpermute(w, heads) if heads else w
         if mode is not None:
             info["skipped"][ours] = f"GGUF {kind} in a {mode} file: loaded as float"
     for g, ours in others.items():
-        sd[ours] = _dequantised(tensors[g])
+        sd[ours] = _dequantised(tensors[g], path)
     return sd, (info if mode else None)
 
 
