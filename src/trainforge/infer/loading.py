@@ -49,7 +49,7 @@ class LoadedModel:
     tokenizer: Any  # tokenizers.Tokenizer, or None when the directory has no tokenizer.json
     eos_ids: tuple[int, ...]
     name: str  # for /v1/models: the directory's name
-    source: str  # "trainforge" or "huggingface"
+    source: str  # "trainforge", "huggingface" or "gguf"
     quantization: dict[str, Any] | None
     path: Path
 
@@ -152,8 +152,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None
                ) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
-    directory (newest checkpoint), or a Hugging Face directory (Llama, DeepSeek-V3, Glm4Moe, Mixtral;
-    float or compressed-tensors int8/int4). ``dtype`` is the float
+    directory (newest checkpoint), a Hugging Face directory (Llama, DeepSeek-V3, Glm4Moe, Mixtral;
+    float or compressed-tensors int8/int4), or a llama.cpp ``.gguf`` file (Llama; ``gguf_loading.py``). ``dtype`` is the float
     dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file.
 
     Before any weight is read, the shape is validated and the memory of the weights, the
@@ -172,6 +172,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
     mapped = mapped and device.type == "cpu"
+    if path.suffix == ".gguf":  # llama.cpp's single-file format (gguf_loading.py)
+        return _load_gguf(path, device, dtype, kv_slots)
     if is_hf_dir(path):
         return _load_hf(path, device, dtype, kv_slots, mapped, quantize_to)
     return _load_trainforge(path, device, dtype, kv_slots, mapped, verify, quantize_to)
@@ -236,6 +238,18 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
         eos = (eos_id(tok, tok_file),)
     name = ck.parent.parent.name if ck.parent.name == "checkpoints" else ck.name
     return LoadedModel(model, tok, eos, name, "trainforge", quantization, ck)
+
+
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
+    from trainforge.infer import gguf_loading as gg
+
+    reader, cfg, mode = gg.open_gguf(path)
+    tok, eos = gg.gguf_tokenizer(reader, path)  # before any weight is read: a refusal costs nothing
+    _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
+               str(path))
+    sd, quantization = gg.read_gguf(reader, cfg, path)
+    model = _materialise(cfg, {k: v.to(device) for k, v in sd.items()}, device, dtype, quantization, str(path))
+    return LoadedModel(model, tok, eos, path.stem, "gguf", quantization, path)
 
 
 def _has_layer(files: list[Path], layer: Any) -> bool:

@@ -23,10 +23,10 @@ def qat_scheme_of(checkpoint_dir: str | Path) -> dict[str, Any] | None:
     """The grid a QAT checkpoint was trained against: ``{"mode": "int8" | "int4",
     "group_size": int (int4 only), "start_step": int, "qat_steps": int}``, or None for a
     checkpoint of a run without QAT, one saved before its first QAT step (its weights never
-    saw the grid), a quantised checkpoint, or a Hugging Face directory. ``checkpoint_dir``:
+    saw the grid), a quantised checkpoint, a Hugging Face directory or a GGUF file. ``checkpoint_dir``:
     a checkpoint, ``checkpoints/`` or run directory (the newest checkpoint, as ``load_model``)."""
     path = Path(checkpoint_dir)
-    if is_hf_dir(path):
+    if is_hf_dir(path) or path.suffix == ".gguf":  # neither records a QAT run
         return None
     ck = resolve_checkpoint(path)
     meta = read_meta(ck, verify=False)  # loading verifies the files; only the config is read here

@@ -1,0 +1,257 @@
+"""Load llama.cpp's GGUF files (``--checkpoint model.gguf``): Llama architecture, tensors in
+F32 / F16 / BF16 / Q8_0 / Q4_0, read with llama.cpp's own reader (the ``gguf`` package).
+
+Q8_0 and Q4_0 blocks become our ``q8_0`` / ``q4_0`` stored forms (``quantize/blocks.py``) by
+reinterpreting their bytes, never by re-quantising: a GGUF Q8_0 block is 34 bytes (fp16 d, 32
+int8 codes), a Q4_0 block 18 bytes (fp16 d, 16 bytes of nibbles, byte j = element j low,
+element j + 16 high: our order), so the scale column is split out and the codes kept as they are.
+
+RoPE layout. llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) takes HF
+Llama's q/k rows, whose per-head order is rotate-half (rows [0, hd/2) pair with [hd/2, hd), as
+ours: ``model/rope.py``, ``model/hf.py`` renames only), and writes
+
+    w.reshape(n_head, 2, hd // 2, K).swapaxes(1, 2).reshape(N, K)
+
+(``n_head`` = head_count for attn_q, head_count_kv for attn_k): GGUF row ``h*hd + 2*j + t`` is
+HF row ``h*hd + t*hd/2 + j``, the interleaved pairs ggml's "normal" RoPE rotates. The inverse,
+``_unpermute``, is ``reshape(n_head, hd // 2, 2, K).swapaxes(1, 2)``. It moves whole rows, so it
+applies to a quantised tensor's rows of blocks unchanged.
+
+Mixed files: linears in the file's majority block type load quantised under that mode; linears in
+the other block type (llama.cpp's q4_0 files often keep ``output.weight`` in Q8_0) or in a float
+type are dequantised to float and listed in ``info["skipped"]``. The token embedding is float in
+our engine (dequantised when the file quantises it), and so is ``output.weight`` when it is in
+another type gguf-py decodes (llama-quantize's Q4_0 preset writes it in Q6_K). Other types (Q4_K,
+Q6_K, ... in a linear) are refused, naming the tensor.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainforge.errors import CheckpointError
+from trainforge.model.config import ModelConfig
+from trainforge.model.hf import model_config_from_hf
+from trainforge.safe_unpickle import error_detail
+
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # GGML type name -> our quantization mode
+_LINEARS = {  # GGUF name relative to blk.{i}. -> ours relative to layers.{i}.
+    "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
+    "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
+}
+# Float in our engine whatever the file's type (dequantised on load): llama-quantize's Q4_0 / Q8_0
+# presets keep output.weight in Q6_K, and the embedding is a table lookup we keep float.
+_FLOAT_ANY_TYPE = ("token_embd.weight", "output.weight")
+_NORMS = {"attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
+
+
+def open_gguf(path: Path):
+    """(the file's ``GGUFReader``, its ``ModelConfig``, the block mode most linears are in or None);
+    only the header is read (the tensors are a map of the file)."""
+    reader = _reader(path)
+    cfg = model_config_from_gguf(reader, path)
+    mode = _majority_mode([t for t in reader.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
+    return reader, cfg, mode
+
+
+def _reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package: pip install 'trainforge[gguf]'") \
+            from None
+    try:
+        return gguf.GGUFReader(str(path), "r")
+    except Exception as e:  # ValueError on a bad magic / truncated data, struct errors, OSError
+        raise CheckpointError(f"{path} could not be read as a GGUF file: truncated, damaged or not GGUF "
+                              f"({error_detail(e)})") from None
+
+
+def _field(reader, key: str, default: Any = None, required: bool = False, path: Path | None = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        if required:
+            raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def _f32(v: float) -> float:
+    """GGUF stores these as float32: the shortest decimal that reads back to it (1e-06, not 9.99e-07),
+    the value the converter was given."""
+    return float(str(np.float32(v)))
+
+
+def model_config_from_gguf(reader, path: Path) -> ModelConfig:
+    """``ModelConfig`` from the ``general.architecture`` / ``llama.*`` metadata, validated by the HF
+    Llama config reader (same checks); ``tie_embeddings`` when the file has no ``output.weight``."""
+    arch = _field(reader, "general.architecture", required=True, path=path)
+    if arch != "llama":
+        raise CheckpointError(f"{path}: GGUF general.architecture is {arch!r}; trainforge reads 'llama' GGUF files "
+                              "only (for others, load the Hugging Face directory)")
+    names = {t.name for t in reader.tensors}
+    g = lambda key, **kw: _field(reader, f"llama.{key}", path=path, **kw)  # noqa: E731
+    scaling = g("rope.scaling.type", default="none")
+    if scaling not in ("none", None):
+        raise CheckpointError(f"{path}: GGUF key 'llama.rope.scaling.type' is {scaling!r}; trainforge's Llama has "
+                              "no RoPE scaling")
+    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if emb is None:
+        raise CheckpointError(f"{path}: no token_embd.weight tensor")
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = g("vocab_size", default=None) or int(emb.shape[1])  # ggml shapes are (K, N)
+    hf = {"hidden_size": g("embedding_length", required=True), "num_hidden_layers": g("block_count", required=True),
+          "num_attention_heads": g("attention.head_count", required=True),
+          "num_key_value_heads": g("attention.head_count_kv", default=None),
+          "intermediate_size": g("feed_forward_length", required=True), "vocab_size": vocab,
+          "rms_norm_eps": _f32(g("attention.layer_norm_rms_epsilon", default=1e-5)),
+          "rope_theta": _f32(g("rope.freq_base", default=10000.0)),
+          "max_position_embeddings": g("context_length", default=2048),
+          "tie_word_embeddings": "output.weight" not in names}
+    hf = {k: v for k, v in hf.items() if v is not None}
+    if tokens is not None and len(tokens) != vocab:
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens, the model {vocab}")
+    try:
+        cfg = model_config_from_hf(hf)
+    except CheckpointError as e:  # names config.json keys; say which GGUF file
+        raise CheckpointError(f"{path} (GGUF llama.* metadata): {e}") from None
+    for key, want in (("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
+                      ("rope.dimension_count", cfg.head_dim)):
+        v = g(key, default=want)
+        if v != want:
+            raise CheckpointError(f"{path}: GGUF key 'llama.{key}' is {v}; trainforge needs embedding_length / "
+                                  f"head_count = {want}")
+    return cfg
+
+
+def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """GGUF's interleaved q/k rows (N, ...) -> rotate-half rows (module docstring)."""
+    n = rows.shape[0]
+    hd = n // n_head
+    return rows.reshape(n_head, hd // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def _tensor_bytes(t) -> np.ndarray:
+    """A tensor's data as (N, row bytes) uint8 (a view of the mapped file)."""
+    return np.asarray(t.data).reshape(int(t.shape[1]) if len(t.shape) > 1 else 1, -1).view(np.uint8)
+
+
+def _stored_form(t, mode: str) -> dict[str, torch.Tensor]:
+    """A Q8_0 / Q4_0 tensor's blocks split into our stored form: codes and fp16 scales, bytes as they are."""
+    block_bytes = 34 if mode == "q8_0" else 18
+    b = _tensor_bytes(t)
+    n = b.shape[0]
+    b = b.reshape(n, -1, block_bytes)  # (N, K/32, block)
+    d = np.ascontiguousarray(b[..., :2]).view(np.float16).reshape(n, -1)  # (N, K/32)
+    qs = np.ascontiguousarray(b[..., 2:]).reshape(n, -1)  # (N, K) int8 / (N, K/2) nibbles
+    if mode == "q8_0":
+        qs = qs.view(np.int8)
+    return {"weight": torch.from_numpy(qs), "scales": torch.from_numpy(d)}
+
+
+def _dequantised(t, path: Path) -> torch.Tensor:
+    import gguf
+
+    if t.tensor_type.name == "F32":
+        a = np.asarray(t.data, dtype=np.float32)
+    else:  # F16, BF16, a block type; for the two _FLOAT_ANY_TYPE tensors, any type gguf-py decodes
+        try:  # gguf-py decodes the K-quants in numpy (it has no encoder for them)
+            a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        except NotImplementedError:
+            raise CheckpointError(f"{path}: tensor {t.name} is of GGUF type {t.tensor_type.name}, which the gguf "
+                                  "package cannot decode; requantise the file with llama-quantize "
+                                  "(--output-tensor-type q8_0 --token-embedding-type q8_0)") from None
+    shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dims innermost first
+    # A copy: the reader's arrays are views of a read-only map.
+    return torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape))
+
+
+def _majority_mode(tensors: list) -> str | None:
+    """The quantization mode of the block type most of ``tensors`` have, or None when none is Q8_0 / Q4_0."""
+    counts = Counter(t.tensor_type.name for t in tensors if t.tensor_type.name in _BLOCK_TYPES)
+    return _BLOCK_TYPES[counts.most_common(1)[0][0]] if counts else None
+
+
+def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(our state dict on CPU, quantization info or None) of a GGUF file's tensors."""
+    tensors = {t.name: t for t in reader.tensors}
+    supported = list(_FLOAT_TYPES) + list(_BLOCK_TYPES)
+    for name, t in tensors.items():
+        # The two _FLOAT_ANY_TYPE tensors: checked as they are decoded (_dequantised).
+        if t.tensor_type.name not in supported and name not in _FLOAT_ANY_TYPE:
+            raise CheckpointError(f"{path}: tensor {name} is of GGUF type {t.tensor_type.name}; trainforge reads "
+                                  f"{', '.join(supported)} (requantise the file with llama-quantize to Q8_0 or Q4_0, "
+                                  "or load the Hugging Face directory)")
+    linears = {f"blk.{i}.{g}.weight": f"layers.{i}.{o}" for i in range(cfg.n_layers) for g, o in _LINEARS.items()}
+    if not cfg.tie_embeddings:
+        linears["output.weight"] = "output"
+    others = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight"}
+    others.update({f"blk.{i}.{g}.weight": f"layers.{i}.{o}.weight" for i in range(cfg.n_layers)
+                   for g, o in _NORMS.items()})
+    expected = set(linears) | set(others)
+    missing, unexpected = sorted(expected - tensors.keys()), sorted(tensors.keys() - expected - {"rope_freqs.weight"})
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: GGUF tensors do not match a Llama of block_count {cfg.n_layers}: missing "
+                              f"{missing[:8]}, unexpected {unexpected[:8]}")
+    if "rope_freqs.weight" in tensors:  # llama 3.1's long-context factors
+        raise CheckpointError(f"{path}: rope_freqs.weight (Llama 3.1 RoPE scaling) is not supported by trainforge")
+    mode = _majority_mode([tensors[g] for g in linears])
+    sd: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {"mode": mode, "layers": [], "experts": [], "skipped": {}, "format": "gguf"}
+    rope_heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    for g, ours in linears.items():
+        t = tensors[g]
+        kind = t.tensor_type.name
+        heads = rope_heads.get(g.split(".")[-2]) if g.startswith("blk.") else None
+        if mode is not None and _BLOCK_TYPES.get(kind) == mode:
+            stored = _stored_form(t, mode)
+            sd.update({f"{ours}.{s}": (_unpermute(v, heads) if heads else v) for s, v in stored.items()})
+            info["layers"].append(ours)
+            continue
+        w = _dequantised(t, path)
+        sd[f"{ours}.weight"] = _unpermute(w, heads) if heads else w
+        if mode is not None:
+            info["skipped"][ours] = f"GGUF {kind} in a {mode} file: loaded as float"
+    for g, ours in others.items():
+        sd[ours] = _dequantised(tensors[g], path)
+    return sd, (info if mode else None)
+
+
+def gguf_tokenizer(reader, path: Path) -> tuple[Any, tuple[int, ...]]:
+    """(a ``tokenizers.Tokenizer`` or None, eos ids) from ``tokenizer.ggml.*``: byte-level BPE
+    (model "gpt2": tokens + merges). SentencePiece ("llama") is refused with the way round it."""
+    model = _field(reader, "tokenizer.ggml.model")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos_ids = (int(eos),) if eos is not None else ()
+    if model is None:
+        return None, eos_ids
+    if model != "gpt2":
+        raise CheckpointError(f"{path}: GGUF tokenizer.ggml.model is {model!r}; trainforge builds byte-level BPE "
+                              "('gpt2') tokenizers from GGUF metadata only. Load the Hugging Face directory (its "
+                              "tokenizer.json) instead")
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    tokens = _field(reader, "tokenizer.ggml.tokens", required=True, path=path)
+    merges = _field(reader, "tokenizer.ggml.merges", required=True, path=path)
+    types = _field(reader, "tokenizer.ggml.token_type", default=[1] * len(tokens))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=[tuple(m.split(" ", 1)) for m in merges]))
+    pre = _field(reader, "tokenizer.ggml.pre", default="gpt2")
+    if pre in ("llama-bpe", "llama3"):  # Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3)
+        split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, "isolated"),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:  # GPT-2's regex, ByteLevel's own
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # llama.cpp's token types: 3 = control, 4 = user-defined: whole tokens, never split.
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, ty in enumerate(types) if ty in (3, 4)])
+    return tok, eos_ids
