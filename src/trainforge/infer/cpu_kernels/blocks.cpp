@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -53,35 +54,52 @@ void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d) {
   }
 }
 
+// Every dot below takes the row's combined scales s[b] = d_w[b] * d_x[b] in fp32 (made once
+// per (row, activation row) by row_scales_*): converting an fp16 scale inside the block loop
+// cost more than the block's integer work (c10::Half's software conversion).
+
 // ---- scalar -------------------------------------------------------------------------------
-float dot_q8_scalar(const int8_t* w, const at::Half* dw, const int8_t* x, const float* dx,
-                    int64_t nb) {
+void row_scales_scalar(const at::Half* dw, const float* dx, int64_t nb, float* s) {
+  for (int64_t b = 0; b < nb; ++b) s[b] = (float)dw[b] * dx[b];
+}
+
+float dot_q8_scalar(const int8_t* w, const int8_t* x, const float* s, int64_t nb) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    int32_t s = 0;
-    for (int i = 0; i < QK; ++i) s += (int32_t)w[b * QK + i] * x[b * QK + i];
-    acc += (float)dw[b] * dx[b] * (float)s;
+    int32_t t = 0;
+    for (int i = 0; i < QK; ++i) t += (int32_t)w[b * QK + i] * x[b * QK + i];
+    acc += s[b] * (float)t;
   }
   return acc;
 }
 
-float dot_q4_scalar(const uint8_t* w, const at::Half* dw, const int8_t* x, const float* dx,
-                    int64_t nb) {
+float dot_q4_scalar(const uint8_t* w, const int8_t* x, const float* s, int64_t nb) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
-    int32_t s = 0;
+    int32_t t = 0;
     const uint8_t* wb = w + b * QK / 2;
     for (int j = 0; j < QK / 2; ++j) {
-      s += ((int32_t)(wb[j] & 0xF) - 8) * x[b * QK + j];
-      s += ((int32_t)(wb[j] >> 4) - 8) * x[b * QK + j + 16];
+      t += ((int32_t)(wb[j] & 0xF) - 8) * x[b * QK + j];
+      t += ((int32_t)(wb[j] >> 4) - 8) * x[b * QK + j + 16];
     }
-    acc += (float)dw[b] * dx[b] * (float)s;
+    acc += s[b] * (float)t;
   }
   return acc;
 }
 
 // ---- AVX2 ---------------------------------------------------------------------------------
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
+#define T2 __attribute__((target("avx2,fma,f16c")))
+
+T2 void row_scales_avx2(const at::Half* dw, const float* dx, int64_t nb, float* s) {
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) {
+    const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + b)));
+    _mm256_storeu_ps(s + b, _mm256_mul_ps(w, _mm256_loadu_ps(dx + b)));
+  }
+  for (; b < nb; ++b) s[b] = _cvtsh_ss(dw[b].x) * dx[b];
+}
+
+T2 inline float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -90,7 +108,7 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
 
 // maddubs needs unsigned * signed: |w| * (x with w's sign) has the same products; the
 // 16-bit pair sums stay below 2*127*127 so they never saturate.
-__attribute__((target("avx2,fma"))) inline __m256 block_dot_avx2(__m256i w, __m256i x) {
+T2 inline __m256 block_dot_avx2(__m256i w, __m256i x) {
   const __m256i aw = _mm256_sign_epi8(w, w);
   const __m256i sx = _mm256_sign_epi8(x, w);
   const __m256i p16 = _mm256_maddubs_epi16(aw, sx);
@@ -98,7 +116,7 @@ __attribute__((target("avx2,fma"))) inline __m256 block_dot_avx2(__m256i w, __m2
 }
 
 // Low nibbles are elements 0..15, high nibbles 16..31 (llama.cpp order), minus 8.
-__attribute__((target("avx2,fma"))) inline __m256i unpack_q4_avx2(const uint8_t* p) {
+T2 inline __m256i unpack_q4_avx2(const uint8_t* p) {
   const __m128i b = _mm_loadu_si128((const __m128i*)p);
   const __m128i m = _mm_set1_epi8(0x0F);
   const __m128i lo = _mm_and_si128(b, m);
@@ -106,66 +124,77 @@ __attribute__((target("avx2,fma"))) inline __m256i unpack_q4_avx2(const uint8_t*
   return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
 }
 
-__attribute__((target("avx2,fma"))) float dot_q8_avx2(const int8_t* w, const at::Half* dw,
-                                                        const int8_t* x, const float* dx,
-                                                        int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + b * QK));
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
-    const __m256 scale = _mm256_set1_ps((float)dw[b] * dx[b]);
-    acc = _mm256_fmadd_ps(scale, block_dot_avx2(wv, xv), acc);
-  }
-  return hsum256(acc);
+T2 inline __m256i load_q8(const int8_t* w, int64_t b) {
+  return _mm256_loadu_si256((const __m256i*)(w + b * QK));
+}
+T2 inline __m256i load_q4(const uint8_t* w, int64_t b) { return unpack_q4_avx2(w + b * QK / 2); }
+
+// Two accumulators: one fmadd chain per block would leave the loop waiting on its latency.
+#define BLOCK_LOOP(LOAD, DOT)                                                                  \
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                  \
+  int64_t b = 0;                                                                               \
+  for (; b + 2 <= nb; b += 2) {                                                                \
+    a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[b]), DOT(LOAD(w, b), load_q8(x, b)), a0);            \
+    a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[b + 1]), DOT(LOAD(w, b + 1), load_q8(x, b + 1)), a1); \
+  }                                                                                            \
+  if (b < nb) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[b]), DOT(LOAD(w, b), load_q8(x, b)), a0);  \
+  return hsum256(_mm256_add_ps(a0, a1));
+
+T2 float dot_q8_avx2(const int8_t* w, const int8_t* x, const float* s, int64_t nb) {
+  BLOCK_LOOP(load_q8, block_dot_avx2)
 }
 
-__attribute__((target("avx2,fma"))) float dot_q4_avx2(const uint8_t* w, const at::Half* dw,
-                                                        const int8_t* x, const float* dx,
-                                                        int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = unpack_q4_avx2(w + b * QK / 2);
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
-    const __m256 scale = _mm256_set1_ps((float)dw[b] * dx[b]);
-    acc = _mm256_fmadd_ps(scale, block_dot_avx2(wv, xv), acc);
-  }
-  return hsum256(acc);
+T2 float dot_q4_avx2(const uint8_t* w, const int8_t* x, const float* s, int64_t nb) {
+  BLOCK_LOOP(load_q4, block_dot_avx2)
 }
 
 // ---- AVX-512 VNNI (256-bit dpbusd: one block per instruction) -----------------------------
-#define T512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 T512 inline __m256 block_dot_vnni(__m256i w, __m256i x) {
   const __m256i aw = _mm256_sign_epi8(w, w);
   const __m256i sx = _mm256_sign_epi8(x, w);
   return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
 }
 
-T512 float dot_q8_avx512(const int8_t* w, const at::Half* dw, const int8_t* x,
-                         const float* dx, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + b * QK));
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps((float)dw[b] * dx[b]), block_dot_vnni(wv, xv), acc);
-  }
-  return hsum256(acc);
+T512 float dot_q8_avx512(const int8_t* w, const int8_t* x, const float* s, int64_t nb) {
+  BLOCK_LOOP(load_q8, block_dot_vnni)
 }
 
-T512 float dot_q4_avx512(const uint8_t* w, const at::Half* dw, const int8_t* x,
-                         const float* dx, int64_t nb) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = unpack_q4_avx2(w + b * QK / 2);
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(x + b * QK));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps((float)dw[b] * dx[b]), block_dot_vnni(wv, xv), acc);
-  }
-  return hsum256(acc);
+T512 float dot_q4_avx512(const uint8_t* w, const int8_t* x, const float* s, int64_t nb) {
+  BLOCK_LOOP(load_q4, block_dot_vnni)
 }
+
+// ---- dequantisation (the prefill path) ---------------------------------------------------
+void dequant_row_q8(const int8_t* w, const at::Half* d, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float db = (float)d[b];
+    for (int i = 0; i < QK; ++i) out[b * QK + i] = db * w[b * QK + i];
+  }
+}
+
+void dequant_row_q4(const uint8_t* w, const at::Half* d, int64_t nb, float* out) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float db = (float)d[b];
+    const uint8_t* wb = w + b * QK / 2;
+    for (int j = 0; j < QK / 2; ++j) {
+      out[b * QK + j] = db * ((int)(wb[j] & 0xF) - 8);
+      out[b * QK + j + 16] = db * ((int)(wb[j] >> 4) - 8);
+    }
+  }
+}
+
+// From this many activation rows on (a prompt's prefill, a large decode batch), the integer
+// kernel's per-(row, column) dots lose to dequantising the weight once into fp32 and running
+// the library GEMM: the dequantisation is O(N K), the product O(M N K).
+constexpr int64_t GEMM_ROWS = 16;
 
 // ---- op bodies ----------------------------------------------------------------------------
-template <typename W, typename Dot>
+using Scales = void (*)(const at::Half*, const float*, int64_t, float*);
+
+template <typename W>
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                        int64_t row_bytes, Dot dot) {
+                        int64_t row_bytes, float (*dot)(const W*, const int8_t*, const float*, int64_t),
+                        Scales scales, void (*dequant)(const W*, const at::Half*, int64_t, float*)) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
   TORCH_CHECK(d.scalar_type() == at::kHalf, "d must be fp16 (N, K/32)");
   const at::Tensor x = x_in.contiguous();
@@ -174,22 +203,33 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   TORCH_CHECK(qs.size(1) == row_bytes && d.size(0) == N && d.size(1) == nb,
               "weight shapes do not match K=", K);
   const at::Tensor w = qs.contiguous(), dd = d.contiguous();
+  const W* wp = (const W*)w.data_ptr();
+  const at::Half* dp = dd.data_ptr<at::Half>();
+  if (M >= GEMM_ROWS) {
+    at::Tensor wf = at::empty({N, K}, x.options());
+    float* wfp = wf.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) dequant(wp + n * row_bytes, dp + n * nb, nb, wfp + n * K);
+    });
+    return at::matmul(x, wf.t());
+  }
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor xd = at::empty({M, nb}, x.options());
   for (int64_t m = 0; m < M; ++m)
     quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K,
                     xd.data_ptr<float>() + m * nb);
   at::Tensor out = at::empty({M, N}, x.options());
-  const W* wp = (const W*)w.data_ptr();
-  const at::Half* dp = dd.data_ptr<at::Half>();
   const int8_t* xqp = xq.data_ptr<int8_t>();
   const float* xdp = xd.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Rows across threads; each weight row is read once for all M activation rows.
+  // Rows across threads (grain 16 rows); each weight row is read once for all M activation rows.
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> s(nb);
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m)
-        op[m * N + n] = dot(wp + n * row_bytes, dp + n * nb, xqp + m * K, xdp + m * nb, nb);
+      for (int64_t m = 0; m < M; ++m) {
+        scales(dp + n * nb, xdp + m * nb, nb, s.data());
+        op[m * N + n] = dot(wp + n * row_bytes, xqp + m * K, s.data(), nb);
+      }
   });
   return out;
 }
@@ -198,14 +238,16 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   TORCH_CHECK(qs.scalar_type() == at::kChar, "q8_0 qs must be int8 (N, K)");
   const std::string isa = chosen_isa();
   auto dot = isa == "avx512" ? dot_q8_avx512 : isa == "avx2" ? dot_q8_avx2 : dot_q8_scalar;
-  return block_linear<int8_t>(x, qs, d, x.size(1), dot);
+  auto scales = isa == "scalar" ? row_scales_scalar : row_scales_avx2;
+  return block_linear<int8_t>(x, qs, d, x.size(1), dot, scales, dequant_row_q8);
 }
 
 at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
   TORCH_CHECK(qs.scalar_type() == at::kByte, "q4_0 qs must be uint8 (N, K/2)");
   const std::string isa = chosen_isa();
   auto dot = isa == "avx512" ? dot_q4_avx512 : isa == "avx2" ? dot_q4_avx2 : dot_q4_scalar;
-  return block_linear<uint8_t>(x, qs, d, x.size(1) / 2, dot);
+  auto scales = isa == "scalar" ? row_scales_scalar : row_scales_avx2;
+  return block_linear<uint8_t>(x, qs, d, x.size(1) / 2, dot, scales, dequant_row_q4);
 }
 
 std::string isa_op() { return chosen_isa(); }

@@ -16,7 +16,9 @@ _SOURCE = Path(__file__).with_name("blocks.cpp")
 
 
 def cache_dir() -> Path:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+    # The build flags live in this file: a change to either rebuilds.
+    digest = hashlib.sha256(_SOURCE.read_bytes() + Path(__file__).read_bytes()
+                            + torch.__version__.encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return root / "trainforge" / "cpu_kernels" / digest
 
@@ -33,7 +35,10 @@ def _build() -> str | None:
             name="trainforge_cpu_kernels",
             sources=[str(_SOURCE)],
             build_directory=str(out),
-            extra_cflags=["-O3"],
+            # -fopenmp: without it ATen's parallel_for compiles to a serial loop (its OpenMP body
+            # is under #ifdef _OPENMP); the .so then shares the libgomp torch already loaded.
+            extra_cflags=["-O3", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
         )

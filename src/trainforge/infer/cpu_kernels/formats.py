@@ -16,13 +16,18 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
     return w.float().reshape(n, k // BLOCK, BLOCK)
 
 
-def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> qs int8 (N, K), d fp16 (N, K/32); value = qs * d."""
-    b = _blocks(w)
+def _absmax_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks (..., 32) -> (rounded codes in [-127, 127] as float, fp32 d = absmax / 127), the
+    arithmetic of llama.cpp's Q8_0 and of the kernels' activation quantiser (x * (1/d), half to even)."""
     d = b.abs().amax(-1) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    qs = torch.round(b * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return qs.reshape(w.shape), d.half()
+    return torch.round(b * inv.unsqueeze(-1)).clamp(-127, 127), d
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> qs int8 (N, K), d fp16 (N, K/32); value = qs * d."""
+    q, d = _absmax_blocks(_blocks(w))
+    return q.to(torch.int8).reshape(w.shape), d.half()
 
 
 def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +60,10 @@ def dequantize_q4_0(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """Per-32-block int8 round trip of x (M, K), the same arithmetic as the C++ kernels
     (d = absmax/127 in fp32, q = round(x * (1/d)), half to even), returned dequantised."""
-    m, k = x.shape
-    b = x.float().reshape(m, k // BLOCK, BLOCK)
-    d = b.abs().amax(-1) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(b * inv.unsqueeze(-1))
-    return (q * d.unsqueeze(-1)).reshape(m, k)
+    q, d = _absmax_blocks(_blocks(x))
+    return (q * d.unsqueeze(-1)).reshape(x.shape)
+
+
+# Mirrors GEMM_ROWS in blocks.cpp: from this many activation rows on, the ops dequantise the
+# weight once and run the fp32 GEMM (activations not quantised) instead of the integer dots.
+GEMM_ROWS = 16
