@@ -27,6 +27,7 @@ Q6_K, ... in a linear) are refused, naming the tensor.
 
 from __future__ import annotations
 
+import mmap
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -168,8 +169,26 @@ def _dequantised(t, path: Path) -> torch.Tensor:
                                   "package cannot decode; requantise the file with llama-quantize "
                                   "(--output-tensor-type q8_0 --token-embedding-type q8_0)") from None
     shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dims innermost first
-    # A copy: the reader's arrays are views of a read-only map.
-    return torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape))
+    # F32 is a view of the read-only map: copied out. A decoded array is already our own
+    # (copying it again would double the embedding's share of the load's peak memory).
+    a = np.array(a, dtype=np.float32) if t.tensor_type.name == "F32" else a.astype(np.float32, copy=False)
+    return torch.from_numpy(a.reshape(shape))
+
+
+def _drop_pages(reader, t) -> None:
+    """Let the kernel drop the file pages of tensor ``t`` once it has been copied out: clean
+    pages of a read-only map, so nothing is lost, and the load's peak memory is the model plus
+    one tensor rather than the model plus the whole file (the issue's RSS bound)."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    start = t.data_offset // page * page
+    end = t.data_offset + int(t.n_bytes)
+    try:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):  # advice only: a kernel that refuses it costs memory, not correctness
+        pass
 
 
 def _majority_mode(tensors: list) -> str | None:
@@ -213,13 +232,16 @@ def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Ten
             stored = _stored_form(t, mode)
             sd.update({f"{ours}.{s}": (_unpermute(v, heads) if heads else v) for s, v in stored.items()})
             info["layers"].append(ours)
+            _drop_pages(reader, t)
             continue
         w = _dequantised(t, path)
         sd[f"{ours}.weight"] = _unpermute(w, heads) if heads else w
+        _drop_pages(reader, t)
         if mode is not None:
             info["skipped"][ours] = f"GGUF {kind} in a {mode} file: loaded as float"
     for g, ours in others.items():
         sd[ours] = _dequantised(tensors[g], path)
+        _drop_pages(reader, tensors[g])
     return sd, (info if mode else None)
 
 
