@@ -101,6 +101,47 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, sdist: Path | None = None, jo
     return peer
 
 
+# Run by ``convert_hf`` in a fresh interpreter. Two workarounds, both for a locally trained
+# tokenizer: the converter picks a pre-tokenizer by hashing known published vocabularies, so
+# ours (plain byte-level BPE, which is GPT-2's regex) is named "gpt-2" outright; and it imports
+# sentencepiece before it checks for tokenizer.model, so without one that step is skipped the way
+# the converter skips it when the file is missing (FileNotFoundError) and sentencepiece is installed.
+_CONVERT = r"""
+import runpy, sys
+src = sys.argv.pop(1)
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+sentencepiece = base.TextModel._set_vocab_sentencepiece
+def no_spm(self, *a, **k):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    return sentencepiece(self, *a, **k)
+base.TextModel._set_vocab_sentencepiece = no_spm
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_hf(peer: LlamaCpp, hf_dir: Path, out: Path) -> Path:
+    """An f32 GGUF of a ``trainforge export`` directory, by llama.cpp's own converter."""
+    proc = subprocess.run([sys.executable, "-c", _CONVERT, str(peer.src), str(hf_dir), "--outtype", "f32",
+                           "--outfile", str(out)], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+def quantize_gguf(peer: LlamaCpp, f32: Path, out: Path, kind: str) -> Path:
+    """``kind`` (q8_0, q4_0) for every linear weight, output and embedding included
+    (``--pure``: llama-quantize otherwise keeps the output in Q6_K / Q8_0)."""
+    proc = subprocess.run([str(peer.tool("llama-quantize")), "--pure", str(f32), str(out), kind.upper(), "1"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"llama-quantize {kind} failed on {f32}:\n{proc.stderr[-3000:]}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench._llama_cpp", description="Check for or build the llama.cpp peer.")
     p.add_argument("--build", action="store_true", help="build it if absent (takes minutes; run under flock /tmp/cpu.lock)")
