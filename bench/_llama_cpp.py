@@ -1,0 +1,162 @@
+"""Locate and build the llama.cpp peer for the CPU decode comparison (issue 24).
+
+llama.cpp comes from the ``llama-cpp-python`` source distribution, which vendors it
+under ``vendor/llama.cpp``, so one PyPI version string pins the peer's version. Only
+the CLI tools the comparison needs get built, once, into
+``$XDG_CACHE_HOME/trainforge/llama.cpp/<version>/`` (default ``~/.cache``). The build
+is the one slow step: about 3 min with ``-j2`` on a quiet 2-core EPYC, up to 10 min
+on a busier machine. So it runs only when asked; otherwise callers print
+``build_hint()``.
+
+    python -m bench._llama_cpp            # is it built? where?
+    python -m bench._llama_cpp --build [--sdist PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# llama-bench: pp/tg tok/s. llama-quantize: f32 GGUF -> q8_0/q4_0. llama-completion: greedy
+# text to compare tokens. llama-tokenize: token ids for the same text.
+TOOLS = ("llama-bench", "llama-quantize", "llama-completion", "llama-tokenize")
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A llama.cpp build: ``src`` is the vendored tree (it holds convert_hf_to_gguf.py and
+    gguf-py), ``bin`` holds the tools."""
+
+    root: Path
+
+    @property
+    def src(self) -> Path:
+        return self.root / "src" / "vendor" / "llama.cpp"
+
+    @property
+    def bin(self) -> Path:
+        return self.root / "build" / "bin"
+
+    def tool(self, name: str) -> Path:
+        return self.bin / name
+
+    def is_built(self) -> bool:
+        return all(self.tool(t).is_file() for t in TOOLS) and (self.src / "convert_hf_to_gguf.py").is_file()
+
+
+def cache_root(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "trainforge" / "llama.cpp" / version
+
+
+def build_hint(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
+    return (f"llama.cpp is not built in {cache_root(version)}. Build it once (3-10 min on 2 cores) with\n"
+            f"  flock /tmp/cpu.lock python -m bench._llama_cpp --build [--sdist llama_cpp_python-{version}.tar.gz]\n"
+            f"(without --sdist, pip downloads the llama-cpp-python=={version} source distribution).")
+
+
+def _sdist(version: str, sdist: Path | None, workdir: Path) -> Path:
+    if sdist is not None:
+        if not sdist.is_file():
+            raise ValueError(f"--sdist {sdist} does not exist; pass the llama_cpp_python-{version}.tar.gz path")
+        return sdist
+    # --no-binary stops pip picking a wheel, which would not contain the llama.cpp sources.
+    subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={version}", "--no-deps",
+                    "--no-binary", ":all:", "-d", str(workdir)], check=True)
+    (found,) = workdir.glob("llama_cpp_python-*.tar.gz")
+    return found
+
+
+def build(version: str = LLAMA_CPP_PYTHON_VERSION, sdist: Path | None = None, jobs: int = 2) -> LlamaCpp:
+    """Extract the sdist (once) and build ``TOOLS``: Release, GGML_NATIVE (so the build
+    uses this CPU's SIMD, just as our kernels do), static, without network libraries."""
+    root = cache_root(version)
+    peer = LlamaCpp(root)
+    root.mkdir(parents=True, exist_ok=True)
+    if not (peer.src / "CMakeLists.txt").is_file():
+        tmp = root / "download"
+        tmp.mkdir(exist_ok=True)
+        with tarfile.open(_sdist(version, sdist, tmp)) as tar:
+            top = tar.getnames()[0].split("/")[0]
+            tar.extractall(root, filter="data")
+        shutil.rmtree(root / "src", ignore_errors=True)
+        (root / top).rename(root / "src")
+        shutil.rmtree(tmp, ignore_errors=True)
+    build_dir = root / "build"
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    subprocess.run(["cmake", "-S", str(peer.src), "-B", str(build_dir), *gen,
+                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TOOLS], check=True)
+    if not peer.is_built():
+        raise RuntimeError(f"the llama.cpp build in {build_dir} finished without all of {TOOLS}")
+    return peer
+
+
+# Run by ``convert_hf`` in a fresh interpreter. Two workarounds, both for a locally trained
+# tokenizer: the converter picks a pre-tokenizer by hashing known published vocabularies, so
+# ours (plain byte-level BPE, which is GPT-2's regex) is named "gpt-2" outright; and it imports
+# sentencepiece before it checks for tokenizer.model, so without one that step is skipped the way
+# the converter skips it when the file is missing (FileNotFoundError) and sentencepiece is installed.
+_CONVERT = r"""
+import runpy, sys
+src = sys.argv.pop(1)
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base as base
+sentencepiece = base.TextModel._set_vocab_sentencepiece
+def no_spm(self, *a, **k):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    return sentencepiece(self, *a, **k)
+base.TextModel._set_vocab_sentencepiece = no_spm
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv[0] = src + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_hf(peer: LlamaCpp, hf_dir: Path, out: Path) -> Path:
+    """An f32 GGUF of a ``trainforge export`` directory, by llama.cpp's own converter."""
+    proc = subprocess.run([sys.executable, "-c", _CONVERT, str(peer.src), str(hf_dir), "--outtype", "f32",
+                           "--outfile", str(out)], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+def quantize_gguf(peer: LlamaCpp, f32: Path, out: Path, kind: str) -> Path:
+    """``kind`` (q8_0, q4_0) for every linear weight, output and embedding included
+    (``--pure``: llama-quantize otherwise keeps the output in Q6_K / Q8_0)."""
+    proc = subprocess.run([str(peer.tool("llama-quantize")), "--pure", str(f32), str(out), kind.upper(), "1"],
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"llama-quantize {kind} failed on {f32}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench._llama_cpp", description="Check for or build the llama.cpp peer.")
+    p.add_argument("--build", action="store_true", help="build it if absent (takes minutes; run under flock /tmp/cpu.lock)")
+    p.add_argument("--sdist", type=Path, default=None, help="a llama_cpp_python sdist already downloaded")
+    p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    a = p.parse_args(argv)
+    peer = LlamaCpp(cache_root())
+    if not peer.is_built():
+        if not a.build:
+            print(build_hint(), file=sys.stderr)
+            return 1
+        peer = build(sdist=a.sdist, jobs=a.jobs)
+    print(f"llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}) built: {peer.bin}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
