@@ -89,3 +89,18 @@ def test_failed_build_warns_once_and_returns_none(monkeypatch):
         assert build.load_kernels() is None
         assert build.load_kernels() is None
     assert len(record) == 1
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 3, 8, 9])  # 9: above the GEMV limit, the at::matmul path
+# (130, 32): more than one 64-row chunk, so split across threads when there are two.
+@pytest.mark.parametrize("n,k", [(37, 64), (8, 100), (5, 7), (130, 32)])  # row, K tails
+def test_f32_linear_matches_f_linear(ops, monkeypatch, isa, m, n, k):
+    if not ops.supports(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    monkeypatch.setenv("TRAINFORGE_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(m * 100 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    # Only the fp32 summation order differs from F.linear: 1e-5 relative covers K <= 100.
+    assert _rel(ops.f32_linear(x, w), torch.nn.functional.linear(x, w)) < 1e-5

@@ -250,6 +250,103 @@ at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return block_linear<uint8_t>(x, qs, d, x.size(1) / 2, dot, scales, dequant_row_q4);
 }
 
+// ---- fp32 GEMV / small-M GEMM ---------------------------------------------------------------
+// Decode is a weight stream: each weight row is read once from memory and used for all M (<= 8)
+// activation rows, which stay in L1. Four rows per inner loop give four independent FMA
+// chains per activation row and four concurrent streams for the hardware prefetcher; the
+// software prefetch reaches the next four rows while this group is summed.
+constexpr int64_t F32_ROWS = 4;
+constexpr int64_t F32_MAX_M = 8;  // above this a blocked GEMM (at::matmul) reuses weights better
+
+// One cache line of each of the next group's rows, at the column being summed now.
+inline void prefetch_next_rows(const float* r, int64_t K, int64_t k) {
+  for (int64_t j = F32_ROWS; j < 2 * F32_ROWS; ++j)
+    _mm_prefetch((const char*)(r + j * K + k), _MM_HINT_T0);
+}
+
+void f32_rows_scalar(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
+                     int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += w[n * K + k] * x[m * K + k];
+      out[m * N + n] = acc;
+    }
+}
+
+T2 void f32_rows_avx2(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
+                      int64_t n0, int64_t n1, float* out) {
+  const int64_t K8 = K & ~int64_t(7);
+  int64_t n = n0;
+  for (; n + F32_ROWS <= n1; n += F32_ROWS) {
+    const float* r = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K8; k += 8) {
+        if (m == 0 && (k & 15) == 0) prefetch_next_rows(r, K, k);
+        const __m256 xv = _mm256_loadu_ps(xm + k);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r + k), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r + K + k), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 2 * K + k), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 3 * K + k), xv, a3);
+      }
+      float s[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+      for (int64_t k = K8; k < K; ++k)
+        for (int j = 0; j < 4; ++j) s[j] += r[j * K + k] * xm[k];
+      for (int j = 0; j < 4; ++j) out[m * N + n + j] = s[j];
+    }
+  }
+  f32_rows_scalar(w, x, M, K, N, n, n1, out);
+}
+
+T512 void f32_rows_avx512(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
+                          int64_t n0, int64_t n1, float* out) {
+  const int64_t K16 = K & ~int64_t(15);
+  int64_t n = n0;
+  for (; n + F32_ROWS <= n1; n += F32_ROWS) {
+    const float* r = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t k = 0; k < K16; k += 16) {
+        if (m == 0) prefetch_next_rows(r, K, k);
+        const __m512 xv = _mm512_loadu_ps(xm + k);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r + k), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r + K + k), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r + 2 * K + k), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r + 3 * K + k), xv, a3);
+      }
+      float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
+                    _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
+      for (int64_t k = K16; k < K; ++k)
+        for (int j = 0; j < 4; ++j) s[j] += r[j * K + k] * xm[k];
+      for (int j = 0; j < 4; ++j) out[m * N + n + j] = s[j];
+    }
+  }
+  f32_rows_scalar(w, x, M, K, N, n, n1, out);
+}
+
+at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat, "w must be fp32 (N, K)");
+  TORCH_CHECK(x_in.size(1) == w_in.size(1), "x has K=", x_in.size(1), ", w has K=", w_in.size(1));
+  if (x_in.size(0) > F32_MAX_M) return at::matmul(x_in, w_in.t());
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const std::string isa = chosen_isa();
+  auto rows = isa == "avx512" ? f32_rows_avx512 : isa == "avx2" ? f32_rows_avx2 : f32_rows_scalar;
+  const float *wp = w.data_ptr<float>(), *xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // Grain of 64 rows (>= 48 KiB of weights at K=192) keeps per-thread work well above the
+  // OpenMP fork cost; chunks are split on F32_ROWS boundaries by rounding inside.
+  at::parallel_for(0, (N + F32_ROWS - 1) / F32_ROWS, 16, [&](int64_t g0, int64_t g1) {
+    rows(wp, xp, M, K, N, g0 * F32_ROWS, std::min(N, g1 * F32_ROWS), op);
+  });
+  return out;
+}
+
 std::string isa_op() { return chosen_isa(); }
 bool supports_op(std::string isa) { return supports(isa); }
 
@@ -258,6 +355,7 @@ bool supports_op(std::string isa) { return supports(isa); }
 TORCH_LIBRARY(trainforge_cpu, m) {
   m.def("q8_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
   m.def("q4_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
   m.def("isa() -> str", &isa_op);
   m.def("supports(str isa) -> bool", &supports_op);
 }
@@ -265,4 +363,5 @@ TORCH_LIBRARY(trainforge_cpu, m) {
 TORCH_LIBRARY_IMPL(trainforge_cpu, CPU, m) {
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("q4_0_linear", &q4_0_linear);
+  m.impl("f32_linear", &f32_linear);
 }
