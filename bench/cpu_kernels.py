@@ -1,0 +1,120 @@
+"""Op-level speed of the trainforge CPU kernels against the kernels they would replace, in one
+process, interleaved.
+
+    python -m bench.cpu_kernels            # ~3 min on 2 cores
+    python -m bench.cpu_kernels --quick    # ~1 min: fewer samples
+
+Pairs, each on the same random weights (seeded), at 1 and 2 intra-op threads, M = 1 (decode)
+and M = 512 (prefill), on the linear shapes of the 90m bench model (dim 768, ffn 2048, kv dim
+256, vocab 8192) and 4096x4096:
+
+- ``F.linear`` fp32 (MKL / oneDNN)                  vs ``trainforge_cpu.f32_linear``
+- fbgemm dynamic int8 (per-channel prepacked)       vs ``trainforge_cpu.q8_0_linear``
+- ``_weight_int4pack_mm_for_cpu`` (bf16 x, g=32)    vs ``trainforge_cpu.q4_0_linear``
+
+The baselines come from the engine's own kernels (``Int8Linear`` / ``Int4Linear``
+``build_kernel``). Each sample times baseline then ours back to back (order alternated per
+sample); the ratio baseline / ours (> 1: ours faster) is paired within the sample and
+summarised by median and p10-p90 over samples. Measured sections hold /tmp/cpu.lock (flock),
+so do not wrap this script in flock.
+"""
+
+import argparse
+import contextlib
+import datetime
+import fcntl
+import os
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+
+from trainforge.infer.cpu_kernels import build, formats
+from trainforge.infer.quantize.int4 import Int4Linear
+from trainforge.infer.quantize.int8 import Int8Linear
+
+SHAPES = [(768, 768), (256, 768), (2048, 768), (768, 2048), (8192, 768), (4096, 4096)]
+
+
+@contextlib.contextmanager
+def cpu_lock(path: str = "/tmp/cpu.lock"):
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def machine() -> str:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                  if line.startswith("Model name")), "?")
+    flags = sorted({f for f in lscpu.split() if f.startswith(("avx2", "avx512", "fma", "f16c"))})
+    return (f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}  CPU {model}  "
+            f"flags {' '.join(flags)}  load {os.getloadavg()[0]:.2f}  torch {torch.__version__}")
+
+
+def pairs(ops, n: int, k: int, m: int):
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    x = torch.randn(m, k, generator=gen)
+    q8, d8 = formats.quantize_q8_0(w)
+    q4, d4 = formats.quantize_q4_0(w)
+    fbgemm = Int8Linear.quantize(w).build_kernel("fbgemm")
+    int4 = Int4Linear.quantize(w, group_size=32).build_kernel("int4pack_cpu")
+    yield "fp32", lambda: F.linear(x, w), lambda: ops.f32_linear(x, w)
+    yield "q8_0", lambda: fbgemm(x), lambda: ops.q8_0_linear(x, q8, d8)
+    yield "q4_0", lambda: int4(x), lambda: ops.q4_0_linear(x, q4, d4)
+
+
+def measure(base, ours, samples: int, budget_s: float) -> tuple[float, float, float, float]:
+    for _ in range(3):
+        base(), ours()
+    tb, ratios = [], []
+    t_end = time.perf_counter() + budget_s
+    for i in range(samples):
+        fns = (base, ours) if i % 2 == 0 else (ours, base)
+        ts = []
+        for f in fns:
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        b, o = ts if i % 2 == 0 else ts[::-1]
+        tb.append(b)
+        ratios.append(b / o)
+        if time.perf_counter() > t_end and i >= 8:
+            break
+    q = torch.tensor(ratios).quantile(torch.tensor([0.5, 0.1, 0.9])).tolist()
+    return torch.tensor(tb).median().item() * 1e3, *q
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer samples (~1 min)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 512])
+    args = p.parse_args()
+    ops = build.load_kernels()
+    if ops is None:
+        raise SystemExit("trainforge CPU kernels did not build (see the warning); nothing to compare")
+    samples, budget = (15, 0.3) if args.quick else (51, 1.2)
+    print(machine())
+    print(f"ours: isa {ops.isa()}; ratio = baseline ms / ours ms (> 1: ours faster), "
+          "median [p10-p90] over paired samples")
+    print(f"{'thr':>3} {'M':>4} {'shape (N,K)':>12} {'pair':>5} {'base ms':>8} {'ratio':>6} {'p10-p90':>11}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for m in args.m:
+            for n, k in SHAPES:
+                for name, base, ours in pairs(ops, n, k, m):
+                    with cpu_lock():
+                        ms, med, p10, p90 = measure(base, ours, samples, budget)
+                    print(f"{threads:>3} {m:>4} {str((n, k)):>12} {name:>5} {ms:8.3f} {med:6.2f} "
+                          f"{p10:5.2f}-{p90:<5.2f}", flush=True)
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
