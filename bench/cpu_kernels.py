@@ -20,9 +20,7 @@ so do not wrap this script in flock.
 """
 
 import argparse
-import contextlib
 import datetime
-import fcntl
 import os
 import subprocess
 import time
@@ -30,21 +28,12 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench.advise import locked
 from trainforge.infer.cpu_kernels import build, formats
 from trainforge.infer.quantize.int4 import Int4Linear
 from trainforge.infer.quantize.int8 import Int8Linear
 
 SHAPES = [(768, 768), (256, 768), (2048, 768), (768, 2048), (8192, 768), (4096, 4096)]
-
-
-@contextlib.contextmanager
-def cpu_lock(path: str = "/tmp/cpu.lock"):
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def machine() -> str:
@@ -109,7 +98,7 @@ def main() -> None:
         for m in args.m:
             for n, k in SHAPES:
                 for name, base, ours in pairs(ops, n, k, m):
-                    with cpu_lock():
+                    with locked("/tmp/cpu.lock"):
                         ms, med, p10, p90 = measure(base, ours, samples, budget)
                     print(f"{threads:>3} {m:>4} {str((n, k)):>12} {name:>5} {ms:8.3f} {med:6.2f} "
                           f"{p10:5.2f}-{p90:<5.2f}", flush=True)
