@@ -104,3 +104,13 @@ def test_f32_linear_matches_f_linear(ops, monkeypatch, isa, m, n, k):
     x = torch.randn(m, k, generator=gen)
     # Only the fp32 summation order differs from F.linear: 1e-5 relative covers K <= 100.
     assert _rel(ops.f32_linear(x, w), torch.nn.functional.linear(x, w)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "f32"])
+def test_ops_have_shape_functions_for_compile(ops, fmt):
+    # opcheck runs the op under fake tensors (what torch.compile traces with) and checks the
+    # registration against the real kernel's output shape and dtype.
+    w = torch.randn(48, 64)
+    args = (w,) if fmt == "f32" else FORMATS[fmt][0](w)
+    torch.library.opcheck(getattr(ops, f"{fmt}_linear"), (torch.randn(3, 64), *args),
+                          test_utils=("test_schema", "test_faketensor"))

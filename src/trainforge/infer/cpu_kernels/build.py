@@ -44,7 +44,18 @@ def _build() -> str | None:
         )
     except Exception as exc:  # no compiler, compile error, unwritable cache: all fall back
         return f"{type(exc).__name__}: {exc}"
+    _register_fakes()
     return None
+
+
+def _register_fakes() -> None:
+    """Shape functions of the ops, so ``torch.compile`` (and meta / fake tensors) can trace a
+    model through them instead of breaking the graph: y (M, N) fp32 from x (M, K) and weights (N, ...)."""
+    def linear_fake(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    for name in ("q8_0_linear", "q4_0_linear", "f32_linear"):
+        torch.library.register_fake(f"trainforge_cpu::{name}")(linear_fake)
 
 
 @functools.cache
