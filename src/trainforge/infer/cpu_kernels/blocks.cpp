@@ -63,7 +63,7 @@ void row_scales_scalar(const at::Half* dw, const float* dx, int64_t nb, float* s
   for (int64_t b = 0; b < nb; ++b) s[b] = (float)dw[b] * dx[b];
 }
 
-float dot_q8_scalar(const int8_t* w, const int8_t* x, const float* s, int64_t nb) {
+float dot_q8_scalar(const int8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     int32_t t = 0;
@@ -73,7 +73,7 @@ float dot_q8_scalar(const int8_t* w, const int8_t* x, const float* s, int64_t nb
   return acc;
 }
 
-float dot_q4_scalar(const uint8_t* w, const int8_t* x, const float* s, int64_t nb) {
+float dot_q4_scalar(const uint8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
   float acc = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     int32_t t = 0;
@@ -115,22 +115,35 @@ T2 inline __m256 block_dot_avx2(__m256i w, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
 }
 
-// Low nibbles are elements 0..15, high nibbles 16..31 (llama.cpp order), minus 8.
-T2 inline __m256i unpack_q4_avx2(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128((const __m128i*)p);
-  const __m128i m = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, m);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-  return _mm256_sub_epi8(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(8));
-}
-
 T2 inline __m256i load_q8(const int8_t* w, int64_t b) {
   return _mm256_loadu_si256((const __m256i*)(w + b * QK));
 }
-T2 inline __m256i load_q4(const uint8_t* w, int64_t b) { return unpack_q4_avx2(w + b * QK / 2); }
+
+// Low nibbles are elements 0..15, high nibbles 16..31 (llama.cpp order), kept as codes 0..15:
+// u8 x s8 products need no sign trick, and the -8 is applied once per block as
+// 8 * (sum of the block's activation codes), precomputed per activation row.
+T2 inline __m256i load_q4u(const uint8_t* w, int64_t b) {
+  const __m128i p = _mm_loadu_si128((const __m128i*)(w + b * QK / 2));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m), _mm_and_si128(p, m));
+}
+
+T2 inline __m256 block_dot_u_avx2(__m256i q, __m256i x) {  // q in 0..15: pair sums <= 3810
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)));
+}
+
+// sum_b s[b] * c[b]: the q4 offset term of a row.
+T2 float weighted_sum_avx2(const float* s, const float* c, int64_t nb) {
+  __m256 a = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(s + b), _mm256_loadu_ps(c + b), a);
+  float t = hsum256(a);
+  for (; b < nb; ++b) t += s[b] * c[b];
+  return t;
+}
 
 // Two accumulators: one fmadd chain per block would leave the loop waiting on its latency.
-#define BLOCK_LOOP(LOAD, DOT)                                                                  \
+#define BLOCK_SUM(LOAD, DOT)                                                                   \
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                  \
   int64_t b = 0;                                                                               \
   for (; b + 2 <= nb; b += 2) {                                                                \
@@ -138,14 +151,16 @@ T2 inline __m256i load_q4(const uint8_t* w, int64_t b) { return unpack_q4_avx2(w
     a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[b + 1]), DOT(LOAD(w, b + 1), load_q8(x, b + 1)), a1); \
   }                                                                                            \
   if (b < nb) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[b]), DOT(LOAD(w, b), load_q8(x, b)), a0);  \
-  return hsum256(_mm256_add_ps(a0, a1));
+  const float sum = hsum256(_mm256_add_ps(a0, a1));
 
-T2 float dot_q8_avx2(const int8_t* w, const int8_t* x, const float* s, int64_t nb) {
-  BLOCK_LOOP(load_q8, block_dot_avx2)
+T2 float dot_q8_avx2(const int8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
+  BLOCK_SUM(load_q8, block_dot_avx2)
+  return sum;
 }
 
-T2 float dot_q4_avx2(const uint8_t* w, const int8_t* x, const float* s, int64_t nb) {
-  BLOCK_LOOP(load_q4, block_dot_avx2)
+T2 float dot_q4_avx2(const uint8_t* w, const int8_t* x, const float* s, int64_t nb, const float* c) {
+  BLOCK_SUM(load_q4u, block_dot_u_avx2)
+  return sum - weighted_sum_avx2(s, c, nb);
 }
 
 // ---- AVX-512 VNNI (256-bit dpbusd: one block per instruction) -----------------------------
@@ -156,12 +171,18 @@ T512 inline __m256 block_dot_vnni(__m256i w, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
 }
 
-T512 float dot_q8_avx512(const int8_t* w, const int8_t* x, const float* s, int64_t nb) {
-  BLOCK_LOOP(load_q8, block_dot_vnni)
+T512 inline __m256 block_dot_u_vnni(__m256i q, __m256i x) {
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x));
 }
 
-T512 float dot_q4_avx512(const uint8_t* w, const int8_t* x, const float* s, int64_t nb) {
-  BLOCK_LOOP(load_q4, block_dot_vnni)
+T512 float dot_q8_avx512(const int8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
+  BLOCK_SUM(load_q8, block_dot_vnni)
+  return sum;
+}
+
+T512 float dot_q4_avx512(const uint8_t* w, const int8_t* x, const float* s, int64_t nb, const float* c) {
+  BLOCK_SUM(load_q4u, block_dot_u_vnni)
+  return sum - weighted_sum_avx2(s, c, nb);
 }
 
 // ---- dequantisation (the prefill path) ---------------------------------------------------
@@ -193,7 +214,8 @@ using Scales = void (*)(const at::Half*, const float*, int64_t, float*);
 
 template <typename W>
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                        int64_t row_bytes, float (*dot)(const W*, const int8_t*, const float*, int64_t),
+                        int64_t row_bytes,
+                        float (*dot)(const W*, const int8_t*, const float*, int64_t, const float*),
                         Scales scales, void (*dequant)(const W*, const at::Half*, int64_t, float*)) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
   TORCH_CHECK(d.scalar_type() == at::kHalf, "d must be fp16 (N, K/32)");
@@ -215,9 +237,18 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   }
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor xd = at::empty({M, nb}, x.options());
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K,
-                    xd.data_ptr<float>() + m * nb);
+  at::Tensor xc = at::empty({M, nb}, x.options());  // 8 * each block's code sum (the q4 offset)
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* q = xq.data_ptr<int8_t>() + m * K;
+    quantize_row_q8(x.data_ptr<float>() + m * K, K, q, xd.data_ptr<float>() + m * nb);
+    float* c = xc.data_ptr<float>() + m * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t t = 0;
+      for (int i = 0; i < QK; ++i) t += q[b * QK + i];
+      c[b] = 8.f * (float)t;
+    }
+  }
+  const float* xcp = xc.data_ptr<float>();
   at::Tensor out = at::empty({M, N}, x.options());
   const int8_t* xqp = xq.data_ptr<int8_t>();
   const float* xdp = xd.data_ptr<float>();
@@ -228,7 +259,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         scales(dp + n * nb, xdp + m * nb, nb, s.data());
-        op[m * N + n] = dot(wp + n * row_bytes, xqp + m * K, s.data(), nb);
+        op[m * N + n] = dot(wp + n * row_bytes, xqp + m * K, s.data(), nb, xcp + m * nb);
       }
   });
   return out;
