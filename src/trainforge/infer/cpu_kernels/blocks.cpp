@@ -153,15 +153,20 @@ T2 float weighted_sum_avx2(const float* s, const float* c, int64_t nb) {
   if (b < nb) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[b]), DOT(LOAD(w, b), load_q8(x, b)), a0);  \
   const float sum = hsum256(_mm256_add_ps(a0, a1));
 
-T2 float dot_q8_avx2(const int8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
-  BLOCK_SUM(load_q8, block_dot_avx2)
-  return sum;
-}
+// The two row dots of one instruction path: q8_0 (signed codes) and q4_0 (unsigned codes, offset).
+#define ROW_DOTS(TARGET, SUFFIX, DOT_SIGNED, DOT_UNSIGNED)                                          \
+  TARGET float dot_q8_##SUFFIX(const int8_t* w, const int8_t* x, const float* s, int64_t nb,      \
+                               const float*) {                                                    \
+    BLOCK_SUM(load_q8, DOT_SIGNED)                                                                \
+    return sum;                                                                                   \
+  }                                                                                               \
+  TARGET float dot_q4_##SUFFIX(const uint8_t* w, const int8_t* x, const float* s, int64_t nb,     \
+                               const float* c) {                                                  \
+    BLOCK_SUM(load_q4u, DOT_UNSIGNED)                                                             \
+    return sum - weighted_sum_avx2(s, c, nb);                                                     \
+  }
 
-T2 float dot_q4_avx2(const uint8_t* w, const int8_t* x, const float* s, int64_t nb, const float* c) {
-  BLOCK_SUM(load_q4u, block_dot_u_avx2)
-  return sum - weighted_sum_avx2(s, c, nb);
-}
+ROW_DOTS(T2, avx2, block_dot_avx2, block_dot_u_avx2)
 
 // ---- AVX-512 VNNI (256-bit dpbusd: one block per instruction) -----------------------------
 #define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -175,15 +180,7 @@ T512 inline __m256 block_dot_u_vnni(__m256i q, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x));
 }
 
-T512 float dot_q8_avx512(const int8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
-  BLOCK_SUM(load_q8, block_dot_vnni)
-  return sum;
-}
-
-T512 float dot_q4_avx512(const uint8_t* w, const int8_t* x, const float* s, int64_t nb, const float* c) {
-  BLOCK_SUM(load_q4u, block_dot_u_vnni)
-  return sum - weighted_sum_avx2(s, c, nb);
-}
+ROW_DOTS(T512, avx512, block_dot_vnni, block_dot_u_vnni)
 
 // ---- dequantisation (the prefill path) ---------------------------------------------------
 void dequant_row_q8(const int8_t* w, const at::Half* d, int64_t nb, float* out) {
@@ -305,57 +302,39 @@ void f32_rows_scalar(const float* w, const float* x, int64_t M, int64_t K, int64
     }
 }
 
+// Four weight rows per pass over x, each x vector loaded once for the four; prefetch the next four.
+#define F32_ROWS_BODY(VEC, LANES, ZERO, LOAD, FMA, HSUM, PREFETCH_EVERY)                         \
+  const int64_t KV = K & ~int64_t(LANES - 1);                                                   \
+  int64_t n = n0;                                                                               \
+  for (; n + F32_ROWS <= n1; n += F32_ROWS) {                                                   \
+    const float* r = w + n * K;                                                                 \
+    for (int64_t m = 0; m < M; ++m) {                                                           \
+      const float* xm = x + m * K;                                                              \
+      VEC a0 = ZERO(), a1 = a0, a2 = a0, a3 = a0;                                               \
+      for (int64_t k = 0; k < KV; k += LANES) {                                                 \
+        if (m == 0 && (k % PREFETCH_EVERY) == 0) prefetch_next_rows(r, K, k);                   \
+        const VEC xv = LOAD(xm + k);                                                            \
+        a0 = FMA(LOAD(r + k), xv, a0);                                                          \
+        a1 = FMA(LOAD(r + K + k), xv, a1);                                                      \
+        a2 = FMA(LOAD(r + 2 * K + k), xv, a2);                                                  \
+        a3 = FMA(LOAD(r + 3 * K + k), xv, a3);                                                  \
+      }                                                                                         \
+      float s[4] = {HSUM(a0), HSUM(a1), HSUM(a2), HSUM(a3)};                                    \
+      for (int64_t k = KV; k < K; ++k)                                                          \
+        for (int j = 0; j < 4; ++j) s[j] += r[j * K + k] * xm[k];                               \
+      for (int j = 0; j < 4; ++j) out[m * N + n + j] = s[j];                                    \
+    }                                                                                           \
+  }                                                                                             \
+  f32_rows_scalar(w, x, M, K, N, n, n1, out);
+
 T2 void f32_rows_avx2(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
                       int64_t n0, int64_t n1, float* out) {
-  const int64_t K8 = K & ~int64_t(7);
-  int64_t n = n0;
-  for (; n + F32_ROWS <= n1; n += F32_ROWS) {
-    const float* r = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t k = 0; k < K8; k += 8) {
-        if (m == 0 && (k & 15) == 0) prefetch_next_rows(r, K, k);
-        const __m256 xv = _mm256_loadu_ps(xm + k);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r + k), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r + K + k), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 2 * K + k), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r + 3 * K + k), xv, a3);
-      }
-      float s[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
-      for (int64_t k = K8; k < K; ++k)
-        for (int j = 0; j < 4; ++j) s[j] += r[j * K + k] * xm[k];
-      for (int j = 0; j < 4; ++j) out[m * N + n + j] = s[j];
-    }
-  }
-  f32_rows_scalar(w, x, M, K, N, n, n1, out);
+  F32_ROWS_BODY(__m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, hsum256, 16)
 }
 
 T512 void f32_rows_avx512(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
                           int64_t n0, int64_t n1, float* out) {
-  const int64_t K16 = K & ~int64_t(15);
-  int64_t n = n0;
-  for (; n + F32_ROWS <= n1; n += F32_ROWS) {
-    const float* r = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t k = 0; k < K16; k += 16) {
-        if (m == 0) prefetch_next_rows(r, K, k);
-        const __m512 xv = _mm512_loadu_ps(xm + k);
-        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(r + k), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(r + K + k), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(r + 2 * K + k), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(r + 3 * K + k), xv, a3);
-      }
-      float s[4] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),
-                    _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};
-      for (int64_t k = K16; k < K; ++k)
-        for (int j = 0; j < 4; ++j) s[j] += r[j * K + k] * xm[k];
-      for (int j = 0; j < 4; ++j) out[m * N + n + j] = s[j];
-    }
-  }
-  f32_rows_scalar(w, x, M, K, N, n, n1, out);
+  F32_ROWS_BODY(__m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps, 16)
 }
 
 at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w_in) {

@@ -38,6 +38,7 @@ class _BlockLinear(QuantLinear):
     CODES_PER_BYTE = 1
     CODE_DTYPE = torch.int8
     OP = ""
+    QUANTIZE = DEQUANTIZE = None  # formats.py's functions for the layout
 
     def __init__(self, in_features: int, out_features: int, kernel: str = "auto", device=None):
         super().__init__(in_features, out_features, kernel)
@@ -54,7 +55,11 @@ class _BlockLinear(QuantLinear):
 
     @classmethod
     def quantize_stored(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        qs, d = cls.QUANTIZE(w)
+        return {"weight": qs, "scales": d}
+
+    def dequantize(self) -> torch.Tensor:
+        return type(self).DEQUANTIZE(self.weight, self.scales)
 
     @classmethod
     def quantize(cls, w: torch.Tensor, kernel: str = "auto") -> "_BlockLinear":
@@ -85,14 +90,7 @@ class _BlockLinear(QuantLinear):
 class Q8_0Linear(_BlockLinear):
     MODE = "q8_0"
     OP = "q8_0_linear"
-
-    @classmethod
-    def quantize_stored(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        qs, d = quantize_q8_0(w)
-        return {"weight": qs, "scales": d}
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize_q8_0(self.weight, self.scales)
+    QUANTIZE, DEQUANTIZE = staticmethod(quantize_q8_0), staticmethod(dequantize_q8_0)
 
 
 class Q4_0Linear(_BlockLinear):
@@ -100,11 +98,4 @@ class Q4_0Linear(_BlockLinear):
     OP = "q4_0_linear"
     CODES_PER_BYTE = 2
     CODE_DTYPE = torch.uint8
-
-    @classmethod
-    def quantize_stored(cls, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        qs, d = quantize_q4_0(w)
-        return {"weight": qs, "scales": d}
-
-    def dequantize(self) -> torch.Tensor:
-        return dequantize_q4_0(self.weight, self.scales)
+    QUANTIZE, DEQUANTIZE = staticmethod(quantize_q4_0), staticmethod(dequantize_q4_0)
