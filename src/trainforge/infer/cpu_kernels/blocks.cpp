@@ -42,7 +42,8 @@ std::string chosen_isa() {
 }
 
 // Same arithmetic as formats.quantize_activations: d = absmax/127, q = rint(x * (1/d)).
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d) {
+// c (when given): 8 * each block's code sum, the offset term of the q4_0 dots.
+void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* c) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     float amax = 0.f;
@@ -50,7 +51,12 @@ void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d) {
     const float db = amax / 127.f;
     const float id = db != 0.f ? 1.f / db : 0.f;
     d[b] = db;
-    for (int i = 0; i < QK; ++i) q[b * QK + i] = (int8_t)std::nearbyint(xb[i] * id);
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      q[b * QK + i] = (int8_t)std::nearbyint(xb[i] * id);
+      sum += q[b * QK + i];
+    }
+    if (c != nullptr) c[b] = 8.f * (float)sum;
   }
 }
 
@@ -213,7 +219,8 @@ template <typename W>
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                         int64_t row_bytes,
                         float (*dot)(const W*, const int8_t*, const float*, int64_t, const float*),
-                        Scales scales, void (*dequant)(const W*, const at::Half*, int64_t, float*)) {
+                        Scales scales, void (*dequant)(const W*, const at::Half*, int64_t, float*),
+                        bool with_offsets) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
   TORCH_CHECK(d.scalar_type() == at::kHalf, "d must be fp16 (N, K/32)");
   const at::Tensor x = x_in.contiguous();
@@ -234,18 +241,12 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   }
   at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
   at::Tensor xd = at::empty({M, nb}, x.options());
-  at::Tensor xc = at::empty({M, nb}, x.options());  // 8 * each block's code sum (the q4 offset)
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* q = xq.data_ptr<int8_t>() + m * K;
-    quantize_row_q8(x.data_ptr<float>() + m * K, K, q, xd.data_ptr<float>() + m * nb);
-    float* c = xc.data_ptr<float>() + m * nb;
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t t = 0;
-      for (int i = 0; i < QK; ++i) t += q[b * QK + i];
-      c[b] = 8.f * (float)t;
-    }
-  }
-  const float* xcp = xc.data_ptr<float>();
+  // q4_0 only: 8 * each activation block's code sum (the offset of its unsigned-code dots).
+  at::Tensor xc = at::empty({with_offsets ? M : 0, nb}, x.options());
+  float* xcp = with_offsets ? xc.data_ptr<float>() : nullptr;
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K,
+                    xd.data_ptr<float>() + m * nb, with_offsets ? xcp + m * nb : nullptr);
   at::Tensor out = at::empty({M, N}, x.options());
   const int8_t* xqp = xq.data_ptr<int8_t>();
   const float* xdp = xd.data_ptr<float>();
@@ -256,7 +257,8 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         scales(dp + n * nb, xdp + m * nb, nb, s.data());
-        op[m * N + n] = dot(wp + n * row_bytes, xqp + m * K, s.data(), nb, xcp + m * nb);
+        op[m * N + n] = dot(wp + n * row_bytes, xqp + m * K, s.data(), nb,
+                            with_offsets ? xcp + m * nb : nullptr);
       }
   });
   return out;
@@ -267,7 +269,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const std::string isa = chosen_isa();
   auto dot = isa == "avx512" ? dot_q8_avx512 : isa == "avx2" ? dot_q8_avx2 : dot_q8_scalar;
   auto scales = isa == "scalar" ? row_scales_scalar : row_scales_avx2;
-  return block_linear<int8_t>(x, qs, d, x.size(1), dot, scales, dequant_row_q8);
+  return block_linear<int8_t>(x, qs, d, x.size(1), dot, scales, dequant_row_q8, false);
 }
 
 at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
@@ -275,7 +277,7 @@ at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   const std::string isa = chosen_isa();
   auto dot = isa == "avx512" ? dot_q4_avx512 : isa == "avx2" ? dot_q4_avx2 : dot_q4_scalar;
   auto scales = isa == "scalar" ? row_scales_scalar : row_scales_avx2;
-  return block_linear<uint8_t>(x, qs, d, x.size(1) / 2, dot, scales, dequant_row_q4);
+  return block_linear<uint8_t>(x, qs, d, x.size(1) / 2, dot, scales, dequant_row_q4, true);
 }
 
 // ---- fp32 GEMV / small-M GEMM ---------------------------------------------------------------
