@@ -49,13 +49,13 @@ def pairs(ops, n: int, k: int, m: int):
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=gen) * 0.02
     x = torch.randn(m, k, generator=gen)
-    q8, d8 = formats.quantize_q8_0(w)
-    q4, d4 = formats.quantize_q4_0(w)
+    q8, d8 = formats.pack_x8(*formats.quantize_q8_0(w))
+    q4, d4 = formats.pack_x8(*formats.quantize_q4_0(w))
     fbgemm = Int8Linear.quantize(w).build_kernel("fbgemm")
     int4 = Int4Linear.quantize(w, group_size=32).build_kernel("int4pack_cpu")
     yield "fp32", lambda: F.linear(x, w), lambda: ops.f32_linear(x, w)
-    yield "q8_0", lambda: fbgemm(x), lambda: ops.q8_0_linear(x, q8, d8)
-    yield "q4_0", lambda: int4(x), lambda: ops.q4_0_linear(x, q4, d4)
+    yield "q8_0", lambda: fbgemm(x), lambda: ops.q8_0_linear(x, q8, d8, n)
+    yield "q4_0", lambda: int4(x), lambda: ops.q4_0_linear(x, q4, d4, n)
 
 
 def measure(base, ours, samples: int, budget_s: float) -> tuple[float, float, float, float]:

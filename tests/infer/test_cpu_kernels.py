@@ -27,7 +27,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("m", [1, 3, formats.GEMM_ROWS - 1, formats.GEMM_ROWS, 40])
+# m: every row-tile size (tiles of 4 rows, tails of 1-3) and a prefill-sized batch.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 40])
 @pytest.mark.parametrize("k", [32, 64, 256])
 def test_block_linear_matches_reference(ops, monkeypatch, isa, fmt, m, k):
     if not ops.supports(isa):
@@ -36,16 +37,38 @@ def test_block_linear_matches_reference(ops, monkeypatch, isa, fmt, m, k):
     assert ops.isa() == isa
     quant, dequant, fp32_bound = FORMATS[fmt]
     gen = torch.Generator().manual_seed(m * 1000 + k)
-    w = torch.randn(37, k, generator=gen)
+    w = torch.randn(37, k, generator=gen)  # 37 rows: four full groups of 8 and a padded one of 5
     x = torch.randn(m, k, generator=gen)
     qs, d = quant(w)
-    out = getattr(ops, f"{fmt}_linear")(x, qs, d)
-    # Same integers as the kernel: only the fp32 summation order differs. From GEMM_ROWS rows on
-    # the op dequantises the weight and runs the fp32 GEMM: activations stay unquantised.
-    xa = formats.quantize_activations(x) if m < formats.GEMM_ROWS else x
-    exact = xa @ dequant(qs, d).T
+    pw, ps = formats.pack_x8(qs, d)
+    out = getattr(ops, f"{fmt}_linear")(x, pw, ps, 37)
+    # Same integers as the kernel: only the fp32 summation order differs.
+    exact = formats.quantize_activations(x) @ dequant(qs, d).T
+    assert out.shape == (m, 37)
     assert _rel(out, exact) < 1e-5
     assert _rel(out, x @ w.T) < fp32_bound
+    into = torch.full((m, 37), float("nan"))
+    getattr(ops, f"{fmt}_linear_into")(x, pw, ps, into)
+    assert torch.equal(into, out)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_pack_x8_moves_bytes_into_groups_of_8_rows(fmt):
+    qs, d = FORMATS[fmt][0](torch.randn(11, 64))
+    pw, ps = formats.pack_x8(qs, d)
+    bpb = qs.shape[1] // 2  # bytes per block (2 blocks of 32)
+    assert pw.shape == (2, 2 * 8 * bpb) and ps.shape == (2, 16)
+    # row 9 = group 1, lane 1; its block 1, bytes 4..7 = chunk 1 of that block
+    chunk = pw[1, 1 * 8 * bpb + 1 * 32 + 1 * 4:][:4]
+    assert torch.equal(chunk, qs[9, bpb + 4:bpb + 8])
+    assert ps[1, 1 * 8 + 1] == d[9, 1]
+    assert torch.all(pw[1].view(2, -1, 8, 4)[:, :, 3:] == 0)  # rows 11..15: zero padding
+
+
+def test_block_linear_rejects_unpacked_weights(ops):
+    qs, d = formats.quantize_q8_0(torch.randn(16, 64))
+    with pytest.raises(RuntimeError, match="pack_x8"):
+        ops.q8_0_linear(torch.randn(1, 64), qs, d, 16)
 
 
 def test_q4_0_packs_in_llama_cpp_order():
@@ -103,14 +126,21 @@ def test_f32_linear_matches_f_linear(ops, monkeypatch, isa, m, n, k):
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(m, k, generator=gen)
     # Only the fp32 summation order differs from F.linear: 1e-5 relative covers K <= 100.
-    assert _rel(ops.f32_linear(x, w), torch.nn.functional.linear(x, w)) < 1e-5
+    out = ops.f32_linear(x, w)
+    assert _rel(out, torch.nn.functional.linear(x, w)) < 1e-5
+    into = torch.full((m, n), float("nan"))
+    ops.f32_linear_into(x, w, into)
+    assert torch.equal(into, out)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "f32"])
 def test_ops_have_shape_functions_for_compile(ops, fmt):
     # opcheck runs the op under fake tensors (what torch.compile traces with) and checks the
     # registration against the real kernel's output shape and dtype.
-    w = torch.randn(48, 64)
-    args = (w,) if fmt == "f32" else FORMATS[fmt][0](w)
-    torch.library.opcheck(getattr(ops, f"{fmt}_linear"), (torch.randn(3, 64), *args),
-                          test_utils=("test_schema", "test_faketensor"))
+    w = torch.randn(45, 64)
+    args = (w,) if fmt == "f32" else (*formats.pack_x8(*FORMATS[fmt][0](w)), 45)
+    x = torch.randn(3, 64)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(getattr(ops, f"{fmt}_linear"), (x, *args), test_utils=checks)
+    torch.library.opcheck(getattr(ops, f"{fmt}_linear_into"), (x, *args[:2], torch.empty(3, 45)),
+                          test_utils=checks)

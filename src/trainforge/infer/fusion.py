@@ -8,7 +8,9 @@ and its decode fast path); this file only decides where they replace the plain o
 - residual-add + RMSNorm: every block's norms and the final norm become ``FusedRMSNorm``
   (``FusedTransformerBlock``).
 - row-block linears (``row_block_linears``, CPU): every float linear becomes a
-  ``RowBlockLinear``, whose few-row products (a prompt's prefill) spread over the threads.
+  ``RowBlockLinear``, whose few-row products (a prompt's prefill) spread over the threads,
+  or, where the C++ kernels build, its ``GemvLinear`` form (``cpu_linear.py``: the decode
+  step's 1-8 row products on the C++ GEMV).
 
 A MoE block is not a dense block: its ``MoE`` feed-forward stays as it is (routing is the
 model's own forward; the routed experts' weights are one stacked tensor per projection, no
@@ -31,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainforge.infer.cpu_kernels import load_kernels
+from trainforge.infer.cpu_linear import GemvLinear
 from trainforge.infer.quantize.common import QuantLinear
 from trainforge.model.fast_decode import RowBlockLinear
 from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedRMSNorm, FusedTransformerBlock
@@ -98,11 +102,14 @@ def fuse_model(model: nn.Module, qkv: bool = True, gate_up: bool = True, add_nor
 
 def row_block_linears(model: nn.Module) -> int:
     """Swap every bias-free float ``nn.Linear`` but a router's gate for a ``RowBlockLinear`` on
-    the same weight (in place); returns how many. Run after fusion (``cat_linears`` takes plain linears)."""
+    the same weight (in place), a ``GemvLinear`` (the C++ GEMV for decode) where the CPU kernels
+    build and the weight is fp32; returns how many. Run after fusion (``cat_linears`` takes plain linears)."""
     swaps = [(parent, name, m) for parent in model.modules() if not isinstance(parent, Router)
              for name, m in parent.named_children() if type(m) is nn.Linear and m.bias is None]
+    ops = load_kernels() if swaps else None
     for parent, name, m in swaps:
-        setattr(parent, name, RowBlockLinear.of(m))
+        gemv = ops is not None and m.weight.dtype == torch.float32
+        setattr(parent, name, GemvLinear.of(m, ops) if gemv else RowBlockLinear.of(m))
     return len(swaps)
 
 

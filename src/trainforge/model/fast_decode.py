@@ -17,7 +17,8 @@ Float linears run through ``LinearInto``: a few-row GEMM is memory-bound and MKL
 on one thread (it streamed ~12 GB/s at 1 or 2 threads on this machine), so the weight's
 rows are split into ``split`` blocks (views, no copy) and multiplied with one ``bmm``,
 whose batch OpenMP spreads over the threads (~22 GB/s on 2). Same dot products, same
-results. Quantised layers call their ``forward_into`` (their kernels allocate the result).
+results. A module with its own ``out=`` kernel (quantised layers, the C++ GEMV linear that
+``infer/`` swaps in) binds it through its ``bind_into(x, out)``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class LinearInto:
 
     def __init__(self, mod: nn.Module, split: int, scratch: torch.Tensor | None):
         self.mod = mod
-        self.float = isinstance(mod, nn.Linear) and mod.bias is None
+        # A module with its own out= kernel (quantised layers, the C++ GEMV swapped in for inference)
+        # binds it itself; a plain float linear gets the row-block bmm below.
+        self.float = isinstance(mod, nn.Linear) and mod.bias is None and not hasattr(mod, "bind_into")
         if self.float:
             w = mod.weight.detach()
             n, k = w.shape
@@ -52,7 +55,8 @@ class LinearInto:
     def bind(self, x: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None) -> Callable[[], None]:
         """A no-argument call computing out = mod(x) for these very tensors (views made now)."""
         if not self.float:
-            return functools.partial(self.mod.forward_into, x, out)
+            return self.mod.bind_into(x, out) if hasattr(self.mod, "bind_into") else \
+                functools.partial(self.mod.forward_into, x, out)
         m, k = x.shape
         if self.split == 1 or m > self.MAX_ROWS:
             return functools.partial(torch.mm, x, self.wt, out=out)

@@ -41,9 +41,10 @@ std::string chosen_isa() {
   return "scalar";
 }
 
+// ---- activation rows -> int8 blocks -----------------------------------------------------
 // Same arithmetic as formats.quantize_activations: d = absmax/127, q = rint(x * (1/d)).
 // c (when given): 8 * each block's code sum, the offset term of the q4_0 dots.
-void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* c) {
+void quantize_row_scalar(const float* x, int64_t K, int8_t* q, float* d, int32_t* c) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     float amax = 0.f;
@@ -56,53 +57,289 @@ void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* c) {
       q[b * QK + i] = (int8_t)std::nearbyint(xb[i] * id);
       sum += q[b * QK + i];
     }
-    if (c != nullptr) c[b] = 8.f * (float)sum;
+    if (c != nullptr) c[b] = 8 * sum;
   }
 }
 
-// Every dot below takes the row's combined scales s[b] = d_w[b] * d_x[b] in fp32 (made once
-// per (row, activation row) by row_scales_*): converting an fp16 scale inside the block loop
-// cost more than the block's integer work (c10::Half's software conversion).
-
-// ---- scalar -------------------------------------------------------------------------------
-void row_scales_scalar(const at::Half* dw, const float* dx, int64_t nb, float* s) {
-  for (int64_t b = 0; b < nb; ++b) s[b] = (float)dw[b] * dx[b];
-}
-
-float dot_q8_scalar(const int8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t t = 0;
-    for (int i = 0; i < QK; ++i) t += (int32_t)w[b * QK + i] * x[b * QK + i];
-    acc += s[b] * (float)t;
-  }
-  return acc;
-}
-
-float dot_q4_scalar(const uint8_t* w, const int8_t* x, const float* s, int64_t nb, const float*) {
-  float acc = 0.f;
-  for (int64_t b = 0; b < nb; ++b) {
-    int32_t t = 0;
-    const uint8_t* wb = w + b * QK / 2;
-    for (int j = 0; j < QK / 2; ++j) {
-      t += ((int32_t)(wb[j] & 0xF) - 8) * x[b * QK + j];
-      t += ((int32_t)(wb[j] >> 4) - 8) * x[b * QK + j + 16];
-    }
-    acc += s[b] * (float)t;
-  }
-  return acc;
-}
-
-// ---- AVX2 ---------------------------------------------------------------------------------
 #define T2 __attribute__((target("avx2,fma,f16c")))
+#define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-T2 void row_scales_avx2(const at::Half* dw, const float* dx, int64_t nb, float* s) {
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {
-    const __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + b)));
-    _mm256_storeu_ps(s + b, _mm256_mul_ps(w, _mm256_loadu_ps(dx + b)));
+// The scalar loop, vectorised (round to nearest even is the default MXCSR mode, as nearbyint's):
+// at M = 1 it ran once per linear and cost as much as a small layer's dots.
+T2 void quantize_row_avx2(const float* x, int64_t K, int8_t* q, float* d, int32_t* c) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const float* xb = x + b * QK;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float db = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 id = _mm256_set1_ps(db != 0.f ? 1.f / db : 0.f);
+    d[b] = db;
+    __m256i i32[4];
+    for (int i = 0; i < 4; ++i)
+      i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // packs work per 128-bit lane: the permute restores element order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    const __m256i qv = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)(q + b * QK), qv);
+    if (c != nullptr) {
+      const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), qv), _mm256_set1_epi16(1));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+      c[b] = 8 * _mm_cvtsi128_si32(t);
+    }
   }
-  for (; b < nb; ++b) s[b] = _cvtsh_ss(dw[b].x) * dx[b];
+}
+
+// ---- weights in groups of 8 interleaved rows (formats.pack_x8) ---------------------------
+// For group g (rows 8g..8g+7) and block b, the block's bytes of the 8 rows in 4-byte chunks:
+// chunk c = bytes 4c..4c+3 of row 0, of row 1, ..., of row 7 (32 bytes); then the 8 rows' fp16
+// scales of the block side by side. One 256-bit load of a chunk holds a 32-bit lane per row, a
+// broadcast of the 4 matching activation bytes makes each lane that row's partial dot, so the
+// 8 rows' sums come out as the lanes of one vector: no horizontal sums, the 8 scales one load,
+// and each weight vector, once loaded and unpacked, serves up to MT activation rows.
+constexpr int64_t XR = 8;  // rows per group
+constexpr int MT = 4;      // activation rows per tile
+
+struct Tile {  // one group x up to MT activation rows
+  const uint8_t* w;   // the group's blocks: nb * 8 * bytes_per_block
+  const at::Half* s;  // the group's scales: nb * 8
+  int64_t nb, K;
+  const int8_t* xq;   // MT rows of K codes
+  const float* xd;    // MT rows of nb activation scales
+  const int32_t* xc;  // MT rows of nb offsets (q4_0)
+  float* out;         // out[i * ldo + j] for lane j < lanes
+  int64_t ldo, lanes;
+};
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <int T>
+void q8_tile_scalar(const Tile& t) {
+  for (int64_t j = 0; j < t.lanes; ++j)
+    for (int i = 0; i < T; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < t.nb; ++b) {
+        const int8_t* wb = (const int8_t*)t.w + b * XR * QK;
+        const int8_t* xb = t.xq + i * t.K + b * QK;
+        int32_t s = 0;
+        for (int c = 0; c < QK / 4; ++c)
+          for (int k = 0; k < 4; ++k) s += (int32_t)wb[32 * c + 4 * j + k] * xb[4 * c + k];
+        acc += (float)s * ((float)t.s[b * XR + j] * t.xd[i * t.nb + b]);
+      }
+      t.out[i * t.ldo + j] = acc;
+    }
+}
+
+template <int T>
+void q4_tile_scalar(const Tile& t) {
+  for (int64_t j = 0; j < t.lanes; ++j)
+    for (int i = 0; i < T; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < t.nb; ++b) {
+        const uint8_t* wb = t.w + b * XR * QK / 2;
+        const int8_t* xb = t.xq + i * t.K + b * QK;
+        int32_t s = -t.xc[i * t.nb + b];
+        for (int c = 0; c < QK / 8; ++c)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t byte = wb[32 * c + 4 * j + k];
+            s += (int32_t)(byte & 0xF) * xb[4 * c + k] + (int32_t)(byte >> 4) * xb[16 + 4 * c + k];
+          }
+        acc += (float)s * ((float)t.s[b * XR + j] * t.xd[i * t.nb + b]);
+      }
+      t.out[i * t.ldo + j] = acc;
+    }
+}
+
+// The two tile kernels of one instruction path. Q8_STEP(s, aw, sx) adds the 4-byte dots of
+// |w| and (x with w's sign) to the int32 lanes s (maddubs is unsigned x signed; the pair sums
+// stay below 2*127*127, so they never saturate). Q4_STEP(s, lo, hi, xl, xh) adds the low and
+// high nibble codes' dots; Q4_SUM(s) turns its accumulator into int32 lanes. Codes are 0..15,
+// the -8 applied once per block as 8 * (the activation block's code sum).
+#define X8_TILES(TARGET, SUFFIX, Q8_STEP, Q4_STEP, Q4_SUM)                                              \
+  template <int T>                                                                                      \
+  TARGET void q8_tile_##SUFFIX(const Tile& t) {                                                         \
+    __m256 acc[T];                                                                                      \
+    for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();                                           \
+    for (int64_t b = 0; b < t.nb; ++b) {                                                                \
+      const uint8_t* wb = t.w + b * XR * QK;                                                            \
+      __m256i s[T];                                                                                     \
+      for (int i = 0; i < T; ++i) s[i] = _mm256_setzero_si256();                                        \
+      for (int c = 0; c < QK / 4; ++c) {                                                                \
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * c));                            \
+        const __m256i aw = _mm256_sign_epi8(v, v);                                                      \
+        for (int i = 0; i < T; ++i) {                                                                   \
+          const __m256i xv = _mm256_set1_epi32(load_i32(t.xq + i * t.K + b * QK + 4 * c));              \
+          Q8_STEP(s[i], aw, _mm256_sign_epi8(xv, v));                                                   \
+        }                                                                                               \
+      }                                                                                                 \
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t.s + b * XR)));               \
+      for (int i = 0; i < T; ++i)                                                                       \
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]),                                              \
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(t.xd[i * t.nb + b])), acc[i]);        \
+    }                                                                                                   \
+    store_tile<T>(t, acc);                                                                              \
+  }                                                                                                     \
+  template <int T>                                                                                      \
+  TARGET void q4_tile_##SUFFIX(const Tile& t) {                                                         \
+    const __m256i m4 = _mm256_set1_epi8(0x0F);                                                          \
+    __m256 acc[T];                                                                                      \
+    for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();                                           \
+    for (int64_t b = 0; b < t.nb; ++b) {                                                                \
+      const uint8_t* wb = t.w + b * XR * QK / 2;                                                        \
+      __m256i s[T];                                                                                     \
+      for (int i = 0; i < T; ++i) s[i] = _mm256_setzero_si256();                                        \
+      for (int c = 0; c < QK / 8; ++c) {                                                                \
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * c));                            \
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4); \
+        for (int i = 0; i < T; ++i) {                                                                   \
+          const int8_t* xb = t.xq + i * t.K + b * QK + 4 * c;                                           \
+          Q4_STEP(s[i], lo, hi, _mm256_set1_epi32(load_i32(xb)), _mm256_set1_epi32(load_i32(xb + 16))); \
+        }                                                                                               \
+      }                                                                                                 \
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t.s + b * XR)));               \
+      for (int i = 0; i < T; ++i) {                                                                     \
+        const __m256i dot = _mm256_sub_epi32(Q4_SUM(s[i]), _mm256_set1_epi32(t.xc[i * t.nb + b]));      \
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),                                               \
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(t.xd[i * t.nb + b])), acc[i]);        \
+      }                                                                                                 \
+    }                                                                                                   \
+    store_tile<T>(t, acc);                                                                              \
+  }
+
+template <int T>
+T2 inline void store_tile(const Tile& t, const __m256* acc) {
+  for (int i = 0; i < T; ++i) {
+    if (t.lanes == XR) {
+      _mm256_storeu_ps(t.out + i * t.ldo, acc[i]);
+    } else {  // the last group of a row count that is no multiple of 8
+      float tmp[XR];
+      _mm256_storeu_ps(tmp, acc[i]);
+      std::memcpy(t.out + i * t.ldo, tmp, t.lanes * sizeof(float));
+    }
+  }
+}
+
+// AVX2: 8 maddubs of 4-bit codes (pair sums <= 2*15*127) add up in int16 without saturating
+// (<= 30480), so a block needs one madd to int32 instead of one per chunk.
+#define Q8_STEP_AVX2(s, aw, sx) \
+  s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)))
+#define Q4_STEP_AVX2(s, lo, hi, xl, xh) \
+  s = _mm256_add_epi16(s, _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)))
+#define Q4_SUM_AVX2(s) _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+X8_TILES(T2, avx2, Q8_STEP_AVX2, Q4_STEP_AVX2, Q4_SUM_AVX2)
+
+// AVX-512 VNNI on 256-bit vectors: dpbusd sums 4 u8 x s8 products into int32 lanes in one step.
+#define Q8_STEP_VNNI(s, aw, sx) s = _mm256_dpbusd_epi32(s, aw, sx)
+#define Q4_STEP_VNNI(s, lo, hi, xl, xh) s = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(s, lo, xl), hi, xh)
+#define Q4_SUM_VNNI(s) (s)
+X8_TILES(T512, avx512, Q8_STEP_VNNI, Q4_STEP_VNNI, Q4_SUM_VNNI)
+
+using TileFn = void (*)(const Tile&);
+using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*);
+
+struct Path {
+  TileFn q8[MT], q4[MT];
+  QuantizeFn quantize;
+};
+
+#define PATH(SUFFIX, QUANTIZE)                                                             \
+  Path {                                                                                   \
+    {q8_tile_##SUFFIX<1>, q8_tile_##SUFFIX<2>, q8_tile_##SUFFIX<3>, q8_tile_##SUFFIX<4>},  \
+        {q4_tile_##SUFFIX<1>, q4_tile_##SUFFIX<2>, q4_tile_##SUFFIX<3>, q4_tile_##SUFFIX<4>}, \
+        QUANTIZE                                                                           \
+  }
+
+const Path& chosen_path() {
+  static const Path scalar = PATH(scalar, quantize_row_scalar), avx2 = PATH(avx2, quantize_row_avx2),
+                    avx512 = PATH(avx512, quantize_row_avx2);
+  const std::string isa = chosen_isa();
+  return isa == "avx512" ? avx512 : isa == "avx2" ? avx2 : scalar;
+}
+
+// ---- op bodies ----------------------------------------------------------------------------
+// x (M, K) fp32; w (G, nb * 8 * bytes_per_block) packed; s (G, nb * 8) fp16; out (M, n), n <= 8G.
+void x8_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& s_in, at::Tensor& out,
+                    int64_t bytes_per_block, bool q4) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
+  TORCH_CHECK(s_in.scalar_type() == at::kHalf && s_in.dim() == 2, "scales must be fp16 (N/8, K/32 * 8)");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(), "out must be contiguous fp32 (M, N)");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), sc = s_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), G = w.size(0), n = out.size(1), nb = K / QK;
+  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == nb * XR * bytes_per_block && sc.size(0) == G && sc.size(1) == nb * XR,
+              "packed weight shapes do not match K=", K, " (pack them with formats.pack_x8)");
+  TORCH_CHECK(out.size(0) == M && n <= G * XR && n > (G - 1) * XR, "out is (", out.size(0), ", ", n,
+              "), the weight holds ", G * XR, " rows (padded to 8) for M=", M);
+  const Path& path = chosen_path();
+  // The quantised activations live in per-thread scratch reused across calls: three tensor
+  // allocations cost about as much as a small decode linear's dots.
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd;
+  thread_local std::vector<int32_t> xc;
+  xq.resize(M * K);
+  xd.resize(M * nb);
+  xc.resize(M * nb);
+  const float* xp = x.data_ptr<float>();
+  int8_t* xqp = xq.data();
+  float* xdp = xd.data();
+  int32_t* xcp = xc.data();
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      path.quantize(xp + m * K, K, xqp + m * K, xdp + m * nb, q4 ? xcp + m * nb : nullptr);
+  });
+  const uint8_t* wp = (const uint8_t*)w.data_ptr();
+  const at::Half* sp = sc.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  const TileFn* tiles = q4 ? path.q4 : path.q8;
+  const int64_t group_bytes = nb * XR * bytes_per_block;
+  // Groups across threads; each group's weights (a few KiB) stay in L1 for every row tile.
+  at::parallel_for(0, G, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t m = 0; m < M; m += MT) {
+        const int64_t rows = std::min<int64_t>(MT, M - m);
+        const Tile t{wp + g * group_bytes, sp + g * nb * XR, nb, K, xqp + m * K, xdp + m * nb, xcp + m * nb,
+                     op + m * n + g * XR, n, std::min<int64_t>(XR, n - g * XR)};
+        tiles[rows - 1](t);
+      }
+  });
+}
+
+at::Tensor x8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t n,
+                     int64_t bytes_per_block, bool q4) {
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  x8_linear_into(x, w, s, out, bytes_per_block, q4);
+  return out;
+}
+
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kChar, "q8_0 packed weight must be int8");
+  return x8_linear(x, w, s, n, QK, false);
+}
+
+at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, int64_t n) {
+  TORCH_CHECK(w.scalar_type() == at::kByte, "q4_0 packed weight must be uint8");
+  return x8_linear(x, w, s, n, QK / 2, true);
+}
+
+void q8_0_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, at::Tensor out) {
+  TORCH_CHECK(w.scalar_type() == at::kChar, "q8_0 packed weight must be int8");
+  x8_linear_into(x, w, s, out, QK, false);
+}
+
+void q4_0_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, at::Tensor out) {
+  TORCH_CHECK(w.scalar_type() == at::kByte, "q4_0 packed weight must be uint8");
+  x8_linear_into(x, w, s, out, QK / 2, true);
 }
 
 T2 inline float hsum256(__m256 v) {
@@ -110,174 +347,6 @@ T2 inline float hsum256(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// maddubs needs unsigned * signed: |w| * (x with w's sign) has the same products; the
-// 16-bit pair sums stay below 2*127*127 so they never saturate.
-T2 inline __m256 block_dot_avx2(__m256i w, __m256i x) {
-  const __m256i aw = _mm256_sign_epi8(w, w);
-  const __m256i sx = _mm256_sign_epi8(x, w);
-  const __m256i p16 = _mm256_maddubs_epi16(aw, sx);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-T2 inline __m256i load_q8(const int8_t* w, int64_t b) {
-  return _mm256_loadu_si256((const __m256i*)(w + b * QK));
-}
-
-// Low nibbles are elements 0..15, high nibbles 16..31 (llama.cpp order), kept as codes 0..15:
-// u8 x s8 products need no sign trick, and the -8 is applied once per block as
-// 8 * (sum of the block's activation codes), precomputed per activation row.
-T2 inline __m256i load_q4u(const uint8_t* w, int64_t b) {
-  const __m128i p = _mm_loadu_si128((const __m128i*)(w + b * QK / 2));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), m), _mm_and_si128(p, m));
-}
-
-T2 inline __m256 block_dot_u_avx2(__m256i q, __m256i x) {  // q in 0..15: pair sums <= 3810
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1)));
-}
-
-// sum_b s[b] * c[b]: the q4 offset term of a row.
-T2 float weighted_sum_avx2(const float* s, const float* c, int64_t nb) {
-  __m256 a = _mm256_setzero_ps();
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(s + b), _mm256_loadu_ps(c + b), a);
-  float t = hsum256(a);
-  for (; b < nb; ++b) t += s[b] * c[b];
-  return t;
-}
-
-// Two accumulators: one fmadd chain per block would leave the loop waiting on its latency.
-#define BLOCK_SUM(LOAD, DOT)                                                                   \
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();                                  \
-  int64_t b = 0;                                                                               \
-  for (; b + 2 <= nb; b += 2) {                                                                \
-    a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[b]), DOT(LOAD(w, b), load_q8(x, b)), a0);            \
-    a1 = _mm256_fmadd_ps(_mm256_set1_ps(s[b + 1]), DOT(LOAD(w, b + 1), load_q8(x, b + 1)), a1); \
-  }                                                                                            \
-  if (b < nb) a0 = _mm256_fmadd_ps(_mm256_set1_ps(s[b]), DOT(LOAD(w, b), load_q8(x, b)), a0);  \
-  const float sum = hsum256(_mm256_add_ps(a0, a1));
-
-// The two row dots of one instruction path: q8_0 (signed codes) and q4_0 (unsigned codes, offset).
-#define ROW_DOTS(TARGET, SUFFIX, DOT_SIGNED, DOT_UNSIGNED)                                          \
-  TARGET float dot_q8_##SUFFIX(const int8_t* w, const int8_t* x, const float* s, int64_t nb,      \
-                               const float*) {                                                    \
-    BLOCK_SUM(load_q8, DOT_SIGNED)                                                                \
-    return sum;                                                                                   \
-  }                                                                                               \
-  TARGET float dot_q4_##SUFFIX(const uint8_t* w, const int8_t* x, const float* s, int64_t nb,     \
-                               const float* c) {                                                  \
-    BLOCK_SUM(load_q4u, DOT_UNSIGNED)                                                             \
-    return sum - weighted_sum_avx2(s, c, nb);                                                     \
-  }
-
-ROW_DOTS(T2, avx2, block_dot_avx2, block_dot_u_avx2)
-
-// ---- AVX-512 VNNI (256-bit dpbusd: one block per instruction) -----------------------------
-#define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-T512 inline __m256 block_dot_vnni(__m256i w, __m256i x) {
-  const __m256i aw = _mm256_sign_epi8(w, w);
-  const __m256i sx = _mm256_sign_epi8(x, w);
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
-}
-
-T512 inline __m256 block_dot_u_vnni(__m256i q, __m256i x) {
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x));
-}
-
-ROW_DOTS(T512, avx512, block_dot_vnni, block_dot_u_vnni)
-
-// ---- dequantisation (the prefill path) ---------------------------------------------------
-void dequant_row_q8(const int8_t* w, const at::Half* d, int64_t nb, float* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const float db = (float)d[b];
-    for (int i = 0; i < QK; ++i) out[b * QK + i] = db * w[b * QK + i];
-  }
-}
-
-void dequant_row_q4(const uint8_t* w, const at::Half* d, int64_t nb, float* out) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const float db = (float)d[b];
-    const uint8_t* wb = w + b * QK / 2;
-    for (int j = 0; j < QK / 2; ++j) {
-      out[b * QK + j] = db * ((int)(wb[j] & 0xF) - 8);
-      out[b * QK + j + 16] = db * ((int)(wb[j] >> 4) - 8);
-    }
-  }
-}
-
-// From this many activation rows on (a prompt's prefill, a large decode batch), the integer
-// kernel's per-(row, column) dots lose to dequantising the weight once into fp32 and running
-// the library GEMM: the dequantisation is O(N K), the product O(M N K).
-constexpr int64_t GEMM_ROWS = 16;
-
-// ---- op bodies ----------------------------------------------------------------------------
-using Scales = void (*)(const at::Half*, const float*, int64_t, float*);
-
-template <typename W>
-at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                        int64_t row_bytes,
-                        float (*dot)(const W*, const int8_t*, const float*, int64_t, const float*),
-                        Scales scales, void (*dequant)(const W*, const at::Half*, int64_t, float*),
-                        bool with_offsets) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
-  TORCH_CHECK(d.scalar_type() == at::kHalf, "d must be fp16 (N, K/32)");
-  const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0), nb = K / QK;
-  TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(qs.size(1) == row_bytes && d.size(0) == N && d.size(1) == nb,
-              "weight shapes do not match K=", K);
-  const at::Tensor w = qs.contiguous(), dd = d.contiguous();
-  const W* wp = (const W*)w.data_ptr();
-  const at::Half* dp = dd.data_ptr<at::Half>();
-  if (M >= GEMM_ROWS) {
-    at::Tensor wf = at::empty({N, K}, x.options());
-    float* wfp = wf.data_ptr<float>();
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) dequant(wp + n * row_bytes, dp + n * nb, nb, wfp + n * K);
-    });
-    return at::matmul(x, wf.t());
-  }
-  at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, nb}, x.options());
-  // q4_0 only: 8 * each activation block's code sum (the offset of its unsigned-code dots).
-  at::Tensor xc = at::empty({with_offsets ? M : 0, nb}, x.options());
-  float* xcp = with_offsets ? xc.data_ptr<float>() : nullptr;
-  for (int64_t m = 0; m < M; ++m)
-    quantize_row_q8(x.data_ptr<float>() + m * K, K, xq.data_ptr<int8_t>() + m * K,
-                    xd.data_ptr<float>() + m * nb, with_offsets ? xcp + m * nb : nullptr);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const int8_t* xqp = xq.data_ptr<int8_t>();
-  const float* xdp = xd.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // Rows across threads (grain 16 rows); each weight row is read once for all M activation rows.
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> s(nb);
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) {
-        scales(dp + n * nb, xdp + m * nb, nb, s.data());
-        op[m * N + n] = dot(wp + n * row_bytes, xqp + m * K, s.data(), nb,
-                            with_offsets ? xcp + m * nb : nullptr);
-      }
-  });
-  return out;
-}
-
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
-  TORCH_CHECK(qs.scalar_type() == at::kChar, "q8_0 qs must be int8 (N, K)");
-  const std::string isa = chosen_isa();
-  auto dot = isa == "avx512" ? dot_q8_avx512 : isa == "avx2" ? dot_q8_avx2 : dot_q8_scalar;
-  auto scales = isa == "scalar" ? row_scales_scalar : row_scales_avx2;
-  return block_linear<int8_t>(x, qs, d, x.size(1), dot, scales, dequant_row_q8, false);
-}
-
-at::Tensor q4_0_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
-  TORCH_CHECK(qs.scalar_type() == at::kByte, "q4_0 qs must be uint8 (N, K/2)");
-  const std::string isa = chosen_isa();
-  auto dot = isa == "avx512" ? dot_q4_avx512 : isa == "avx2" ? dot_q4_avx2 : dot_q4_scalar;
-  auto scales = isa == "scalar" ? row_scales_scalar : row_scales_avx2;
-  return block_linear<uint8_t>(x, qs, d, x.size(1) / 2, dot, scales, dequant_row_q4, true);
 }
 
 // ---- fp32 GEMV / small-M GEMM ---------------------------------------------------------------
@@ -339,23 +408,32 @@ T512 void f32_rows_avx512(const float* w, const float* x, int64_t M, int64_t K, 
   F32_ROWS_BODY(__m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps, 16)
 }
 
-at::Tensor f32_linear(const at::Tensor& x_in, const at::Tensor& w_in) {
+void f32_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, at::Tensor out) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat, "w must be fp32 (N, K)");
   TORCH_CHECK(x_in.size(1) == w_in.size(1), "x has K=", x_in.size(1), ", w has K=", w_in.size(1));
-  if (x_in.size(0) > F32_MAX_M) return at::matmul(x_in, w_in.t());
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.size(0) == x_in.size(0) &&
+              out.size(1) == w_in.size(0), "out must be fp32 (M, N)");
+  if (x_in.size(0) > F32_MAX_M || !out.is_contiguous()) {
+    at::mm_out(out, x_in, w_in.t());
+    return;
+  }
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
   const std::string isa = chosen_isa();
   auto rows = isa == "avx512" ? f32_rows_avx512 : isa == "avx2" ? f32_rows_avx2 : f32_rows_scalar;
   const float *wp = w.data_ptr<float>(), *xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Grain of 64 rows (>= 48 KiB of weights at K=192) keeps per-thread work well above the
-  // OpenMP fork cost; chunks are split on F32_ROWS boundaries by rounding inside.
+  // Grain of 16 groups of 4 rows (>= 48 KiB of weights at K=192) keeps per-thread work well
+  // above the OpenMP fork cost.
   at::parallel_for(0, (N + F32_ROWS - 1) / F32_ROWS, 16, [&](int64_t g0, int64_t g1) {
     rows(wp, xp, M, K, N, g0 * F32_ROWS, std::min(N, g1 * F32_ROWS), op);
   });
+}
+
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  f32_linear_into(x, w, out);
   return out;
 }
 
@@ -365,9 +443,13 @@ bool supports_op(std::string isa) { return supports(isa); }
 }  // namespace
 
 TORCH_LIBRARY(trainforge_cpu, m) {
-  m.def("q8_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
-  m.def("q4_0_linear(Tensor x, Tensor qs, Tensor d) -> Tensor");
+  // w, s: the x8-packed weight and scales (formats.pack_x8); n: the weight's unpadded row count.
+  m.def("q8_0_linear(Tensor x, Tensor w, Tensor s, int n) -> Tensor");
+  m.def("q4_0_linear(Tensor x, Tensor w, Tensor s, int n) -> Tensor");
+  m.def("q8_0_linear_into(Tensor x, Tensor w, Tensor s, Tensor(a!) out) -> ()");
+  m.def("q4_0_linear_into(Tensor x, Tensor w, Tensor s, Tensor(a!) out) -> ()");
   m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("f32_linear_into(Tensor x, Tensor w, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa_op);
   m.def("supports(str isa) -> bool", &supports_op);
 }
@@ -375,5 +457,8 @@ TORCH_LIBRARY(trainforge_cpu, m) {
 TORCH_LIBRARY_IMPL(trainforge_cpu, CPU, m) {
   m.impl("q8_0_linear", &q8_0_linear);
   m.impl("q4_0_linear", &q4_0_linear);
+  m.impl("q8_0_linear_into", &q8_0_linear_into);
+  m.impl("q4_0_linear_into", &q4_0_linear_into);
   m.impl("f32_linear", &f32_linear);
+  m.impl("f32_linear_into", &f32_linear_into);
 }

@@ -50,12 +50,19 @@ def _build() -> str | None:
 
 def _register_fakes() -> None:
     """Shape functions of the ops, so ``torch.compile`` (and meta / fake tensors) can trace a
-    model through them instead of breaking the graph: y (M, N) fp32 from x (M, K) and weights (N, ...)."""
-    def linear_fake(x: torch.Tensor, w: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], w.shape[0]))
+    model through them instead of breaking the graph: y (M, N) fp32 from x (M, K) and the weight
+    (N rows; the block ops take N, their packed weight holding it padded to groups of 8)."""
+    def block_fake(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n))
 
-    for name in ("q8_0_linear", "q4_0_linear", "f32_linear"):
-        torch.library.register_fake(f"trainforge_cpu::{name}")(linear_fake)
+    def into_fake(x: torch.Tensor, *rest: torch.Tensor) -> None:
+        return None
+
+    for name in ("q8_0_linear", "q4_0_linear"):
+        torch.library.register_fake(f"trainforge_cpu::{name}")(block_fake)
+    torch.library.register_fake("trainforge_cpu::f32_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
+    for name in ("q8_0_linear_into", "q4_0_linear_into", "f32_linear_into"):
+        torch.library.register_fake(f"trainforge_cpu::{name}")(into_fake)
 
 
 @functools.cache

@@ -64,6 +64,24 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d.unsqueeze(-1)).reshape(x.shape)
 
 
-# Mirrors GEMM_ROWS in blocks.cpp: from this many activation rows on, the ops dequantise the
-# weight once and run the fp32 GEMM (activations not quantised) instead of the integer dots.
-GEMM_ROWS = 16
+# Rows per interleaved group of the kernels' weight layout (XR in blocks.cpp).
+GROUP = 8
+
+
+def pack_x8(qs: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' layout of Q8_0 / Q4_0 weights: (qs (N, K*bits/8), d (N, K/32)) ->
+    (w (G, nb * 8 * bytes_per_block), s (G, nb * 8) fp16), G = ceil(N / 8), rows zero-padded.
+
+    For group g (rows 8g..8g+7) and block b, chunk c holds bytes 4c..4c+3 of each of the 8
+    rows' block in turn (32 bytes), so one vector load gives a 32-bit lane per row
+    (blocks.cpp explains why); the 8 rows' scales of a block lie side by side. Bytes are
+    moved, never re-quantised: a GGUF file's blocks keep their values exactly."""
+    n, nb = d.shape
+    bpb = qs.shape[1] // nb
+    g = -(-n // GROUP)
+    if g * GROUP != n:
+        qs = torch.cat([qs, qs.new_zeros(g * GROUP - n, qs.shape[1])])
+        d = torch.cat([d, d.new_zeros(g * GROUP - n, nb)])
+    w = qs.reshape(g, GROUP, nb, bpb // 4, 4).permute(0, 2, 3, 1, 4).reshape(g, nb * GROUP * bpb)
+    s = d.reshape(g, GROUP, nb).permute(0, 2, 1).reshape(g, nb * GROUP)
+    return w, s

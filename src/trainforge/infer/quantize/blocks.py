@@ -7,14 +7,16 @@ Stored form (safetensors, beside each other; the layouts of ``cpu_kernels/format
   byte j of a block holding element j in its low nibble and element j + 16 in its high one.
 
 These are a GGUF file's Q8_0 / Q4_0 blocks with the scale split out, so a GGUF checkpoint loads
-onto them byte for byte (``gguf_loading.py``), and the kernel reads the stored form as it is:
-packing copies nothing and the process holds the weights once, at 1.06 / 0.56 bytes a value.
+onto them byte for byte (``gguf_loading.py``). Packing for the C++ kernel moves the bytes into
+groups of 8 interleaved rows (``formats.pack_x8``) and drops the stored form: the process holds
+the weights once, at 1.06 / 0.56 bytes a value.
 
 Kernels (``common.PREFERENCE``):
 
 - ``blocks`` (CPU): the C++ ops ``torch.ops.trainforge_cpu.q8_0_linear`` / ``q4_0_linear``
   (``cpu_kernels/``: activations quantised to int8 per block on the fly, integer dot products on
-  AVX-512 VNNI / AVX2 / scalar, chosen by the CPU's features), built on first use.
+  AVX-512 VNNI / AVX2 / scalar, chosen by the CPU's features), built on first use, with
+  ``_into`` forms the decode step writes through.
 - ``dequant``: dequantise once at pack time and run fp32 ``F.linear``: the fallback where the C++
   ops cannot be built (one warning) and the path on CUDA; it gives up the memory saving.
 - ``reference``: dequantise on every call; exact, slow.
@@ -22,12 +24,15 @@ Kernels (``common.PREFERENCE``):
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from trainforge.infer.cpu_kernels import load_kernels
-from trainforge.infer.cpu_kernels.formats import (BLOCK, dequantize_q4_0, dequantize_q8_0, quantize_q4_0,
-                                                  quantize_q8_0)
+from trainforge.infer.cpu_kernels.formats import (BLOCK, dequantize_q4_0, dequantize_q8_0, pack_x8,
+                                                  quantize_q4_0, quantize_q8_0)
 from trainforge.infer.quantize.common import Kernel, QuantLinear
 
 
@@ -42,6 +47,7 @@ class _BlockLinear(QuantLinear):
 
     def __init__(self, in_features: int, out_features: int, kernel: str = "auto", device=None):
         super().__init__(in_features, out_features, kernel)
+        self._into = None  # the kernel's out= form, when it has one
         if in_features % BLOCK:
             raise ValueError(f"{self.MODE}: in_features {in_features} is not a multiple of {BLOCK}")
         self.register_buffer("weight", torch.empty(out_features, in_features // self.CODES_PER_BYTE,
@@ -65,6 +71,18 @@ class _BlockLinear(QuantLinear):
     def quantize(cls, w: torch.Tensor, kernel: str = "auto") -> "_BlockLinear":
         return cls.from_stored(cls.quantize_stored(w.detach()), w.shape[1], w.shape[0], kernel=kernel)
 
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        self.bind_into(x, out)()
+
+    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        if self._impl is None:
+            self.pack()
+        if self._into is not None and out.is_contiguous() and x.dtype == torch.float32:
+            # The C++ op itself, bound: it writes out, and a decode step calls it with no Python frame between.
+            op, w, s = self._into
+            return functools.partial(op, x, w, s, out)
+        return super().bind_into(x, out)
+
     def supports(self, name: str) -> str | None:
         if name == "blocks":
             if self.weight.device.type != "cpu":
@@ -75,10 +93,15 @@ class _BlockLinear(QuantLinear):
 
     def build_kernel(self, name: str) -> Kernel:
         if name == "blocks":
-            op = getattr(load_kernels(), self.OP)
-            # The closure holds the stored tensors themselves (pack() then drops the buffers): one copy.
-            qs, d = self.weight.contiguous(), self.scales.contiguous()
-            return lambda x: op(x.float().contiguous(), qs, d)
+            ops = load_kernels()
+            op, op_into = getattr(ops, self.OP), getattr(ops, self.OP + "_into")
+            # The kernel's interleaved layout (pack_x8 moves bytes): pack() then drops the stored
+            # buffers, so the closures hold the only copy.
+            w, s = pack_x8(self.weight, self.scales)
+            n = self.out_features
+            self._into = (op_into.default, w, s)
+            return lambda x: op(x.float().contiguous(), w, s, n)
+        self._into = None
         if name == "dequant":
             w = self.dequantize()
             return lambda x: F.linear(x.float(), w)

@@ -16,6 +16,7 @@ entry of ``PREFERENCE`` (the order measured on each device, numbers in ``int8.py
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -150,6 +151,10 @@ class QuantLinear(nn.Module):
         if self._impl is None:
             self.pack()
         out.copy_(self._impl(x))
+
+    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        """A no-argument call writing this layer of ``x`` into ``out`` (the decode step's form)."""
+        return functools.partial(self.forward_into, x, out)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.dequantize().to(x.dtype).t()

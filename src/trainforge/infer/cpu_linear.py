@@ -1,0 +1,43 @@
+"""Float linears on the C++ GEMV (``trainforge_cpu.f32_linear``) for CPU inference.
+
+A decode step's float linear multiplies 1-8 activation rows by a weight read once from
+memory: a weight stream. ``f32_linear`` reads four weight rows per pass over x with a
+software prefetch of the next four, rows split across threads, and writes into the decode
+workspace (``bind_into``), where the row-block ``bmm`` of ``RowBlockLinear`` (its base)
+streamed less (BENCHMARKS.md, "fp32 GEMV"). Above 8 rows (a prompt) the base's path runs.
+Swapped in from outside by ``prepare_model`` when the C++ kernels build; same ``weight``
+and name, so a tied output stays tied.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+
+from trainforge.model.fast_decode import RowBlockLinear
+
+GEMV_ROWS = 8  # F32_MAX_M in blocks.cpp: the op's own GEMV limit
+
+
+class GemvLinear(RowBlockLinear):
+    """``RowBlockLinear`` whose products of at most ``GEMV_ROWS`` fp32 rows run the C++ GEMV."""
+
+    @classmethod
+    def of(cls, linear: nn.Linear, ops) -> GemvLinear:
+        new = super().of(linear)
+        new._op, new._op_into = ops.f32_linear.default, ops.f32_linear_into.default
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.in_features
+        if x.numel() > GEMV_ROWS * k or x.dtype != torch.float32 or self.bias is not None \
+                or (torch.is_grad_enabled() and self.weight.requires_grad):  # the op has no backward
+            return super().forward(x)
+        return self._op(x.reshape(-1, k), self.weight).view(*x.shape[:-1], self.out_features)
+
+    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        """out = x W^T for these very tensors: the op itself, no Python frame between (decode step)."""
+        return functools.partial(self._op_into, x, self.weight, out)
