@@ -315,8 +315,8 @@ def agreement(peer: LlamaCpp, gguf: Path, threads: int, tokens: int, work: Path)
 def run_rounds(peer: LlamaCpp, files: dict[str, Path], args) -> tuple[dict, list[dict], list[int], set[str]]:
     """``samples[(T, precision, test)] = {"llama_cpp": [Sample], "ours": [Sample]}`` over rounds,
     the load around each round, bare-torch peak RSS per round, the llama.cpp build ids seen."""
-    rng = random.Random(0)
-    prompt = [rng.randrange(1, vocab_size(files["f32"])) for _ in range(args.pp_tokens)]
+    rng, vocab = random.Random(0), vocab_size(files["f32"])
+    prompt = [rng.randrange(1, vocab) for _ in range(args.pp_tokens)]
     samples = {(t, p, test): {"llama_cpp": [], "ours": []} for t in args.threads for p in PRECISIONS for test in TESTS}
     loads, bare, builds = [], [], set()
     for r in range(args.rounds):
