@@ -1,8 +1,8 @@
 """CPU decode and prompt processing against llama.cpp, both engines reading the same GGUF files
 (issue 24).
 
-    python -m bench.cpu_decode_peer                   # 3 rounds, 1 and 2 threads: ~10 min on 2 cores
-    python -m bench.cpu_decode_peer --quick           # 1 round, 2 threads: ~3 min
+    python -m bench.cpu_decode_peer                   # 3 rounds, 1 and 2 threads: ~7 min on 2 cores
+    python -m bench.cpu_decode_peer --quick           # 1 round, 2 threads: ~2 min
     python -m bench.cpu_decode_peer --json out.json   [--work DIR] [--build]
 
 Run from the repository root. The peer is llama.cpp as ``bench/_llama_cpp.py`` builds it; when it
@@ -29,7 +29,8 @@ The tests, as llama-bench defines them, each sample a fresh process:
 
 Ours runs with ``OMP_NUM_THREADS=T``: it sizes torch's intra-op pool, which the C++ kernels'
 ``at::parallel_for`` use (``generate`` sets no thread count of its own). Each process's CPU time /
-wall time is recorded, so a thread count that was not respected shows (T = 1 stays near 1).
+wall time is recorded (the whole process, its single-threaded start included), so a thread
+count that was not respected shows: at T = 1 it stays at 1.00.
 
 A round runs, for each T and each file, pp then tg, llama.cpp and ours back to back, the order
 of the two swapped every round. Before a round the bench takes the lock and waits (at most
@@ -403,7 +404,7 @@ def report(rows: list[dict], bare: list[int], agree: dict, header: dict) -> None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cpu_decode_peer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="1 round at 2 threads (~3 min)")
+    p.add_argument("--quick", action="store_true", help="1 round at 2 threads (~2 min)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--pp_tokens", type=int, default=512, help="prompt length of the pp test")
