@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from tests.infer.helpers import model_for
+from trainforge.infer.cpu_kernels import load_kernels
+from trainforge.infer.cpu_kernels.decode_ops import DecodeKernels
 from trainforge.infer.fusion import fuse_model
 from trainforge.model.attention_cache import PagedCache
 from trainforge.model.fast_decode import DecodeWorkspace, FastDecoder, RowBlockLinear
@@ -45,9 +47,24 @@ def fill(model, cache: PagedCache, seqs: list[list[int]]) -> None:
         cache.bias[r * S:r * S + T + 1] = 0.0
 
 
+def _kernels(path: str, monkeypatch):
+    """None (the torch ops) or the C++ decode ops on instruction path ``path``."""
+    if path == "torch":
+        return None
+    ops = load_kernels()
+    if ops is None or not ops.supports(path):
+        pytest.skip(f"the C++ kernels did not build or this CPU lacks {path}")
+    monkeypatch.setenv("TRAINFORGE_CPU_ISA", path)
+    return DecodeKernels(ops)
+
+
+# kernels: the decode step's rope and paged attention as torch ops, or as the C++ ops on each path.
+@pytest.mark.parametrize("kernels", ["torch", "scalar", "avx2"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("shape", ["gqa2", "gqa4", "moe"])
-def test_prefill_and_batched_decode_through_the_paged_cache_match_the_full_forward(shape, fuse):
+def test_prefill_and_batched_decode_through_the_paged_cache_match_the_full_forward(shape, fuse, kernels,
+                                                                                   monkeypatch):
+    kernels = _kernels(kernels, monkeypatch)
     model = model_for(shape)
     if fuse:
         fuse_model(model)
@@ -74,7 +91,7 @@ def test_prefill_and_batched_decode_through_the_paged_cache_match_the_full_forwa
         tokens, pos = torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
         tokens.copy_(nxt)
         pos.copy_(positions)
-        fast = FastDecoder(model, fast_cache, tokens, pos).step(3, 32)
+        fast = FastDecoder(model, fast_cache, tokens, pos, kernels).step(3, 32)
     want = torch.stack([f[-1] for f in full])
     torch.testing.assert_close(slow, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(fast, want, atol=ATOL, rtol=RTOL)

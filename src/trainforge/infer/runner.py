@@ -32,6 +32,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from trainforge.infer.cpu_kernels.decode_ops import decode_kernels
 from trainforge.infer.hourglass_pools import HourglassPools
 from trainforge.infer.kv_pool import KVPool
 from trainforge.model.attention_cache import PagedCache
@@ -67,7 +68,8 @@ class ModelRunner:
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.slots, self.gather, self.bias = self.cache.slots, self.cache.gather, self.cache.bias
-        self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions) \
+        kernels = decode_kernels(model)
+        self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions, kernels) \
             if FastDecoder.supports(model) else None
         if self.hourglass is not None and HourglassDecoder.supports(model):
             self.decoder = HourglassDecoder(model, self.hourglass.cache, self.tokens, self.positions)
@@ -77,7 +79,7 @@ class ModelRunner:
             self._vcache = PagedCache(pool.k, pool.v, n, self.context_slots)
             self._vtokens = torch.zeros(n, dtype=torch.long, device=self.device)
             self._vpositions = torch.zeros(n, dtype=torch.long, device=self.device)
-            self._verifier = FastDecoder(model, self._vcache, self._vtokens, self._vpositions)
+            self._verifier = FastDecoder(model, self._vcache, self._vtokens, self._vpositions, kernels)
         self._compiled = None
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at

@@ -329,6 +329,9 @@ class PagedCache(AttentionCache):
         H, Hkv = q.shape[1] // D, k.shape[1] // D
         G = H // Hkv
         kp, vp = self.k[index], self.v[index]
+        if ws.kernels is not None and kp.shape == vp.shape:  # the same steps as one fused op (DecodeWorkspace)
+            return [functools.partial(ws.kernels.paged_attention, q, k, v, kp, vp, self.slots[:B], self.gather[:B * S],
+                                      self.bias[:B * S], D ** -0.5, out)]
         slots, gather, bias = self.slots[:B], self.gather[:B * S], self.bias[:B * S].view(1, B, 1, S)
         kg, vg, qt, scores, probs, ao = ws.attention_scratch()  # flat buffers, sized for the largest step
         n = B * S

@@ -106,9 +106,13 @@ class DecodeWorkspace:
     ``context_slots`` cached tokens, allocated once; modules take views of the current
     step shape (``rows`` x ``context``, set by ``FastDecoder``)."""
 
-    def __init__(self, model: Transformer, max_rows: int, context_slots: int, cfg=None):
+    def __init__(self, model: Transformer, max_rows: int, context_slots: int, cfg=None, kernels=None):
         """``cfg``: the shapes to size for (default the model's; an hourglass stage's config
-        for a workspace of its shortened blocks, ``hourglass_decode.py``)."""
+        for a workspace of its shortened blocks, ``hourglass_decode.py``). ``kernels``: fused
+        decode ops handed in from outside (``infer/cpu_kernels/decode_ops.py``: ``rope``,
+        ``paged_attention``), which the modules' ``decode_calls`` bind instead of their torch
+        ops; None keeps the torch ops."""
+        self.kernels = kernels
         cfg = cfg or model.cfg
         emb = model.tok_embeddings.weight
         self.dtype, self.device = emb.dtype, emb.device
@@ -195,6 +199,10 @@ class DecodeWorkspace:
         """Flat buffers (kg, vg, qt, scores, probs, ao) for the cache's decode attention."""
         return self._kg, self._vg, self._qt, self._scores, self._probs, self._ao
 
+    def rope_tables(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) (rows, D) at each row's position, for ``kernels.rope``."""
+        return self._cos[:rows], self._sin[:rows]
+
     def rope(self, x: torch.Tensor) -> RopeInto:
         """Rotary embeddings in place on x (B, n, D), at each row's position."""
         B, D = x.shape[0], x.shape[-1]
@@ -209,10 +217,12 @@ class FastDecoder:
 
     MAX_PLANS = 64  # decode shapes whose bound calls are kept
 
-    def __init__(self, model: Transformer, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, model: Transformer, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
+                 kernels=None):
+        """``kernels``: see ``DecodeWorkspace``."""
         self.model, self.cache = model, cache
         self.tokens, self.positions = tokens, positions
-        self.ws = DecodeWorkspace(model, cache.max_rows, cache.context_slots)
+        self.ws = DecodeWorkspace(model, cache.max_rows, cache.context_slots, kernels=kernels)
         self.rope_cos, self.rope_sin = rope_tables_folded(model.rope_cos, model.rope_sin, self.ws.dtype)
         self._plans: dict[tuple[int, int], list[Callable[[], None]]] = {}  # oldest first
         self.plan(1, 1)  # binds every linear now (``linears`` lists them)

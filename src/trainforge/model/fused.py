@@ -64,6 +64,8 @@ class FusedRMSNorm(RMSNorm):
             return [lambda: out.copy_(torch.ops.aten._fused_rms_norm(x, [d], self.weight, self.eps)[0])]
         _, ms = ws.norm_scratch(B)
         w = ws.derived(("fused_norm", id(self)), lambda: (self.weight.detach() * d ** 0.5).to(x.dtype))
+        if ws.kernels is not None:  # the same formula as one op (DecodeWorkspace)
+            return [functools.partial(ws.kernels.rms_norm, x, w, d * self.eps, out)]
         d_eps = ws.scalar(d * self.eps)
         p = functools.partial
         return [p(torch.bmm, x.view(B, 1, d), x.view(B, d, 1), out=ms.view(B, 1, 1)),  # sum of squares
@@ -112,8 +114,11 @@ class FusedFeedForward(nn.Module):
 
     def decode_calls(self, ws: DecodeWorkspace, h: torch.Tensor, out: torch.Tensor) -> list[Callable[[], None]]:
         gu, g, u, act = ws.gate_up_views(h.shape[0], self.hidden_dim, fused=True)
-        return [ws.linear(self.w13).bind(h, gu), functools.partial(F.silu, g, inplace=True),
-                functools.partial(torch.mul, g, u, out=act), ws.linear(self.w2).bind(act, out)]
+        if ws.kernels is not None:  # silu(g) * u as one op (DecodeWorkspace)
+            gate = [functools.partial(ws.kernels.silu_mul, g, u, act)]
+        else:
+            gate = [functools.partial(F.silu, g, inplace=True), functools.partial(torch.mul, g, u, out=act)]
+        return [ws.linear(self.w13).bind(h, gu), *gate, ws.linear(self.w2).bind(act, out)]
 
 
 class FusedTransformerBlock(TransformerBlock):

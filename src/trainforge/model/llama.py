@@ -115,7 +115,10 @@ def attention_decode_calls(ws: DecodeWorkspace, ropes: list[torch.Tensor], q: to
     projected: rotary in place on the (B, n, D) views ``ropes`` (``apply_rope``'s formula,
     see ``RopeInto``), the cache's attention into the workspace, ``wo`` into ``out``."""
     at = ws.attention_out(q.shape[0], q.shape[1])
-    calls: list[Callable[[], None]] = [ws.rope(x) for x in ropes]
+    if ws.kernels is not None:  # one fused op for every rotated tensor (DecodeWorkspace)
+        calls: list[Callable[[], None]] = [functools.partial(ws.kernels.rope, ropes, *ws.rope_tables(q.shape[0]))]
+    else:
+        calls = [ws.rope(x) for x in ropes]
     calls += cache.decode_calls(ws, q, k, v, at)
     calls.append(ws.linear(wo).bind(at, out))
     return calls

@@ -12,34 +12,14 @@
 #include <string>
 #include <vector>
 
+#include "isa.h"
+
 namespace {
 
+using trainforge_cpu::chosen_isa;
+using trainforge_cpu::supports;
+
 constexpr int64_t QK = 32;
-
-bool supports(const std::string& isa) {
-  __builtin_cpu_init();
-  if (isa == "scalar") return true;
-  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (isa == "avx512")
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return false;
-}
-
-// Read per call so a test can switch paths inside one process.
-std::string chosen_isa() {
-  const char* env = std::getenv("TRAINFORGE_CPU_ISA");
-  if (env != nullptr && env[0] != '\0') {
-    std::string want(env);
-    TORCH_CHECK(want == "avx2" || want == "avx512" || want == "scalar",
-                "TRAINFORGE_CPU_ISA must be avx2, avx512 or scalar, got '", want, "'");
-    TORCH_CHECK(supports(want), "TRAINFORGE_CPU_ISA=", want, " but this CPU lacks it");
-    return want;
-  }
-  if (supports("avx512")) return "avx512";
-  if (supports("avx2")) return "avx2";
-  return "scalar";
-}
 
 // ---- activation rows -> int8 blocks -----------------------------------------------------
 // Same arithmetic as formats.quantize_activations: d = absmax/127, q = rint(x * (1/d)).

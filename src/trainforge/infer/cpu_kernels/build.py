@@ -1,4 +1,4 @@
-"""Build blocks.cpp with torch.utils.cpp_extension on first use, cached per source + torch.
+"""Build the kernel sources (blocks.cpp, attention.cpp, norm_act.cpp) with torch.utils.cpp_extension on first use, cached per source + torch.
 
 When there is no compiler, the build fails or TRAINFORGE_CPU_ISA names a path this CPU
 lacks, `load_kernels()` returns None and warns once: the engine then keeps today's kernels.
@@ -12,12 +12,14 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("blocks.cpp")
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "blocks.cpp", _DIR / "attention.cpp", _DIR / "norm_act.cpp"]
+_HEADERS = [_DIR / "isa.h", _DIR / "vec_math.h"]
 
 
 def cache_dir() -> Path:
     # The build flags live in this file: a change to either rebuilds.
-    digest = hashlib.sha256(_SOURCE.read_bytes() + Path(__file__).read_bytes()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*_SOURCES, *_HEADERS, Path(__file__)])
                             + torch.__version__.encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return root / "trainforge" / "cpu_kernels" / digest
@@ -33,7 +35,7 @@ def _build() -> str | None:
         out.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="trainforge_cpu_kernels",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             build_directory=str(out),
             # -fopenmp: without it ATen's parallel_for compiles to a serial loop (its OpenMP body
             # is under #ifdef _OPENMP); the .so then shares the libgomp torch already loaded.
@@ -61,7 +63,8 @@ def _register_fakes() -> None:
     for name in ("q8_0_linear", "q4_0_linear"):
         torch.library.register_fake(f"trainforge_cpu::{name}")(block_fake)
     torch.library.register_fake("trainforge_cpu::f32_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
-    for name in ("q8_0_linear_into", "q4_0_linear_into", "f32_linear_into"):
+    for name in ("q8_0_linear_into", "q4_0_linear_into", "f32_linear_into", "rope_into", "paged_attention_into",
+                 "rms_norm_into", "silu_mul_into"):
         torch.library.register_fake(f"trainforge_cpu::{name}")(into_fake)
 
 

@@ -1,0 +1,34 @@
+// Instruction-path choice shared by the kernel files: the best the CPU has, or the one
+// TRAINFORGE_CPU_ISA names (read per call so a test can switch paths inside one process).
+#pragma once
+#include <c10/util/Exception.h>
+#include <cstdlib>
+#include <string>
+
+namespace trainforge_cpu {
+
+inline bool supports(const std::string& isa) {
+  __builtin_cpu_init();
+  if (isa == "scalar") return true;
+  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return false;
+}
+
+inline std::string chosen_isa() {
+  const char* env = std::getenv("TRAINFORGE_CPU_ISA");
+  if (env != nullptr && env[0] != '\0') {
+    std::string want(env);
+    TORCH_CHECK(want == "avx2" || want == "avx512" || want == "scalar",
+                "TRAINFORGE_CPU_ISA must be avx2, avx512 or scalar, got '", want, "'");
+    TORCH_CHECK(supports(want), "TRAINFORGE_CPU_ISA=", want, " but this CPU lacks it");
+    return want;
+  }
+  if (supports("avx512")) return "avx512";
+  if (supports("avx2")) return "avx2";
+  return "scalar";
+}
+
+}  // namespace trainforge_cpu
