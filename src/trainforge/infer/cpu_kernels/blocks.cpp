@@ -98,6 +98,13 @@ struct Tile {  // one group x up to MT activation rows
   int64_t ldo, lanes;
 };
 
+// The weights are read once per step: fetch the lines PREFETCH_BYTES ahead of this block into
+// L1 without keeping them in the outer caches (NTA), so DRAM latency overlaps the dots.
+constexpr int64_t PREFETCH_BYTES = 2048;
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)(p + PREFETCH_BYTES + o), _MM_HINT_NTA);
+}
+
 inline int32_t load_i32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -153,6 +160,7 @@ void q4_tile_scalar(const Tile& t) {
     for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();                                           \
     for (int64_t b = 0; b < t.nb; ++b) {                                                                \
       const uint8_t* wb = t.w + b * XR * QK;                                                            \
+      prefetch_ahead(wb, XR * QK);                                                                      \
       __m256i s[T];                                                                                     \
       for (int i = 0; i < T; ++i) s[i] = _mm256_setzero_si256();                                        \
       for (int c = 0; c < QK / 4; ++c) {                                                                \
@@ -177,6 +185,7 @@ void q4_tile_scalar(const Tile& t) {
     for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();                                           \
     for (int64_t b = 0; b < t.nb; ++b) {                                                                \
       const uint8_t* wb = t.w + b * XR * QK / 2;                                                        \
+      prefetch_ahead(wb, XR * QK / 2);                                                                  \
       __m256i s[T];                                                                                     \
       for (int i = 0; i < T; ++i) s[i] = _mm256_setzero_si256();                                        \
       for (int c = 0; c < QK / 8; ++c) {                                                                \
@@ -340,7 +349,7 @@ constexpr int64_t F32_MAX_M = 8;  // above this a blocked GEMM (at::matmul) reus
 // One cache line of each of the next group's rows, at the column being summed now.
 inline void prefetch_next_rows(const float* r, int64_t K, int64_t k) {
   for (int64_t j = F32_ROWS; j < 2 * F32_ROWS; ++j)
-    _mm_prefetch((const char*)(r + j * K + k), _MM_HINT_T0);
+    _mm_prefetch((const char*)(r + j * K + k), _MM_HINT_NTA);
 }
 
 void f32_rows_scalar(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
