@@ -13,8 +13,9 @@
 
 ``quantize_model`` runs both phases in memory (``--quantize`` on a float checkpoint).
 The token embedding stays in float (decode reads one row of it per token), except under a block
-mode when it is not tied to the output: ``embedding=True`` keeps it in the mode's blocks
-(``block_embedding.py``, ``info["embedding"]``), the rows dequantised as they are read; a tied
+mode when it is not tied to the output: ``embedding=True`` (``trainforge quantize``, and always
+in ``quantize_model``) keeps it in the mode's blocks (``block_embedding.py``,
+``info["embedding"]``), the rows dequantised as they are read; a tied
 output projection is quantised as its own matrix. A MoE router's gate stays float (fp32): see
 ``experts.py`` for why.
 """
@@ -180,9 +181,14 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 128, kernel: s
     names, experts = linear_names(model), expert_names(model)
     sd = {f"{n}.weight": model.get_submodule(n).weight for n in names}
     sd.update({f"{n}.{p}": getattr(model.get_submodule(n), p) for n in experts for p in ("w1", "w2", "w3")})
-    qsd, info = quantize_state_dict(sd, names, mode, group_size, experts)
+    # An untied embedding as `trainforge quantize` stores it, so both paths decode the same tokens.
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    embedding = isinstance(emb, nn.Embedding) and getattr(out, "weight", None) is not emb.weight
+    if embedding:
+        sd["tok_embeddings.weight"] = emb.weight
+    qsd, info = quantize_state_dict(sd, names, mode, group_size, experts, embedding=embedding)
     swap_quantized_linears(model, info, kernel)
-    done = set(info["layers"]) | set(info["experts"])
+    done = set(info["layers"]) | set(info["experts"]) | ({"tok_embeddings"} if info.get("embedding") else set())
     stored = {k: v for k, v in qsd.items() if k.rpartition(".")[0] in done}
     model.load_state_dict(stored, strict=False, assign=True)
     if pack:
