@@ -281,7 +281,11 @@ def _trained_grid(checkpoint: str, requested: str, group_size: int | None, what:
 
 def _load_for_engine(a, kv_slots=None):
     from trainforge.infer.loading import load_model
+    from trainforge.infer.malloc_release import release_freed_tensors_to_os
     from trainforge.infer.quantize import quantize_model
+
+    # Before any weight is read: the load's freed tensors (copies, repacks) then leave the process.
+    release_freed_tensors_to_os()
 
     # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
     mode, group_size, _ = _trained_grid(a.checkpoint, a.quantize, a.group_size)
@@ -403,7 +407,8 @@ def _quantize(argv: list[str]) -> int:
     sd = model.state_dict()
     before = sum(t.nbytes for t in sd.values())
     try:
-        qsd, info = quantize_state_dict(sd, linear_names(model), a.mode, a.group_size, expert_names(model))
+        qsd, info = quantize_state_dict(sd, linear_names(model), a.mode, a.group_size, expert_names(model),
+                                        embedding=not model.cfg.tie_embeddings)
     except ValueError as e:
         raise TrainforgeError(f"--{e}") from None
     tok_file = loaded.path / "tokenizer.json"

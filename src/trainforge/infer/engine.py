@@ -141,7 +141,7 @@ class Engine:
         described = describe_model(model)  # what prepare_model applied (read only)
         self.fusions, self.kernels = described["fusions"], described["quant_kernels"]
         cfg = model.cfg
-        emb = model.tok_embeddings.weight
+        emb = model.norm.weight  # the model's float dtype: a quantised embedding's weight is its codes
         self.device = emb.device
         self.max_context = config.max_context or cfg.max_seq_len
         if self.max_context > cfg.max_seq_len:

@@ -19,10 +19,12 @@ applies to a quantised tensor's rows of blocks unchanged.
 
 Mixed files: linears in the file's majority block type load quantised under that mode; linears in
 the other block type (llama.cpp's q4_0 files often keep ``output.weight`` in Q8_0) or in a float
-type are dequantised to float and listed in ``info["skipped"]``. The token embedding is float in
-our engine (dequantised when the file quantises it), and so is ``output.weight`` when it is in
-another type gguf-py decodes (llama-quantize's Q4_0 preset writes it in Q6_K). Other types (Q4_K,
-Q6_K, ... in a linear) are refused, naming the tensor.
+type are dequantised to float and listed in ``info["skipped"]``. A Q8_0 / Q4_0 token embedding of
+a quantised file, untied, loads byte for byte as a ``BlockEmbedding`` (``quantize/block_embedding.py``,
+``info["embedding"]``: the rows dequantised as they are read, the table never); tied, or in another
+type, it is dequantised to float, and so is ``output.weight`` when it is in another type gguf-py
+decodes (llama-quantize's Q4_0 preset writes it in Q6_K). Other types (Q4_K, Q6_K, ... in a linear)
+are refused, naming the tensor.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ _LINEARS = {  # GGUF name relative to blk.{i}. -> ours relative to layers.{i}.
     "attn_q": "attention.wq", "attn_k": "attention.wk", "attn_v": "attention.wv", "attn_output": "attention.wo",
     "ffn_gate": "feed_forward.w1", "ffn_down": "feed_forward.w2", "ffn_up": "feed_forward.w3",
 }
-# Float in our engine whatever the file's type (dequantised on load): llama-quantize's Q4_0 / Q8_0
-# presets keep output.weight in Q6_K, and the embedding is a table lookup we keep float.
+# Any type gguf-py decodes (dequantised on load unless in a block type we keep): llama-quantize's
+# Q4_0 / Q8_0 presets keep output.weight in Q6_K, and some write the embedding in a K-quant.
 _FLOAT_ANY_TYPE = ("token_embd.weight", "output.weight")
 _NORMS = {"attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
 
@@ -239,6 +241,14 @@ def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Ten
         _drop_pages(reader, t)
         if mode is not None:
             info["skipped"][ours] = f"GGUF {kind} in a {mode} file: loaded as float"
+    emb = tensors["token_embd.weight"]
+    emb_mode = _BLOCK_TYPES.get(emb.tensor_type.name)
+    if mode is not None and emb_mode is not None and not cfg.tie_embeddings:
+        # Kept in blocks: the tied case stays float, as the output projection reads it whole.
+        sd.update({f"tok_embeddings.{s}": v for s, v in _stored_form(emb, emb_mode).items()})
+        info["embedding"] = emb_mode
+        _drop_pages(reader, emb)
+        del others["token_embd.weight"]
     for g, ours in others.items():
         sd[ours] = _dequantised(tensors[g], path)
         _drop_pages(reader, tensors[g])

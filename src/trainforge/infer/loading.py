@@ -102,7 +102,7 @@ def _no_init():
 
 def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  quantization: dict[str, Any] | None, what: str) -> Transformer:
-    from trainforge.infer.quantize import swap_quantized_linears
+    from trainforge.infer.quantize import BlockEmbedding, swap_quantized_linears
 
     with torch.device("meta"), _no_init():
         model = Transformer(cfg)
@@ -112,6 +112,8 @@ def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.de
         except Exception as e:  # meta.json's quantization info is input too: KeyError, TypeError, ValueError
             raise CheckpointError(f"{what}: the quantization info in meta.json does not fit the model "
                                   f"({error_detail(e)})") from None
+        if isinstance(model.tok_embeddings, BlockEmbedding):  # its rows in the float dtype of the rest
+            model.tok_embeddings.dtype = dtype
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     # MoE routers stay fp32 whatever ``dtype`` (as training's precision rule keeps ``*.gate``):
     # top-k over near-tied scores would flip with bf16 weights.

@@ -23,7 +23,7 @@ def banner(engine, config, url: str) -> str:
     """The startup block: where, what, how much (``serve`` logs it once the port is bound)."""
     stats = engine.stats()
     pool = engine.pool
-    dtype = str(engine.model.tok_embeddings.weight.dtype).removeprefix("torch.")
+    dtype = str(engine.model.norm.weight.dtype).removeprefix("torch.")
     quant = ", ".join(f"{k} x{n}" for k, n in stats["quant_kernels"].items()) or "none"
     spec = f", speculative k={engine.lookahead}" if engine.drafter is not None else ""
     limit = config.max_concurrent or engine.config.max_batch_size + engine.config.max_queue

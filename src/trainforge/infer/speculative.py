@@ -152,7 +152,7 @@ class DraftModelDrafter(Drafter):
         if cfg.max_seq_len < max_context:
             raise ValueError(f"--speculative draft: the draft model's max_seq_len {cfg.max_seq_len} is shorter than "
                              f"the engine's max_context {max_context}; lower --max_context")
-        w = self.model.tok_embeddings.weight
+        w = self.model.norm.weight  # the float dtype: a quantised embedding's weight is its codes
         own = KVPool.for_model(cfg, pool.n_blocks, pool.block_size, w.dtype, w.device)
         self.runner = ModelRunner(self.model, own, max_rows, max_context, lookahead=k)
         self._max_pos = cfg.max_seq_len - 1

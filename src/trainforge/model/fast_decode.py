@@ -114,7 +114,8 @@ class DecodeWorkspace:
         ops; None keeps the torch ops."""
         self.kernels = kernels
         cfg = cfg or model.cfg
-        emb = model.tok_embeddings.weight
+        # The norm's weight, not the embedding's: a quantised embedding's weight is its int codes.
+        emb = model.norm.weight
         self.dtype, self.device = emb.dtype, emb.device
         self.head_dim = D = cfg.head_dim
         H, Hkv, Fh, d = cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden_dim, cfg.dim
@@ -210,6 +211,16 @@ class DecodeWorkspace:
         return RopeInto(x, tmp, self._cos[:B].view(B, 1, D), self._sin[:B].view(B, 1, D))
 
 
+def _gather(embedding: nn.Module, tokens: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+    """The step's embedding lookup of ``tokens`` (B,) into ``out`` (B, dim): the module's own
+    ``bind_gather`` when it has one (a quantised table dequantises only the rows; the model layer
+    knows it only by that method), else a row gather of the float table."""
+    bind = getattr(embedding, "bind_gather", None)
+    if bind is not None:
+        return bind(tokens, out)
+    return functools.partial(torch.index_select, embedding.weight, 0, tokens, out=out)
+
+
 class FastDecoder:
     """Runs ``model``'s decode step over a ``PagedCache`` for rows 0..B-1, reading each row's
     token from ``tokens`` and position from ``positions`` (buffers the owner fills). Does not
@@ -259,7 +270,7 @@ class FastDecoder:
         x = ws.residual()
         h, _ = ws.hidden(B)
         pos = self.positions[:B]
-        calls = [p(torch.index_select, model.tok_embeddings.weight, 0, self.tokens[:B], out=x),
+        calls = [_gather(model.tok_embeddings, self.tokens[:B], x),
                  p(torch.index_select, self.rope_cos, 0, pos, out=ws._cos[:B]),
                  p(torch.index_select, self.rope_sin, 0, pos, out=ws._sin[:B])]
         for name, block in model.layers.items():
@@ -316,7 +327,7 @@ class FastMTPStep:
         ws.begin(B, S)
         h, _ = ws.hidden(B)
         pos = self.positions[:B]
-        calls = [p(torch.index_select, model.tok_embeddings.weight, 0, self.tokens[:B], out=self._emb[:B]),
+        calls = [_gather(model.tok_embeddings, self.tokens[:B], self._emb[:B]),
                  p(torch.index_select, self.rope_cos, 0, pos, out=ws._cos[:B]),
                  p(torch.index_select, self.rope_sin, 0, pos, out=ws._sin[:B])]
         calls += self.module.decode_calls(ws, self.x[:B], self._emb[:B], self._pair[:B], self.cache.layer(self.layer))

@@ -12,8 +12,11 @@
    layer's kernel form (the kernel per device is chosen in ``common.py``).
 
 ``quantize_model`` runs both phases in memory (``--quantize`` on a float checkpoint).
-The token embedding stays in float (decode reads one row of it per token); a tied output
-projection is quantised as its own matrix. A MoE router's gate stays float (fp32): see
+The token embedding stays in float (decode reads one row of it per token), except under a block
+mode when it is not tied to the output: ``embedding=True`` (``trainforge quantize``, and always
+in ``quantize_model``) keeps it in the mode's blocks (``block_embedding.py``,
+``info["embedding"]``), the rows dequantised as they are read; a tied
+output projection is quantised as its own matrix. A MoE router's gate stays float (fp32): see
 ``experts.py`` for why.
 """
 
@@ -28,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from trainforge.infer.quantize.block_embedding import BlockEmbedding
 from trainforge.infer.quantize.blocks import Q4_0Linear, Q8_0Linear
 from trainforge.infer.quantize.common import QuantLinear, choose_kernel, measure_kernels
 from trainforge.infer.quantize.experts import QuantExperts
@@ -44,7 +48,7 @@ MODES = ("int8", "int4", "q8_0", "q4_0")
 BLOCK_MODES = {"q8_0": Q8_0Linear, "q4_0": Q4_0Linear}  # 32-value blocks (llama.cpp's), blocks.py
 METADATA_KEY = "trainforge_quantization"
 
-__all__ = ["BLOCK_MODES", "MODES", "Int4Experts", "Int4Linear", "Int8Experts", "Int8Linear", "Q4_0Linear", "Q8_0Linear", "QuantExperts", "QuantLinear",
+__all__ = ["BLOCK_MODES", "BlockEmbedding", "MODES", "Int4Experts", "Int4Linear", "Int8Experts", "Int8Linear", "Q4_0Linear", "Q8_0Linear", "QuantExperts", "QuantLinear",
            "choose_kernel", "expert_names", "linear_names", "measure_kernels", "pack_quantized", "quantize_model",
            "quantize_state_dict", "save_quantized", "swap_quantized_linears"]
 
@@ -66,13 +70,16 @@ def expert_names(model: nn.Module) -> list[str]:
 
 
 def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str, group_size: int = 128,
-                        experts: list[str] = ()) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+                        experts: list[str] = (), embedding: bool = False
+                        ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Offline transform. ``names``: the linear layers to quantise (``<name>.weight`` in ``sd``);
     ``experts``: the routed experts (``<name>.w1``, ``.w2``, ``.w3``), listed in ``info["experts"]``.
     Returns (stored-form state dict, info). Layers int4 cannot group (in_features not a
     multiple of ``group_size``; 32 for the block modes) stay float and are listed in
     ``info["skipped"]``, as do routed experts under a block mode (its kernels cover dense
-    linears; int8 / int4 quantise experts)."""
+    linears; int8 / int4 quantise experts). ``embedding`` (an untied ``tok_embeddings.weight`` in
+    ``sd``): under a block mode it is stored in the mode's blocks too (``info["embedding"]``);
+    ignored under int8 / int4."""
     if mode not in MODES:
         raise ValueError(f"quantization mode {mode!r}: use one of {MODES}")
     if mode == "int4" and (group_size < 2 or group_size % 2):
@@ -102,6 +109,10 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
             packed, scales, zeros = quantize_int4(w, group_size)
             out[f"{name}.weight"], out[f"{name}.scales"], out[f"{name}.zeros"] = packed, scales, zeros
         info["layers"].append(name)
+    if mode in BLOCK_MODES and embedding and BLOCK_MODES[mode].skip_reason(sd["tok_embeddings.weight"].shape[1]) is None:
+        stored = BlockEmbedding.quantize_stored(sd["tok_embeddings.weight"], mode)
+        out.update({f"tok_embeddings.{k}": v for k, v in stored.items()})
+        info["embedding"] = mode
     if mode in BLOCK_MODES:
         info["skipped"].update({name: f"routed experts stay float under {mode} (int8 / int4 quantise them)"
                                 for name in experts})
@@ -121,8 +132,9 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
 
 
 def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str = "auto") -> nn.Module:
-    """Runtime swap: every layer in ``info["layers"]`` becomes an (empty) quantised linear, and
-    every ``info["experts"]`` an (empty) quantised experts module, on the same device as the
+    """Runtime swap: every layer in ``info["layers"]`` becomes an (empty) quantised linear,
+    every ``info["experts"]`` an (empty) quantised experts module, and ``tok_embeddings`` a
+    ``BlockEmbedding`` when ``info["embedding"]`` names a mode, on the same device as the
     float one it replaces. Fill them with ``load_state_dict(assign=True)``."""
     cls = {"int8": Int8Linear, "int4": Int4Linear, **BLOCK_MODES}[info["mode"]]
     kw = {"group_size": info["group_size"]} if info["mode"] == "int4" else {}
@@ -134,6 +146,10 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
             raise ValueError(f"{name} is a {type(old).__name__}, not an nn.Linear: the quantised file does not "
                              "fit this model")
         setattr(parent, attr, cls(old.in_features, old.out_features, kernel=kernel, device=old.weight.device, **kw))
+    if info.get("embedding"):
+        old = model.tok_embeddings
+        model.tok_embeddings = BlockEmbedding(old.num_embeddings, old.embedding_dim, info["embedding"],
+                                              dtype=old.weight.dtype, device=old.weight.device)
     kind = QuantExperts._KINDS.get(info["mode"])
     for name in info.get("experts", []):  # absent in files written before MoE
         parent_name, _, attr = name.rpartition(".")
@@ -165,9 +181,14 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 128, kernel: s
     names, experts = linear_names(model), expert_names(model)
     sd = {f"{n}.weight": model.get_submodule(n).weight for n in names}
     sd.update({f"{n}.{p}": getattr(model.get_submodule(n), p) for n in experts for p in ("w1", "w2", "w3")})
-    qsd, info = quantize_state_dict(sd, names, mode, group_size, experts)
+    # An untied embedding as `trainforge quantize` stores it, so both paths decode the same tokens.
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    embedding = isinstance(emb, nn.Embedding) and getattr(out, "weight", None) is not emb.weight
+    if embedding:
+        sd["tok_embeddings.weight"] = emb.weight
+    qsd, info = quantize_state_dict(sd, names, mode, group_size, experts, embedding=embedding)
     swap_quantized_linears(model, info, kernel)
-    done = set(info["layers"]) | set(info["experts"])
+    done = set(info["layers"]) | set(info["experts"]) | ({"tok_embeddings"} if info.get("embedding") else set())
     stored = {k: v for k, v in qsd.items() if k.rpartition(".")[0] in done}
     model.load_state_dict(stored, strict=False, assign=True)
     if pack:
