@@ -281,11 +281,8 @@ def _trained_grid(checkpoint: str, requested: str, group_size: int | None, what:
 
 def _load_for_engine(a, kv_slots=None):
     from trainforge.infer.loading import load_model
-    from trainforge.infer.malloc_release import release_freed_tensors_to_os
+    from trainforge.infer.malloc_release import release_freed_memory
     from trainforge.infer.quantize import quantize_model
-
-    # Before any weight is read: the load's freed tensors (copies, repacks) then leave the process.
-    release_freed_tensors_to_os()
 
     # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
     mode, group_size, _ = _trained_grid(a.checkpoint, a.quantize, a.group_size)
@@ -304,6 +301,7 @@ def _load_for_engine(a, kv_slots=None):
 
     # The inference swaps (fusion, quantised kernels) happen here, before the engine is built.
     prepare_model(loaded.model, fuse=not a.no_fuse, quant_kernel=a.quant_kernel)
+    release_freed_memory()  # the load's freed copies and repacks leave the process
     return loaded
 
 
