@@ -41,8 +41,6 @@ void quantize_row_scalar(const float* x, int64_t K, int8_t* q, float* d, int32_t
   }
 }
 
-#define T2 __attribute__((target("avx2,fma,f16c")))
-#define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // The scalar loop, vectorised (round to nearest even is the default MXCSR mode, as nearbyint's):
 // at M = 1 it ran once per linear and cost as much as a small layer's dots.

@@ -9,8 +9,8 @@ never imports ``trainforge.infer``: the runner passes this in.
 
 from __future__ import annotations
 
-from torch import nn
 import torch
+from torch import nn
 
 from trainforge.infer.cpu_kernels.build import load_kernels
 

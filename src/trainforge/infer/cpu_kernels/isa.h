@@ -5,6 +5,10 @@
 #include <cstdlib>
 #include <string>
 
+// Per-function instruction sets: one .so carries every path, chosen at run time.
+#define T2 __attribute__((target("avx2,fma,f16c")))
+#define T512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
 namespace trainforge_cpu {
 
 inline bool supports(const std::string& isa) {

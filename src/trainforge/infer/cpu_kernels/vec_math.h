@@ -2,12 +2,10 @@
 #pragma once
 #include <immintrin.h>
 
+#include "isa.h"
+
 // exp for the softmax, 8 lanes (Cephes' polynomial, ~1 ulp): std::exp per score cost more than
 // the whole dot products at this size. -inf (masked slots) gives exactly 0.
-#ifndef T2
-#define T2 __attribute__((target("avx2,fma,f16c")))
-#endif
-
 T2 inline __m256 exp256(__m256 x) {
   const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-88.f), _CMP_LT_OQ);
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.f)), _mm256_set1_ps(88.f));

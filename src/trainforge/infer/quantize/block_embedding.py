@@ -18,11 +18,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from trainforge.infer.cpu_kernels.formats import BLOCK, dequantize_q4_0, dequantize_q8_0, quantize_q4_0, quantize_q8_0
+from trainforge.infer.cpu_kernels.formats import BLOCK
+from trainforge.infer.quantize.blocks import Q4_0Linear, Q8_0Linear
 
-_FORMATS = {"q8_0": (quantize_q8_0, dequantize_q8_0, 1, torch.int8),
-            "q4_0": (quantize_q4_0, dequantize_q4_0, 2, torch.uint8)}  # mode -> (quantize, dequantize, codes/byte, dtype)
-MODES = tuple(_FORMATS)
+# The linears of the same stored form name its codes' dtype, codes per byte and format functions.
+_LAYOUTS = {cls.MODE: cls for cls in (Q8_0Linear, Q4_0Linear)}
+MODES = tuple(_LAYOUTS)
 
 
 class BlockEmbedding(nn.Module):
@@ -32,11 +33,12 @@ class BlockEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str, dtype: torch.dtype = torch.float32,
                  device=None):
         super().__init__()
-        if mode not in _FORMATS:
+        if mode not in _LAYOUTS:
             raise ValueError(f"block embedding mode {mode!r}: use one of {MODES}")
         if embedding_dim % BLOCK:
             raise ValueError(f"{mode} embedding: dim {embedding_dim} is not a multiple of {BLOCK}")
-        _, _, per_byte, code_dtype = _FORMATS[mode]
+        layout = _LAYOUTS[mode]
+        per_byte, code_dtype = layout.CODES_PER_BYTE, layout.CODE_DTYPE
         self.mode, self.num_embeddings, self.embedding_dim, self.dtype = mode, num_embeddings, embedding_dim, dtype
         self.register_buffer("weight", torch.empty(num_embeddings, embedding_dim // per_byte, dtype=code_dtype,
                                                    device=device))
@@ -46,16 +48,16 @@ class BlockEmbedding(nn.Module):
     @staticmethod
     def quantize_stored(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         """A float (V, dim) table -> its stored form (``formats.quantize_*``)."""
-        qs, d = _FORMATS[mode][0](w)
+        qs, d = _LAYOUTS[mode].QUANTIZE(w)
         return {"weight": qs, "scales": d}
 
     def dequantize(self) -> torch.Tensor:
         """The whole (V, dim) table in fp32 (tests, export)."""
-        return _FORMATS[self.mode][1](self.weight, self.scales)
+        return _LAYOUTS[self.mode].DEQUANTIZE(self.weight, self.scales)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         flat = tokens.reshape(-1)
-        rows = _FORMATS[self.mode][1](self.weight.index_select(0, flat), self.scales.index_select(0, flat))
+        rows = _LAYOUTS[self.mode].DEQUANTIZE(self.weight.index_select(0, flat), self.scales.index_select(0, flat))
         return rows.to(self.dtype).reshape(*tokens.shape, self.embedding_dim)
 
     def bind_gather(self, tokens: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
