@@ -144,3 +144,23 @@ def test_ops_have_shape_functions_for_compile(ops, fmt):
     torch.library.opcheck(getattr(ops, f"{fmt}_linear"), (x, *args), test_utils=checks)
     torch.library.opcheck(getattr(ops, f"{fmt}_linear_into"), (x, *args[:2], torch.empty(3, 45)),
                           test_utils=checks)
+
+
+def test_gemv_linear_aligns_a_mapped_weight_and_keeps_it_tied(ops):
+    """A weight that is a view at a 16-byte offset (as numpy copies and file maps give) is moved
+    to a cache-line-aligned copy; a module sharing the Parameter (a tied output) still shares it,
+    and the product is unchanged."""
+    from trainforge.infer.cpu_linear import ALIGN, GemvLinear
+
+    base = torch.randn(64 * 48 + 4)
+    lin = torch.nn.Linear(48, 64, bias=False)
+    lin.weight = torch.nn.Parameter(base[4:].view(64, 48), requires_grad=False)
+    assert lin.weight.data_ptr() % ALIGN  # the case under test: unaligned
+    emb = torch.nn.Embedding(64, 48)
+    emb.weight = lin.weight
+    want = torch.nn.functional.linear(torch.ones(1, 48), base[4:].view(64, 48))
+    gemv = GemvLinear.of(lin, ops)
+    assert gemv.weight.data_ptr() % ALIGN == 0
+    assert emb.weight is gemv.weight
+    assert torch.equal(gemv(torch.ones(1, 48)), ops.f32_linear(torch.ones(1, 48), base[4:].view(64, 48)))
+    assert _rel(gemv(torch.ones(1, 48)), want) < 1e-5
