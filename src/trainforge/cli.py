@@ -281,7 +281,7 @@ def _trained_grid(checkpoint: str, requested: str, group_size: int | None, what:
 
 def _load_for_engine(a, kv_slots=None):
     from trainforge.infer.loading import load_model
-    from trainforge.infer.malloc_release import release_freed_memory
+    from trainforge.infer.malloc_release import map_large_blocks_for_load, release_freed_memory
     from trainforge.infer.quantize import quantize_model
 
     # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
@@ -290,6 +290,7 @@ def _load_for_engine(a, kv_slots=None):
     # Quantising at load on CPU: the float weights are mapped from the file (read as each layer is
     # quantised, reclaimable after), so the fp32 model is never resident beside the quantised one.
     mapped = mode != "none" and a.device == "cpu"
+    map_large_blocks_for_load()  # until release_freed_memory below: freed load tensors leave at once
     loaded = load_model(a.checkpoint, a.device, a.dtype, kv_slots=kv_slots, mapped=mapped,
                         quantize_to={"mode": mode, "group_size": group_size} if mode != "none" else None)
     if mode != "none":

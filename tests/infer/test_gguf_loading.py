@@ -272,3 +272,19 @@ def test_q6_k_output_of_a_q4_0_preset_loads_as_float(tmp_path):
     bad = write_gguf(tmp_path / "b.gguf", m, linear_type=Q.Q4_0, overrides={"blk.0.ffn_gate.weight": Q.Q6_K})
     with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_gate\.weight is of GGUF type Q6_K"):
         load_model(bad)
+
+
+def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, model):
+    """The weights are read after the reader is dropped (``FileTensor``): a file cut in between
+    (a copy still being written) is refused naming the tensor, not read as zeros."""
+    from trainforge.infer import gguf_loading as gg
+
+    path = write_gguf(tmp_path / "late.gguf", model)
+    reader, cfg, _ = gg.open_gguf(path)
+    tensors = gg.file_tensors(reader, path)
+    del reader
+    last = max(tensors, key=lambda t: t.data_offset)
+    with open(path, "r+b") as f:
+        f.truncate(last.data_offset + last.n_bytes // 2)
+    with pytest.raises(CheckpointError, match=rf"late.gguf: tensor {last.name} needs .* truncated"):
+        gg.read_gguf(tensors, cfg, path)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import mmap
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,50 @@ _NORMS = {"attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
 
 def open_gguf(path: Path):
     """(the file's ``GGUFReader``, its ``ModelConfig``, the block mode most linears are in or None);
-    only the header is read (the tensors are a map of the file)."""
+    only the header is read. Take what is needed of the reader (``gguf_tokenizer``,
+    ``file_tensors``) and drop it before ``read_gguf``."""
     reader = _reader(path)
     cfg = model_config_from_gguf(reader, path)
     mode = _majority_mode([t for t in reader.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
     return reader, cfg, mode
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """Where one tensor lies in a GGUF file: what ``read_gguf`` needs once the ``GGUFReader`` is
+    dropped. The reader parses every metadata array item into its own numpy view (~300 bytes
+    each: 25 MiB for an 8192-token vocabulary with its merges, hundreds of MiB for Llama 3's
+    128k tokens and 280k merges) and maps the file, so holding it while the weights are read
+    would add both to the load's peak memory (the issue's RSS bound)."""
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # ggml order: innermost first
+    n_bytes: int
+    data_offset: int
+    dtype: Any  # the reader's element type: float32 / float16 for F32 / F16, else uint8 bytes
+    array_shape: tuple[int, ...]  # the reader's array shape in that type
+    path: Path
+
+    def read(self) -> np.ndarray:
+        """The tensor as the reader's array, read into memory of its own: an anonymous map, page
+        aligned (the float GEMV's loads) and outside malloc's heap. A malloc'd buffer, freed,
+        raises glibc's dynamic mmap threshold, and the stored forms and their repacks then
+        fragment the heap: the 90m q4_0 load peaked 35 MiB higher. No file pages are mapped."""
+        buf = np.frombuffer(mmap.mmap(-1, max(self.n_bytes, 1)), dtype=np.uint8)[:self.n_bytes]
+        with open(self.path, "rb") as f:
+            f.seek(self.data_offset)
+            got = f.readinto(memoryview(buf))
+        if got != self.n_bytes:
+            raise CheckpointError(f"{self.path}: tensor {self.name} needs {self.n_bytes} bytes at offset "
+                                  f"{self.data_offset}, the file holds {got}: truncated (download or convert it "
+                                  "again)")
+        return buf.view(self.dtype).reshape(self.array_shape)
+
+
+def file_tensors(reader, path: Path) -> list[FileTensor]:
+    """The places of the file's tensors (``FileTensor``), to read them after the reader is dropped."""
+    return [FileTensor(t.name, t.tensor_type, tuple(int(s) for s in t.shape), int(t.n_bytes), int(t.data_offset),
+                       t.data.dtype, tuple(t.data.shape), path) for t in reader.tensors]
 
 
 def _reader(path: Path):
@@ -140,12 +180,12 @@ def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.reshape(n_head, hd // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def _tensor_bytes(t) -> np.ndarray:
-    """A tensor's data as (N, row bytes) uint8 (a view of the mapped file)."""
-    return np.asarray(t.data).reshape(int(t.shape[1]) if len(t.shape) > 1 else 1, -1).view(np.uint8)
+def _tensor_bytes(t: FileTensor) -> np.ndarray:
+    """A tensor's data as (N, row bytes) uint8, read from the file."""
+    return t.read().reshape(int(t.shape[1]) if len(t.shape) > 1 else 1, -1).view(np.uint8)
 
 
-def _stored_form(t, mode: str) -> dict[str, torch.Tensor]:
+def _stored_form(t: FileTensor, mode: str) -> dict[str, torch.Tensor]:
     """A Q8_0 / Q4_0 tensor's blocks split into our stored form: codes and fp16 scales, bytes as they are."""
     block_bytes = 34 if mode == "q8_0" else 18
     b = _tensor_bytes(t)
@@ -158,39 +198,21 @@ def _stored_form(t, mode: str) -> dict[str, torch.Tensor]:
     return {"weight": torch.from_numpy(qs), "scales": torch.from_numpy(d)}
 
 
-def _dequantised(t, path: Path) -> torch.Tensor:
+def _dequantised(t: FileTensor, path: Path) -> torch.Tensor:
     import gguf
 
-    if t.tensor_type.name == "F32":
-        a = np.asarray(t.data, dtype=np.float32)
-    else:  # F16, BF16, a block type; for the two _FLOAT_ANY_TYPE tensors, any type gguf-py decodes
+    a = t.read()
+    if t.tensor_type.name != "F32":  # F16, BF16, a block type; for the two _FLOAT_ANY_TYPE tensors, any type gguf-py decodes
         try:  # gguf-py decodes the K-quants in numpy (it has no encoder for them)
-            a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            a = gguf.quants.dequantize(a, t.tensor_type)
         except NotImplementedError:
             raise CheckpointError(f"{path}: tensor {t.name} is of GGUF type {t.tensor_type.name}, which the gguf "
                                   "package cannot decode; requantise the file with llama-quantize "
                                   "(--output-tensor-type q8_0 --token-embedding-type q8_0)") from None
     shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dims innermost first
-    # F32 is a view of the read-only map: copied out. A decoded array is already our own
-    # (copying it again would double the embedding's share of the load's peak memory).
-    a = np.array(a, dtype=np.float32) if t.tensor_type.name == "F32" else a.astype(np.float32, copy=False)
-    return torch.from_numpy(a.reshape(shape))
-
-
-def _drop_pages(reader, t) -> None:
-    """Let the kernel drop the file pages of tensor ``t`` once it has been copied out: clean
-    pages of a read-only map, so nothing is lost, and the load's peak memory is the model plus
-    one tensor rather than the model plus the whole file (the issue's RSS bound)."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    page = mmap.PAGESIZE
-    start = t.data_offset // page * page
-    end = t.data_offset + int(t.n_bytes)
-    try:
-        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-    except (OSError, ValueError):  # advice only: a kernel that refuses it costs memory, not correctness
-        pass
+    # Both are our own arrays already (the read buffer, a decoded array): no copy, which would
+    # double the embedding's share of the load's peak memory.
+    return torch.from_numpy(a.astype(np.float32, copy=False).reshape(shape))
 
 
 def _majority_mode(tensors: list) -> str | None:
@@ -199,9 +221,11 @@ def _majority_mode(tensors: list) -> str | None:
     return _BLOCK_TYPES[counts.most_common(1)[0][0]] if counts else None
 
 
-def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """(our state dict on CPU, quantization info or None) of a GGUF file's tensors."""
-    tensors = {t.name: t for t in reader.tensors}
+def read_gguf(tensors: list[FileTensor], cfg: ModelConfig, path: Path
+              ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """(our state dict on CPU, quantization info or None) of a GGUF file's tensors (``file_tensors``),
+    read one at a time."""
+    tensors = {t.name: t for t in tensors}
     supported = list(_FLOAT_TYPES) + list(_BLOCK_TYPES)
     for name, t in tensors.items():
         # The two _FLOAT_ANY_TYPE tensors: checked as they are decoded (_dequantised).
@@ -234,11 +258,9 @@ def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Ten
             stored = _stored_form(t, mode)
             sd.update({f"{ours}.{s}": (_unpermute(v, heads) if heads else v) for s, v in stored.items()})
             info["layers"].append(ours)
-            _drop_pages(reader, t)
             continue
         w = _dequantised(t, path)
         sd[f"{ours}.weight"] = _unpermute(w, heads) if heads else w
-        _drop_pages(reader, t)
         if mode is not None:
             info["skipped"][ours] = f"GGUF {kind} in a {mode} file: loaded as float"
     emb = tensors["token_embd.weight"]
@@ -247,11 +269,9 @@ def read_gguf(reader, cfg: ModelConfig, path: Path) -> tuple[dict[str, torch.Ten
         # Kept in blocks: the tied case stays float, as the output projection reads it whole.
         sd.update({f"tok_embeddings.{s}": v for s, v in _stored_form(emb, emb_mode).items()})
         info["embedding"] = emb_mode
-        _drop_pages(reader, emb)
         del others["token_embd.weight"]
     for g, ours in others.items():
         sd[ours] = _dequantised(tensors[g], path)
-        _drop_pages(reader, tensors[g])
     return sd, (info if mode else None)
 
 

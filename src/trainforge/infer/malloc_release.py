@@ -20,18 +20,44 @@ import ctypes
 import ctypes.util
 
 
-def release_freed_memory() -> bool:
-    """``malloc_trim(0)`` (see the module docstring); returns whether it ran. A no-op, returning
-    False, where the C library is not glibc."""
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+LOAD_MMAP_THRESHOLD = 256 << 10  # every tensor of a load (>= a 64 x 1024 row block) is its own map
+RUN_MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for the dynamic threshold
+
+
+def _glibc():
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
         libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
+        libc.malloc_trim, libc.mallopt
         libc.gnu_get_libc_version  # glibc's own symbol: other C libraries lack malloc_trim or stub it
     except (OSError, AttributeError):
+        return None
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return libc
+
+
+def map_large_blocks_for_load() -> bool:
+    """Before a model load: serve every block of ``LOAD_MMAP_THRESHOLD`` or more by its own
+    ``mmap``, so each tensor the load frees (a read buffer, a stored form once repacked) leaves
+    the process at once and the next one cannot land in a hole of the heap. Returns whether it
+    ran (glibc only). ``release_freed_memory`` ends it."""
+    libc = _glibc()
+    return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD))
+
+
+def release_freed_memory() -> bool:
+    """Once the model is ready: raise the mmap threshold to ``RUN_MMAP_THRESHOLD`` (activations of
+    a prefill then come from the heap and are reused, never faulted in again: the module
+    docstring), keep the heap's top up to that size, and ``malloc_trim(0)``. Returns whether it ran;
+    a no-op, returning False, where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
         return False
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    trim(0)
+    libc.mallopt(M_MMAP_THRESHOLD, RUN_MMAP_THRESHOLD)
+    libc.mallopt(M_TRIM_THRESHOLD, 2 * RUN_MMAP_THRESHOLD)  # what the dynamic rule would pair with it
+    libc.malloc_trim(0)
     return True
