@@ -1,17 +1,19 @@
-"""Hand the memory a model load freed back to the OS (glibc), once the model is ready.
+"""The malloc policy of a model load (glibc): what the load frees leaves the process.
 
 glibc serves an allocation of at least ``M_MMAP_THRESHOLD`` bytes with its own ``mmap``, returned
 to the OS by ``free``; smaller ones come from the heap, which keeps freed memory. The threshold is
 dynamic: each freed mmapped block raises it to that block's size (up to 32 MiB on 64-bit), so once
 a load has freed one 10 MB tensor, later tensors up to that size land in the heap and stay
 resident after they are freed. Loading a quantised model frees many such tensors (GGUF bytes split
-into stored forms, stored forms repacked for the kernels: ``gguf_loading.py``, ``blocks.py``):
-measured on the 90m benchmark model's q4_0 GGUF, packing left 30 MiB of freed tensors resident.
+into stored forms, stored forms fused and repacked for the kernels: ``gguf_loading.py``,
+``blocks.py``), and a tensor allocated after one was freed lands in its hole or above it: measured
+on the 90m benchmark model's q4_0 GGUF, packing left 30 MiB of freed tensors resident at the peak.
 
-``malloc_trim(0)`` after the load releases those free pages wherever they lie in the heap. Fixing
-the threshold low for the whole process instead (``mallopt``) did the same for the load but made
-every later large activation a fresh ``mmap`` whose pages fault in again: a 512-token prefill ran
-10-30% slower (BENCHMARKS.md, issue 24).
+So the load runs under a low fixed threshold (``map_large_blocks_for_load``: every tensor its own
+map, freed at once; the q4_0 peak fell 331 -> 313 MiB), and once the model is ready
+``release_freed_memory`` fixes it at glibc's ceiling and trims. Left low for the whole run, every
+large activation would be a fresh ``mmap`` whose pages fault in again: a 512-token prefill ran
+10-30% slower (BENCHMARKS.md, issue 24); from the heap they are reused.
 """
 
 from __future__ import annotations
