@@ -150,7 +150,8 @@ def test_gemv_linear_aligns_a_mapped_weight_and_keeps_it_tied(ops):
     """A weight that is a view at a 16-byte offset (as numpy copies and file maps give) is moved
     to a cache-line-aligned copy; a module sharing the Parameter (a tied output) still shares it,
     and the product is unchanged."""
-    from trainforge.infer.cpu_linear import ALIGN, GemvLinear
+    from trainforge.infer.cpu_linear import GemvLinear
+    from trainforge.infer.weight_arena import ALIGN
 
     base = torch.randn(64 * 48 + 4)
     lin = torch.nn.Linear(48, 64, bias=False)

@@ -17,22 +17,19 @@ from typing import Callable
 import torch
 from torch import nn
 
+from trainforge.infer.weight_arena import place_weight
 from trainforge.model.fast_decode import RowBlockLinear
 
 GEMV_ROWS = 8  # F32_MAX_M in blocks.cpp: the op's own GEMV limit
-ALIGN = 64  # bytes: a cache line, and one AVX-512 load
 
 
-def align_in_place(p: torch.Tensor) -> None:
-    """Move ``p``'s data to a cache-line-aligned copy when it is not aligned (a view of a
-    GGUF or safetensors map, a numpy copy: 16-byte aligned). Each unaligned AVX-512 load
-    touches two lines: the 90m fp32 GEMVs streamed 20-22 GB/s on one Zen 4 thread from such
-    weights against 25-26 aligned, 28 against 31 on two. ``.data`` is swapped, so the module
-    sharing the Parameter (a tied output) keeps sharing it; the old copy is freed."""
-    if p.data_ptr() % ALIGN:
-        new = torch.empty_like(p, memory_format=torch.contiguous_format)  # torch's CPU allocator: 64-byte aligned
-        new.copy_(p)
-        p.data = new
+def to_weight_arena(p: torch.Tensor) -> None:
+    """Move ``p``'s data into the weight arena (``infer/weight_arena.py``): huge pages, 64-byte
+    aligned. A view of a GGUF or safetensors map or a numpy copy is only 16-byte aligned, and
+    each unaligned AVX-512 load touches two lines: the 90m fp32 GEMVs streamed 20-22 GB/s on
+    one Zen 4 thread from such weights against 25-26 aligned. ``.data`` is swapped, so the
+    module sharing the Parameter (a tied output) keeps sharing it; the old copy is freed."""
+    p.data = place_weight(p.data.contiguous())
 
 
 class GemvLinear(RowBlockLinear):
@@ -41,7 +38,7 @@ class GemvLinear(RowBlockLinear):
     @classmethod
     def of(cls, linear: nn.Linear, ops) -> GemvLinear:
         new = super().of(linear)
-        align_in_place(new.weight)
+        to_weight_arena(new.weight)
         new._op, new._op_into = ops.f32_linear.default, ops.f32_linear_into.default
         return new
 

@@ -86,7 +86,7 @@ class FileTensor:
         aligned (the float GEMV's loads) and outside malloc's heap. A malloc'd buffer, freed,
         raises glibc's dynamic mmap threshold, and the stored forms and their repacks then
         fragment the heap: the 90m q4_0 load peaked 35 MiB higher. No file pages are mapped."""
-        buf = np.frombuffer(mmap.mmap(-1, max(self.n_bytes, 1)), dtype=np.uint8)[:self.n_bytes]
+        buf = np.frombuffer(mmap.mmap(-1, max(self.n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)[:self.n_bytes]
         with open(self.path, "rb") as f:
             f.seek(self.data_offset)
             got = f.readinto(memoryview(buf))

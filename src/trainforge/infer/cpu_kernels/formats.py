@@ -68,9 +68,10 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 GROUP = 8
 
 
-def pack_x8(qs: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_x8(qs: torch.Tensor, d: torch.Tensor, empty=torch.empty) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' layout of Q8_0 / Q4_0 weights: (qs (N, K*bits/8), d (N, K/32)) ->
-    (w (G, nb * 8 * bytes_per_block), s (G, nb * 8) fp16), G = ceil(N / 8), rows zero-padded.
+    (w (G, nb * 8 * bytes_per_block), s (G, nb * 8) fp16), G = ceil(N / 8), rows zero-padded;
+    ``empty(shape, dtype=)`` allocates them (the weight arena: written in place, no second copy).
 
     For group g (rows 8g..8g+7) and block b, chunk c holds bytes 4c..4c+3 of each of the 8
     rows' block in turn (32 bytes), so one vector load gives a 32-bit lane per row
@@ -82,6 +83,8 @@ def pack_x8(qs: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if g * GROUP != n:
         qs = torch.cat([qs, qs.new_zeros(g * GROUP - n, qs.shape[1])])
         d = torch.cat([d, d.new_zeros(g * GROUP - n, nb)])
-    w = qs.reshape(g, GROUP, nb, bpb // 4, 4).permute(0, 2, 3, 1, 4).reshape(g, nb * GROUP * bpb)
-    s = d.reshape(g, GROUP, nb).permute(0, 2, 1).reshape(g, nb * GROUP)
+    w = empty((g, nb * GROUP * bpb), dtype=qs.dtype)
+    w.view(g, nb, bpb // 4, GROUP, 4).copy_(qs.reshape(g, GROUP, nb, bpb // 4, 4).permute(0, 2, 3, 1, 4))
+    s = empty((g, nb * GROUP), dtype=d.dtype)
+    s.view(g, nb, GROUP).copy_(d.reshape(g, GROUP, nb).permute(0, 2, 1))
     return w, s

@@ -34,6 +34,7 @@ from trainforge.infer.cpu_kernels import load_kernels
 from trainforge.infer.cpu_kernels.formats import (BLOCK, dequantize_q4_0, dequantize_q8_0, pack_x8,
                                                   quantize_q4_0, quantize_q8_0)
 from trainforge.infer.quantize.common import Kernel, QuantLinear
+from trainforge.infer.weight_arena import empty_weight
 
 
 class _BlockLinear(QuantLinear):
@@ -97,7 +98,7 @@ class _BlockLinear(QuantLinear):
             op, op_into = getattr(ops, self.OP), getattr(ops, self.OP + "_into")
             # The kernel's interleaved layout (pack_x8 moves bytes): pack() then drops the stored
             # buffers, so the closures hold the only copy.
-            w, s = pack_x8(self.weight, self.scales)
+            w, s = pack_x8(self.weight, self.scales, empty=empty_weight)  # in huge pages: weight_arena.py
             n = self.out_features
             self._into = (op_into.default, w, s)
             return lambda x: op(x.float().contiguous(), w, s, n)
