@@ -280,9 +280,8 @@ def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, model):
     from trainforge.infer import gguf_loading as gg
 
     path = write_gguf(tmp_path / "late.gguf", model)
-    reader, cfg, _ = gg.open_gguf(path)
-    tensors = gg.file_tensors(reader, path)
-    del reader
+    header, cfg, _ = gg.open_gguf(path)
+    tensors = header.tensors
     last = max(tensors, key=lambda t: t.data_offset)
     with open(path, "r+b") as f:
         f.truncate(last.data_offset + last.n_bytes // 2)

@@ -55,14 +55,55 @@ _FLOAT_ANY_TYPE = ("token_embd.weight", "output.weight")
 _NORMS = {"attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
 
 
-def open_gguf(path: Path):
-    """(the file's ``GGUFReader``, its ``ModelConfig``, the block mode most linears are in or None);
-    only the header is read. Take what is needed of the reader (``gguf_tokenizer``,
-    ``file_tensors``) and drop it before ``read_gguf``."""
+@dataclass(frozen=True)
+class StringArray:
+    """A metadata array of strings (``tokenizer.ggml.tokens`` / ``merges``) as one blob: the
+    lengths and the UTF-8 bytes end to end. Taken while the reader is open, as two large
+    objects, so that every small object the reader made dies with it and the interpreter can
+    hand its memory back (a list of str made then would pin the reader's arenas: ~10 MiB left
+    behind for an 8k vocabulary). ``tolist`` decodes it once the reader is gone."""
+    lengths: np.ndarray
+    blob: bytes
+
+    @classmethod
+    def of(cls, field) -> "StringArray":
+        parts = [field.parts[i] for i in field.data]
+        return cls(np.array([len(p) for p in parts], dtype=np.int64), b"".join(p.tobytes() for p in parts))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def tolist(self) -> list[str]:
+        ends = np.cumsum(self.lengths).tolist()
+        return [self.blob[e - n:e].decode("utf-8") for e, n in zip(ends, self.lengths.tolist())]
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """What trainforge takes of a GGUF file's header: the metadata as plain values and where
+    each tensor lies. The ``GGUFReader`` it came from is dropped (``FileTensor`` says why)."""
+    path: Path
+    meta: dict[str, Any]
+    tensors: list["FileTensor"]
+
+
+def open_gguf(path: Path) -> tuple[GGUFFile, ModelConfig, str | None]:
+    """(the file's header as ``GGUFFile``, its ``ModelConfig``, the block mode most linears are in
+    or None); only the header is read, by gguf-py's ``GGUFReader``, which is then let go."""
     reader = _reader(path)
-    cfg = model_config_from_gguf(reader, path)
-    mode = _majority_mode([t for t in reader.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
-    return reader, cfg, mode
+    header = GGUFFile(path, _metadata(reader), file_tensors(reader, path))
+    del reader
+    cfg = model_config_from_gguf(header, path)
+    mode = _majority_mode([t for t in header.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
+    return header, cfg, mode
+
+
+def _metadata(reader) -> dict[str, Any]:
+    import gguf
+
+    string, array = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+    return {key: StringArray.of(f) if f.types[:1] == [array] and f.types[-1] == string else f.contents()
+            for key, f in reader.fields.items()}
 
 
 @dataclass(frozen=True)
@@ -98,7 +139,7 @@ class FileTensor:
 
 
 def file_tensors(reader, path: Path) -> list[FileTensor]:
-    """The places of the file's tensors (``FileTensor``), to read them after the reader is dropped."""
+    """The places of a ``GGUFReader``'s tensors (``FileTensor``), to read them once it is dropped."""
     return [FileTensor(t.name, t.tensor_type, tuple(int(s) for s in t.shape), int(t.n_bytes), int(t.data_offset),
                        t.data.dtype, tuple(t.data.shape), path) for t in reader.tensors]
 
@@ -116,13 +157,13 @@ def _reader(path: Path):
                               f"({error_detail(e)})") from None
 
 
-def _field(reader, key: str, default: Any = None, required: bool = False, path: Path | None = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
+def _field(header: GGUFFile, key: str, default: Any = None, required: bool = False, path: Path | None = None
+           ) -> Any:
+    if key not in header.meta:
         if required:
             raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing")
         return default
-    return f.contents()
+    return header.meta[key]
 
 
 def _f32(v: float) -> float:
@@ -131,23 +172,23 @@ def _f32(v: float) -> float:
     return float(str(np.float32(v)))
 
 
-def model_config_from_gguf(reader, path: Path) -> ModelConfig:
+def model_config_from_gguf(header: GGUFFile, path: Path) -> ModelConfig:
     """``ModelConfig`` from the ``general.architecture`` / ``llama.*`` metadata, validated by the HF
     Llama config reader (same checks); ``tie_embeddings`` when the file has no ``output.weight``."""
-    arch = _field(reader, "general.architecture", required=True, path=path)
+    arch = _field(header, "general.architecture", required=True, path=path)
     if arch != "llama":
         raise CheckpointError(f"{path}: GGUF general.architecture is {arch!r}; trainforge reads 'llama' GGUF files "
                               "only (for others, load the Hugging Face directory)")
-    names = {t.name for t in reader.tensors}
-    g = lambda key, **kw: _field(reader, f"llama.{key}", path=path, **kw)  # noqa: E731
+    names = {t.name for t in header.tensors}
+    g = lambda key, **kw: _field(header, f"llama.{key}", path=path, **kw)  # noqa: E731
     scaling = g("rope.scaling.type", default="none")
     if scaling not in ("none", None):
         raise CheckpointError(f"{path}: GGUF key 'llama.rope.scaling.type' is {scaling!r}; trainforge's Llama has "
                               "no RoPE scaling")
-    emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    emb = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
     if emb is None:
         raise CheckpointError(f"{path}: no token_embd.weight tensor")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    tokens = _field(header, "tokenizer.ggml.tokens")
     vocab = g("vocab_size", default=None) or int(emb.shape[1])  # ggml shapes are (K, N)
     hf = {"hidden_size": g("embedding_length", required=True), "num_hidden_layers": g("block_count", required=True),
           "num_attention_heads": g("attention.head_count", required=True),
@@ -275,11 +316,15 @@ def read_gguf(tensors: list[FileTensor], cfg: ModelConfig, path: Path
     return sd, (info if mode else None)
 
 
-def gguf_tokenizer(reader, path: Path) -> tuple[Any, tuple[int, ...]]:
+def _strings(v: Any) -> list[str]:
+    return v.tolist() if isinstance(v, StringArray) else list(v)
+
+
+def gguf_tokenizer(header: GGUFFile, path: Path) -> tuple[Any, tuple[int, ...]]:
     """(a ``tokenizers.Tokenizer`` or None, eos ids) from ``tokenizer.ggml.*``: byte-level BPE
     (model "gpt2": tokens + merges). SentencePiece ("llama") is refused with the way round it."""
-    model = _field(reader, "tokenizer.ggml.model")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    model = _field(header, "tokenizer.ggml.model")
+    eos = _field(header, "tokenizer.ggml.eos_token_id")
     eos_ids = (int(eos),) if eos is not None else ()
     if model is None:
         return None, eos_ids
@@ -289,12 +334,12 @@ def gguf_tokenizer(reader, path: Path) -> tuple[Any, tuple[int, ...]]:
                               "tokenizer.json) instead")
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens = _field(reader, "tokenizer.ggml.tokens", required=True, path=path)
-    merges = _field(reader, "tokenizer.ggml.merges", required=True, path=path)
-    types = _field(reader, "tokenizer.ggml.token_type", default=[1] * len(tokens))
+    tokens = _strings(_field(header, "tokenizer.ggml.tokens", required=True, path=path))
+    merges = _strings(_field(header, "tokenizer.ggml.merges", required=True, path=path))
+    types = _field(header, "tokenizer.ggml.token_type", default=[1] * len(tokens))
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
                                merges=[tuple(m.split(" ", 1)) for m in merges]))
-    pre = _field(reader, "tokenizer.ggml.pre", default="gpt2")
+    pre = _field(header, "tokenizer.ggml.pre", default="gpt2")
     if pre in ("llama-bpe", "llama3"):  # Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3)
         split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")

@@ -245,13 +245,11 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
 def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
     from trainforge.infer import gguf_loading as gg
 
-    reader, cfg, mode = gg.open_gguf(path)
-    tok, eos = gg.gguf_tokenizer(reader, path)  # before any weight is read: a refusal costs nothing
+    header, cfg, mode = gg.open_gguf(path)
+    tok, eos = gg.gguf_tokenizer(header, path)  # before any weight is read: a refusal costs nothing
     _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
                str(path))
-    tensors = gg.file_tensors(reader, path)
-    del reader  # its parsed metadata and its map of the file go before the weights come (FileTensor)
-    sd, quantization = gg.read_gguf(tensors, cfg, path)
+    sd, quantization = gg.read_gguf(header.tensors, cfg, path)
     model = _materialise(cfg, {k: v.to(device) for k, v in sd.items()}, device, dtype, quantization, str(path))
     return LoadedModel(model, tok, eos, path.stem, "gguf", quantization, path)
 
