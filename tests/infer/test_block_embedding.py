@@ -25,8 +25,16 @@ def _table(mode: str, vocab: int = 50, dim: int = 96) -> tuple[BlockEmbedding, t
     return emb, _DEQUANTIZE[mode](emb.weight, emb.scales)
 
 
+@pytest.mark.parametrize("kernels", ["c++", "torch"])  # the C++ block_gather_into op, and the torch ops without it
 @pytest.mark.parametrize("mode", ["q8_0", "q4_0"])
-def test_rows_equal_the_formats_dequantisation_exactly(mode):
+def test_rows_equal_the_formats_dequantisation_exactly(mode, kernels, monkeypatch):
+    from trainforge.infer.cpu_kernels import load_kernels
+    from trainforge.infer.quantize import block_embedding
+
+    if kernels == "c++" and load_kernels() is None:
+        pytest.skip("the C++ kernels did not build here (warning says why)")
+    if kernels == "torch":
+        monkeypatch.setattr(block_embedding, "load_kernels", lambda: None)
     emb, ref = _table(mode)
     tokens = torch.tensor([[3, 0, 49], [7, 7, 12]])
     torch.testing.assert_close(emb(tokens), ref[tokens], atol=0, rtol=0)
@@ -39,6 +47,17 @@ def test_rows_equal_the_formats_dequantisation_exactly(mode):
         step.copy_(torch.tensor([0, 2, 3, 4]))
         gather()
         torch.testing.assert_close(out, ref[step], atol=0, rtol=0)
+
+
+def test_bound_gather_refuses_a_token_out_of_range():
+    from trainforge.infer.cpu_kernels import load_kernels
+
+    if load_kernels() is None:
+        pytest.skip("the C++ kernels did not build here (warning says why)")
+    emb, _ = _table("q4_0")
+    gather = emb.bind_gather(torch.tensor([3, 50]), torch.empty(2, 96))
+    with pytest.raises(RuntimeError, match="token 50 out of range for 50 rows"):
+        gather()
 
 
 def test_bad_shapes_are_refused():

@@ -435,6 +435,46 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& w) {
 std::string isa_op() { return chosen_isa(); }
 bool supports_op(std::string isa) { return supports(isa); }
 
+// ---- rows of a Q8_0 / Q4_0 token embedding ----------------------------------------------------
+// The stored form (not x8-packed: a lookup reads whole rows): codes w (V, K) int8 or (V, K/2)
+// uint8 (byte j of a block: element j low nibble, j + 16 high), scales s (V, K/32) fp16. Each
+// value is fp32(code) * fp32(scale), the arithmetic of formats.dequantize_*, so the rows are the
+// same bits as BlockEmbedding.forward's; one op where the torch form took eight.
+void block_gather_into(const at::Tensor& w, const at::Tensor& s, const at::Tensor& tokens, at::Tensor out) {
+  const bool q4 = w.scalar_type() == at::kByte;
+  TORCH_CHECK((q4 || w.scalar_type() == at::kChar) && w.dim() == 2 && w.stride(1) == 1,
+              "block gather: codes must be int8 (V, K) or uint8 (V, K/2) with contiguous rows");
+  TORCH_CHECK(s.scalar_type() == at::kHalf && s.dim() == 2 && s.stride(1) == 1 && s.size(0) == w.size(0),
+              "block gather: scales must be fp16 (V, K/32) with contiguous rows");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.is_contiguous(),
+              "block gather: tokens must be int64 (B,)");
+  const int64_t V = w.size(0), nb = s.size(1), K = nb * QK, B = tokens.size(0);
+  TORCH_CHECK(w.size(1) == (q4 ? K / 2 : K), "block gather: codes and scales disagree on K");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == B && out.size(1) == K &&
+              out.stride(1) == 1, "block gather: out must be fp32 (B, K) with contiguous rows");
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t t = tp[b];
+    TORCH_CHECK(t >= 0 && t < V, "block gather: token ", t, " out of range for ", V, " rows");
+    const at::Half* sr = s.data_ptr<at::Half>() + t * s.stride(0);
+    float* o = out.data_ptr<float>() + b * out.stride(0);
+    for (int64_t j = 0; j < nb; ++j) {
+      const float d = static_cast<float>(sr[j]);
+      float* oj = o + j * QK;
+      if (q4) {
+        const uint8_t* c = w.data_ptr<uint8_t>() + t * w.stride(0) + j * (QK / 2);
+        for (int i = 0; i < QK / 2; ++i) {
+          oj[i] = static_cast<float>((c[i] & 0xF) - 8) * d;
+          oj[i + QK / 2] = static_cast<float>((c[i] >> 4) - 8) * d;
+        }
+      } else {
+        const int8_t* c = w.data_ptr<int8_t>() + t * w.stride(0) + j * QK;
+        for (int i = 0; i < QK; ++i) oj[i] = static_cast<float>(c[i]) * d;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trainforge_cpu, m) {
@@ -445,6 +485,7 @@ TORCH_LIBRARY(trainforge_cpu, m) {
   m.def("q4_0_linear_into(Tensor x, Tensor w, Tensor s, Tensor(a!) out) -> ()");
   m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
   m.def("f32_linear_into(Tensor x, Tensor w, Tensor(a!) out) -> ()");
+  m.def("block_gather_into(Tensor w, Tensor s, Tensor tokens, Tensor(a!) out) -> ()");
   m.def("isa() -> str", &isa_op);
   m.def("supports(str isa) -> bool", &supports_op);
 }
@@ -456,4 +497,5 @@ TORCH_LIBRARY_IMPL(trainforge_cpu, CPU, m) {
   m.impl("q4_0_linear_into", &q4_0_linear_into);
   m.impl("f32_linear", &f32_linear);
   m.impl("f32_linear_into", &f32_linear_into);
+  m.impl("block_gather_into", &block_gather_into);
 }

@@ -64,7 +64,7 @@ def _register_fakes() -> None:
         torch.library.register_fake(f"trainforge_cpu::{name}")(block_fake)
     torch.library.register_fake("trainforge_cpu::f32_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
     for name in ("q8_0_linear_into", "q4_0_linear_into", "f32_linear_into", "rope_into", "paged_attention_into",
-                 "rms_norm_into", "silu_mul_into"):
+                 "rms_norm_into", "silu_mul_into", "block_gather_into"):
         torch.library.register_fake(f"trainforge_cpu::{name}")(into_fake)
 
 

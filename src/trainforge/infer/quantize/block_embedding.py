@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from trainforge.infer.cpu_kernels import load_kernels
 from trainforge.infer.cpu_kernels.formats import BLOCK
 from trainforge.infer.quantize.blocks import Q4_0Linear, Q8_0Linear
 
@@ -66,6 +67,10 @@ class BlockEmbedding(nn.Module):
         allocation per step). The arithmetic of ``formats.dequantize_*`` (fp32 codes times the
         fp32 scale), so the rows are the same bits as ``forward``'s."""
         B, nb = tokens.shape[0], self.embedding_dim // BLOCK
+        ops = load_kernels() if self.weight.device.type == "cpu" else None
+        if ops is not None and out.dtype == torch.float32 and out.stride(-1) == 1 and tokens.is_contiguous():
+            # One C++ op (blocks.cpp), same arithmetic: 8 small torch ops took ~0.1 ms of a 2.2 ms 90m q4_0 step.
+            return functools.partial(ops.block_gather_into.default, self.weight, self.scales, tokens, out)
         codes = torch.empty(B, self.weight.shape[1], dtype=self.weight.dtype, device=self.weight.device)
         scales = torch.empty(B, nb, dtype=self.scales.dtype, device=self.scales.device)
         direct = out.dtype == torch.float32 and out.is_contiguous()
