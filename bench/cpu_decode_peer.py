@@ -3,7 +3,7 @@
 
     python -m bench.cpu_decode_peer                   # 3 rounds, 1 and 2 threads: ~7 min on 2 cores
     python -m bench.cpu_decode_peer --quick           # 1 round, 2 threads: ~2 min
-    python -m bench.cpu_decode_peer --json out.json   [--work DIR] [--build]
+    python -m bench.cpu_decode_peer --json out.json   [--work DIR] [--build] [--rss_large]
 
 Run from the repository root. The peer is llama.cpp as ``bench/_llama_cpp.py`` builds it; when it
 is absent the bench prints how to build it and exits 1 (``--build`` builds it, minutes). Measured
@@ -40,7 +40,8 @@ ours / llama.cpp, paired within a round; the summary is the median over rounds w
 
 Memory: peak RSS of every process (GNU time's %M). The issue's bound, for our tg process:
 (peak RSS - a bare ``python -c "import torch"`` process's peak RSS) / (the file's tensor bytes +
-our KV pool bytes, from ``--stats``) <= 1.3.
+our KV pool bytes, from ``--stats``) <= 1.3. ``--rss_large`` checks the same bound once more on a
+287M-parameter model (``large_config``; files made once into ``--work``/large, ours only).
 
 Greedy agreement, after the rounds, at the largest T: ``llama-completion`` greedy on a short text
 prompt (``-ctk f32 -ctv f32 --temp 0 -n 128 --ignore-eos -no-cnv``), writing the prompt's and the
@@ -216,15 +217,16 @@ def git_rev() -> str:
 
 # -- the files ----------------------------------------------------------------------------
 
-def prepare(work: Path, peer: LlamaCpp) -> dict[str, Path]:
-    """The three GGUF files in ``work``, made by the steps still missing (each written under a
-    temporary name, then renamed, so an interrupted run leaves nothing half-made)."""
+def prepare(work: Path, peer: LlamaCpp, cfg=None) -> dict[str, Path]:
+    """The three GGUF files in ``work`` of the model ``cfg`` (default the 90m one), made by the
+    steps still missing (each written under a temporary name, then renamed, so an interrupted
+    run leaves nothing half-made)."""
     files = {p: work / f"m-{p}.gguf" for p in PRECISIONS}
     work.mkdir(parents=True, exist_ok=True)
     if not files["f32"].is_file():
         hf = work / "hf"
         if not (hf / "config.json").is_file():
-            _write_hf_dir(work, hf)
+            _write_hf_dir(work, hf, cfg)
         tmp = work / "m-f32.gguf.tmp"
         convert_hf(peer, hf, tmp).rename(files["f32"])
     for kind in PRECISIONS[1:]:
@@ -234,7 +236,18 @@ def prepare(work: Path, peer: LlamaCpp) -> dict[str, Path]:
     return files
 
 
-def _write_hf_dir(work: Path, hf: Path) -> None:
+def large_config():
+    """The memory check's model (``--rss_large``): the 90m model's vocabulary and tokenizer,
+    dim 1024 and 24 layers, 287.4M parameters, so the weights are 3.3x the 90m model's and the
+    process's fixed memory (imports, kernels, tokenizer, workspace) weighs less in the bound."""
+    import dataclasses
+
+    from bench.inference import SIZES
+
+    return dataclasses.replace(SIZES["90m"], dim=1024, n_layers=24, n_heads=16, n_kv_heads=4, ffn_hidden_dim=2816)
+
+
+def _write_hf_dir(work: Path, hf: Path, cfg=None) -> None:
     from bench.inference import SIZES
     from trainforge.data.tokenizer import EOS_TOKEN, train_tokenizer
     from trainforge.infer.hf_export import save_hf_dir
@@ -244,7 +257,7 @@ def _write_hf_dir(work: Path, hf: Path) -> None:
     tok = train_tokenizer([(stdlib / name).read_text() for name in STDLIB_SOURCES], 8192)
     tok_path = work / "tokenizer.json"
     tok.save(str(tok_path))
-    model = build_model(SIZES["90m"], seed=0)
+    model = build_model(cfg or SIZES["90m"], seed=0)
     shutil.rmtree(hf, ignore_errors=True)
     save_hf_dir(hf, model.state_dict(), model.cfg, tok_path, eos_ids=(tok.token_to_id(EOS_TOKEN),))
 
@@ -402,6 +415,28 @@ def report(rows: list[dict], bare: list[int], agree: dict, header: dict) -> None
               f"{'PASS' if a['equal_before_first_difference'] == a['generated'] else 'FAIL'}")
 
 
+def large_rss(peer: LlamaCpp, work: Path, threads: int, tokens: int, lock: str) -> list[dict]:
+    """The RSS bound of our tg process on ``large_config``'s three files (one sample each at
+    ``threads``; speed is not compared here)."""
+    with locked(lock):
+        files = prepare(work, peer, large_config())
+        bare = statistics.median(run_process([sys.executable, "-c", "import torch"]).peak_rss for _ in range(3))
+        rows = []
+        for prec, f in files.items():
+            s = ours_sample(f, threads, "tg", tokens, [1])
+            w = tensor_bytes(f)
+            rows.append({"precision": prec, "weights_mib": w / MIB, "kv_pool_mib": s.kv_pool_bytes / MIB,
+                         "ours_peak_rss_mib": s.peak_rss / MIB, "bare_torch_peak_rss_mib": bare / MIB,
+                         "rss_bound": (s.peak_rss - bare) / (w + s.kv_pool_bytes), "tok_s": s.tok_s})
+    print(f"\nmemory on the {large_config().num_params() / 1e6:.1f}M-parameter model (--rss_large, T={threads}, "
+          f"tg{tokens}, ours only):")
+    for r in rows:
+        print(f"  {r['precision']:>5}: peak RSS {r['ours_peak_rss_mib']:.0f} MiB, weights {r['weights_mib']:.1f} + KV "
+              f"{r['kv_pool_mib']:.1f} MiB, bound {r['rss_bound']:.2f} "
+              f"({'PASS' if r['rss_bound'] <= TARGETS['rss_bound'] else 'FAIL'}), {r['tok_s']:.1f} tok/s")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.cpu_decode_peer", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="1 round at 2 threads (~2 min)")
@@ -418,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a round starts once other processes use under this share of the CPUs")
     p.add_argument("--quiet_wait_s", type=float, default=60.0, help="longest wait for that before a round")
     p.add_argument("--json", type=Path, default=None, help="also write every sample here")
+    p.add_argument("--rss_large", action="store_true",
+                   help="also check the memory bound on a 287M-parameter model (its files made once, ~2 min)")
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.threads = 1, [2]
@@ -454,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load round {r['round']}: before {r['before']['load_1min']} (others {r['before']['others_share']:.0%}, "
               f"waited {r['before']['waited_s']} s), after {r['after']['load_1min']} "
               f"(others {r['after']['others_share']:.0%})")
+    large = large_rss(peer, a.work / "large", max(a.threads), a.tg_tokens, a.lock) if a.rss_large else None
     if a.json:
         a.json.write_text(json.dumps({"machine": header, "loads": loads, "bare_torch_peak_rss": bare,
-                                      "rows": rows, "agreement": agree}, indent=1) + "\n")
+                                      "rows": rows, "agreement": agree, "rss_large": large}, indent=1) + "\n")
     return 0
 
 

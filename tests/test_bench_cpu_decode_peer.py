@@ -62,3 +62,13 @@ def test_ratios_are_paired_per_round_and_agreement_stops_at_the_first_difference
     assert (s["llama_cpp"], s["ours"]) == (100.0, 50.0)
     assert agreed_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2
     assert agreed_prefix([1, 2], [1, 2]) == 2
+
+
+def test_the_memory_checks_large_model_is_the_90m_models_vocabulary_at_3x_the_weights():
+    from bench.cpu_decode_peer import large_config
+    from bench.inference import SIZES
+
+    cfg, small = large_config(), SIZES["90m"]
+    assert cfg.vocab_size == small.vocab_size and not cfg.tie_embeddings
+    assert round(cfg.num_params() / 1e6, 1) == 287.4
+    assert cfg.num_params() > 3 * small.num_params()

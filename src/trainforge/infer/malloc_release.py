@@ -10,7 +10,8 @@ into stored forms, stored forms fused and repacked for the kernels: ``gguf_loadi
 on the 90m benchmark model's q4_0 GGUF, packing left 30 MiB of freed tensors resident at the peak.
 
 So the load runs under a low fixed threshold (``map_large_blocks_for_load``: every tensor its own
-map, freed at once; the q4_0 peak fell 331 -> 313 MiB), and once the model is ready
+map, freed at once, the block scales too; the q4_0 peak fell 331 -> 313 MiB, and 434 -> 424
+for a 287M-parameter model, whose 17 MiB of scales sat in heap holes), and once the model is ready
 ``release_freed_memory`` fixes it at glibc's ceiling and trims. Left low for the whole run, every
 large activation would be a fresh ``mmap`` whose pages fault in again: a 512-token prefill ran
 10-30% slower (BENCHMARKS.md, issue 24); from the heap they are reused.
@@ -23,7 +24,7 @@ import ctypes.util
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-LOAD_MMAP_THRESHOLD = 256 << 10  # every tensor of a load (>= a 64 x 1024 row block) is its own map
+LOAD_MMAP_THRESHOLD = 32 << 10  # every tensor of a load but the norms is its own map (the block scales too)
 RUN_MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for the dynamic threshold
 
 
