@@ -146,10 +146,10 @@ def test_ops_have_shape_functions_for_compile(ops, fmt):
                           test_utils=checks)
 
 
-def test_gemv_linear_aligns_a_mapped_weight_and_keeps_it_tied(ops):
+def test_gemv_linear_moves_a_mapped_weight_to_the_arena_and_keeps_it_tied(ops):
     """A weight that is a view at a 16-byte offset (as numpy copies and file maps give) is moved
-    to a cache-line-aligned copy; a module sharing the Parameter (a tied output) still shares it,
-    and the product is unchanged."""
+    into the weight arena, cache-line aligned; a module sharing the Parameter (a tied output)
+    still shares it, and the product is unchanged."""
     from trainforge.infer.cpu_linear import GemvLinear
     from trainforge.infer.weight_arena import ALIGN
 

@@ -24,10 +24,8 @@ GEMV_ROWS = 8  # F32_MAX_M in blocks.cpp: the op's own GEMV limit
 
 
 def to_weight_arena(p: torch.Tensor) -> None:
-    """Move ``p``'s data into the weight arena (``infer/weight_arena.py``): huge pages, 64-byte
-    aligned. A view of a GGUF or safetensors map or a numpy copy is only 16-byte aligned, and
-    each unaligned AVX-512 load touches two lines: the 90m fp32 GEMVs streamed 20-22 GB/s on
-    one Zen 4 thread from such weights against 25-26 aligned. ``.data`` is swapped, so the
+    """Move ``p``'s data into the weight arena (``infer/weight_arena.py``: huge pages, 64-byte
+    aligned; ``bench/cpu_kernels.py``'s weight stream measures it). ``.data`` is swapped, so the
     module sharing the Parameter (a tied output) keeps sharing it; the old copy is freed."""
     p.data = place_weight(p.data.contiguous())
 

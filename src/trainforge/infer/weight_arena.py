@@ -3,10 +3,12 @@ through as few TLB entries as possible.
 
 A decode step reads every weight once, so each 4 KiB page costs a TLB miss (and, in a VM, a
 two-level page walk). On Linux with THP in ``madvise`` mode (the common default) an anonymous
-private map advised ``MADV_HUGEPAGE`` is backed by 2 MiB pages. Measured on a 2-vCPU Zen 4 KVM,
-fp32 GEMV over 48 weights of 2048 x 768 (``f32_linear_into``): 24-25 -> 28-31 GB/s on one
-thread, 28-30 -> 31-34 on two; the file cache's pages (large folios) that llama.cpp's mmap reads
-were 7-15% faster than our plain copies for the same reason.
+private map advised ``MADV_HUGEPAGE`` is backed by 2 MiB pages. Measured on a 2-vCPU Zen 4 KVM
+(``python -m bench.cpu_kernels``, weight stream: fp32 ``f32_linear_into`` over 32 weights of
+2048 x 768, the two sets allocated alternately): 1.04-1.15x the GB/s of ``torch.empty`` weights at
+1 and 2 threads; the file cache's pages (large folios) that llama.cpp's mmap reads were 7-15%
+faster than our plain copies for the same reason. (Python's ``mmap.mmap(-1, n)`` is
+``MAP_SHARED``, shmem, whose THP setting is ``never`` there: the arena maps ``MAP_PRIVATE``.)
 
 Weights are bump-allocated from ``CHUNK``-sized maps, 64-byte aligned inside (one cache line
 and one AVX-512 load), so the rounding of huge pages costs at most one partly used 2 MiB page
