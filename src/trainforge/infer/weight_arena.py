@@ -58,7 +58,7 @@ class WeightArena:
         self._used = 0
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = max(1, torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size())
+        nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
         if _HUGEPAGE is None:
             return torch.empty(shape, dtype=dtype)
         if nbytes > CHUNK // 4:
