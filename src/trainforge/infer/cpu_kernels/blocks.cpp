@@ -41,7 +41,6 @@ void quantize_row_scalar(const float* x, int64_t K, int8_t* q, float* d, int32_t
   }
 }
 
-
 // The scalar loop, vectorised (round to nearest even is the default MXCSR mode, as nearbyint's):
 // at M = 1 it ran once per linear and cost as much as a small layer's dots.
 T2 void quantize_row_avx2(const float* x, int64_t K, int8_t* q, float* d, int32_t* c) {
