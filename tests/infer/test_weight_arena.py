@@ -20,6 +20,7 @@ def test_placed_tensors_are_exact_aligned_and_apart():
     for t, p in zip(ts, placed):
         assert torch.equal(p, t) and p.dtype == t.dtype and p.is_contiguous()
         assert p.data_ptr() % wa.ALIGN == 0
+    assert arena.empty((0, 4), torch.float32).shape == (0, 4)  # empty, of a multi-byte dtype
     placed[0].zero_()  # neighbours in one chunk do not overlap
     assert torch.equal(placed[1], ts[1]) and torch.equal(placed[2], ts[2])
 

@@ -58,9 +58,10 @@ class WeightArena:
         self._used = 0
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
         if _HUGEPAGE is None:
             return torch.empty(shape, dtype=dtype)
+        # At least one element's bytes, so an empty tensor still views as ``dtype``.
+        nbytes = max(1, torch.Size(shape).numel()) * dtype.itemsize
         if nbytes > CHUNK // 4:
             raw = _huge_map(nbytes)[:nbytes]
         else:
