@@ -15,6 +15,7 @@ from tests.infer.helpers import model_for
 from trainforge.infer.cpu_kernels import load_kernels
 from trainforge.infer.cpu_kernels.decode_ops import DecodeKernels
 from trainforge.infer.fusion import fuse_model
+from trainforge.infer.prepare import prepare_model
 from trainforge.model.attention_cache import PagedCache
 from trainforge.model.fast_decode import DecodeWorkspace, FastDecoder, RowBlockLinear
 from trainforge.model.fused import FusedFeedForward, FusedRMSNorm
@@ -30,10 +31,10 @@ def paged(model, rows: int = 3, context: int = 32) -> PagedCache:
     return PagedCache(torch.zeros(shape), torch.zeros(shape), rows, context)
 
 
-def fill(model, cache: PagedCache, seqs: list[list[int]]) -> None:
+def fill(model, cache: PagedCache, seqs: list[list[int]], S: int = 32) -> None:
     """Prefill each sequence into its own contiguous slot range (row r starts at slot
-    (r+1) * 32: block 0 is padding) and lay out one decode step for all rows."""
-    B, S = len(seqs), 32
+    (r+1) * S: block 0 is padding) and lay out one decode step of S slots for all rows."""
+    B = len(seqs)
     with torch.no_grad():
         for r, seq in enumerate(seqs):
             base = (r + 1) * S
@@ -97,6 +98,43 @@ def test_prefill_and_batched_decode_through_the_paged_cache_match_the_full_forwa
     torch.testing.assert_close(fast, want, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(fast_cache.k, slow_cache.k, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(fast_cache.v, slow_cache.v, atol=ATOL, rtol=RTOL)
+
+
+def test_a_step_bound_once_serves_every_context_length_as_one_cpp_call(monkeypatch):
+    """With the C++ kernels the attention reads the context length S from the cache, so the step is
+    bound (and compiled into one C++ call program) once for all S; its logits at S = 16 after a
+    step at S = 32 equal the plain forward's, and equal bit for bit the same calls run from Python."""
+    kernels = _kernels("avx2", monkeypatch)
+    model = prepare_model(model_for("gqa2"))  # the engine's model: fused, its linears on the C++ GEMV
+    V = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V, (T,), generator=gen).tolist() for T in LENGTHS]
+    nxt, positions = torch.randint(0, V, (3,), generator=gen), torch.tensor(LENGTHS)
+    tokens, pos = nxt.clone(), positions.clone()
+    with torch.no_grad():
+        fast_cache = paged(model)
+        fill(model, fast_cache, prompts, S=32)
+        dec = FastDecoder(model, fast_cache, tokens, pos, kernels)
+        dec.step(3, 32)
+        assert len(dec.plan(3, 32)) == 1  # the whole step is one call
+        for S in (16, 32):
+            slow_cache, fast_cache, loop_cache = paged(model), paged(model), paged(model)
+            for c in (slow_cache, fast_cache, loop_cache):
+                fill(model, c, prompts, S=S)
+            slow_cache.set_decode(3, S)
+            slow = model(nxt[:, None], positions[:, None], slow_cache)[:, 0]
+            dec.cache.k.copy_(fast_cache.k), dec.cache.v.copy_(fast_cache.v)
+            for name in ("slots", "gather", "bias"):
+                getattr(dec.cache, name).copy_(getattr(fast_cache, name))
+            fast = dec.step(3, S).clone()
+            assert dec.plan(3, S) is dec.plan(3, 32)
+            loop = FastDecoder(model, loop_cache, tokens, pos, kernels)
+            loop_cache.context[0] = S
+            for call in loop._bind(3, S):  # the same calls, one by one from Python
+                call()
+            torch.testing.assert_close(fast, slow, atol=ATOL, rtol=RTOL)
+            assert torch.equal(fast, loop.ws.logits[:3])
+            assert torch.equal(dec.cache.k, loop_cache.k)
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])

@@ -218,6 +218,9 @@ class PagedCache(AttentionCache):
         self.slots = torch.zeros(R * max_tokens_per_row, dtype=torch.long, **dev)
         self.gather = torch.zeros(R * C, dtype=torch.long, **dev)
         self.bias = torch.zeros(R * C, dtype=k.dtype, **dev)
+        # The decode step's context length S, as a tensor: the C++ attention reads it at run time,
+        # so one bound fast step serves every S (fast_decode.FastDecoder.plan sets it).
+        self.context = torch.zeros(1, dtype=torch.long, **dev)
         self._prefill_slots: torch.Tensor | None = None
         self._shape = (0, 0)  # (B, S) of the decode step
         self._verify_tokens = 0  # T of a verification forward; 0 = one decode token per row
@@ -324,14 +327,15 @@ class PagedCache(AttentionCache):
         gathered with one ``index_select`` into (H_kv, B*S, D), which views as the batch of
         H_kv*B key matrices ``bmm`` wants (no permute copy); q is scaled before q.k (SDPA
         scales the product: equal to float rounding)."""
-        B, S = ws.rows, ws.context
-        D = ws.head_dim
+        B, D = ws.rows, ws.head_dim
         H, Hkv = q.shape[1] // D, k.shape[1] // D
         G = H // Hkv
         kp, vp = self.k[index], self.v[index]
         if ws.kernels is not None and kp.shape == vp.shape:  # the same steps as one fused op (DecodeWorkspace)
-            return [functools.partial(ws.kernels.paged_attention, q, k, v, kp, vp, self.slots[:B], self.gather[:B * S],
-                                      self.bias[:B * S], D ** -0.5, out)]
+            # The whole gather / bias buffers: the op reads S from ``context`` (set by the step).
+            return [functools.partial(ws.kernels.paged_attention, q, k, v, kp, vp, self.slots[:B], self.gather,
+                                      self.bias, self.context, D ** -0.5, out)]
+        S = ws.context
         slots, gather, bias = self.slots[:B], self.gather[:B * S], self.bias[:B * S].view(1, B, 1, S)
         kg, vg, qt, scores, probs, ao = ws.attention_scratch()  # flat buffers, sized for the largest step
         n = B * S

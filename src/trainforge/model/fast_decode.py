@@ -12,6 +12,9 @@ compute ops, ~40 per layer, and allocates nothing in float32 (``count_allocation
 the engine tests). A MoE block's feed-forward contributes its own forward as one call
 (data-dependent routing: it allocates; ``MoE.decode_calls``). A model whose modules lack
 ``decode_calls`` decodes through its plain forward instead (``FastDecoder.supports``).
+Kernels handed in from outside may ``compile`` the bound calls (the CPU kernels make each run
+of operator calls one C++ call); a binding that never reads the context length serves every
+length, so a step is bound once per row count, not once per block of tokens.
 
 Float linears run through ``LinearInto``: a few-row GEMM is memory-bound and MKL runs it
 on one thread (it streamed ~12 GB/s at 1 or 2 threads on this machine), so the weight's
@@ -120,7 +123,8 @@ class DecodeWorkspace:
         self.head_dim = D = cfg.head_dim
         H, Hkv, Fh, d = cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden_dim, cfg.dim
         R, C = max_rows, context_slots
-        self.rows, self.context = R, C
+        self.rows, self._context = R, C
+        self.context_read = False  # whether a binding read ``context`` (FastDecoder.plan)
         f = dict(dtype=self.dtype, device=self.device)
         self._x, self._h, self._sq, self._delta = (torch.empty(R, d, **f) for _ in range(4))
         self._ms = torch.empty(R, 1, **f)
@@ -146,7 +150,15 @@ class DecodeWorkspace:
         return sum(t.nbytes for t in vars(self).values() if isinstance(t, torch.Tensor))
 
     def begin(self, rows: int, context: int) -> None:
-        self.rows, self.context = rows, context
+        self.rows, self._context, self.context_read = rows, context, False
+
+    @property
+    def context(self) -> int:
+        """The step's context slots S. Reading it marks the calls being bound as valid for this
+        S only; a step whose calls never read it (the C++ attention reads S from the cache's
+        ``context`` tensor) serves every S."""
+        self.context_read = True
+        return self._context
 
     # -- views of the current step shape, for the modules' decode_calls --------------------
 
@@ -218,7 +230,7 @@ def _gather(embedding: nn.Module, tokens: torch.Tensor, out: torch.Tensor) -> Ca
     bind = getattr(embedding, "bind_gather", None)
     if bind is not None:
         return bind(tokens, out)
-    return functools.partial(torch.index_select, embedding.weight, 0, tokens, out=out)
+    return functools.partial(torch.ops.aten.index_select.out, embedding.weight, 0, tokens, out=out)
 
 
 class FastDecoder:
@@ -235,7 +247,9 @@ class FastDecoder:
         self.tokens, self.positions = tokens, positions
         self.ws = DecodeWorkspace(model, cache.max_rows, cache.context_slots, kernels=kernels)
         self.rope_cos, self.rope_sin = rope_tables_folded(model.rope_cos, model.rope_sin, self.ws.dtype)
-        self._plans: dict[tuple[int, int], list[Callable[[], None]]] = {}  # oldest first
+        self._plans: dict[tuple[int, int | None], list[Callable[[], None]]] = {}  # oldest first
+        # The cache's context tensor, written each step (through numpy on CPU: a tensor write costs ~2 us).
+        self._context = cache.context.numpy() if cache.context.device.type == "cpu" else cache.context
         self.plan(1, 1)  # binds every linear now (``linears`` lists them)
 
     @staticmethod
@@ -257,11 +271,19 @@ class FastDecoder:
         return self.ws.nbytes + self.rope_cos.nbytes + self.rope_sin.nbytes
 
     def plan(self, rows: int, context: int) -> list[Callable[[], None]]:
-        calls = self._plans.get((rows, context))
+        """The bound calls of a step of ``rows`` rows over ``context`` slots, kept per shape: under
+        (rows, None) when no call read the context (they then serve every S: rebinding and
+        compiling every block of tokens cost ~5 ms, ~0.3 ms a step), else (rows, context). With
+        kernels that can ``compile`` (the C++ call program), the calls are compiled once here."""
+        calls = self._plans.get((rows, None)) or self._plans.get((rows, context))
         if calls is None:
             if len(self._plans) >= self.MAX_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-            calls = self._plans[(rows, context)] = self._bind(rows, context)
+            calls = self._bind(rows, context)
+            compile_calls = getattr(self.ws.kernels, "compile", None)
+            if compile_calls is not None:
+                calls = compile_calls(calls)
+            self._plans[(rows, context if self.ws.context_read else None)] = calls
         return calls
 
     def _bind(self, B: int, S: int) -> list[Callable[[], None]]:
@@ -271,8 +293,8 @@ class FastDecoder:
         h, _ = ws.hidden(B)
         pos = self.positions[:B]
         calls = [_gather(model.tok_embeddings, self.tokens[:B], x),
-                 p(torch.index_select, self.rope_cos, 0, pos, out=ws._cos[:B]),
-                 p(torch.index_select, self.rope_sin, 0, pos, out=ws._sin[:B])]
+                 p(torch.ops.aten.index_select.out, self.rope_cos, 0, pos, out=ws._cos[:B]),
+                 p(torch.ops.aten.index_select.out, self.rope_sin, 0, pos, out=ws._sin[:B])]
         for name, block in model.layers.items():
             calls += block.decode_calls(ws, x, self.cache.layer(int(name)))
         calls += model.norm.decode_calls(ws, x, h)
@@ -281,7 +303,9 @@ class FastDecoder:
 
     def step(self, rows: int, context: int) -> torch.Tensor:
         """One decode step; returns logits (B, V), a view of the workspace."""
-        for call in self.plan(rows, context):
+        calls = self.plan(rows, context)
+        self._context[0] = context  # read by calls bound for every S
+        for call in calls:
             call()
         return self.ws.logits[:rows]
 

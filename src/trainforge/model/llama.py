@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from trainforge.model.attention_cache import AttentionCache, LayerCache
     from trainforge.model.fast_decode import DecodeWorkspace
 
+# The decode step's residual add as the operator itself (a bound ``x.add_`` is the same op): a
+# ``functools.partial`` of an operator is what the C++ call program runs (infer/cpu_kernels/call_program.py).
+add_ = torch.ops.aten.add_.Tensor
+
 
 def rope_tables_folded(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables ``RopeInto`` reads: rotate-half's sign folded into the sine, so that
@@ -156,8 +160,8 @@ class TransformerBlock(nn.Module):
         Each submodule contributes its own ``decode_calls``."""
         h, delta = ws.hidden(x.shape[0])
         return [*self.attention_norm.decode_calls(ws, x, h), *self.attention.decode_calls(ws, h, delta, cache),
-                functools.partial(x.add_, delta), *self.ffn_norm.decode_calls(ws, x, h),
-                *self.feed_forward.decode_calls(ws, h, delta), functools.partial(x.add_, delta)]
+                functools.partial(add_, x, delta), *self.ffn_norm.decode_calls(ws, x, h),
+                *self.feed_forward.decode_calls(ws, h, delta), functools.partial(add_, x, delta)]
 
 
 class Transformer(nn.Module):

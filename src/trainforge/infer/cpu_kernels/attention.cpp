@@ -110,21 +110,25 @@ ATTEND_HEAD(, scalar, softmax_exp_scalar)
 ATTEND_HEAD(T2, avx2, softmax_exp_avx2)
 
 // q (B, H*D), k / v (B, Hkv*D) rows (any row stride), kp / vp (Hkv, slots, D): k / v are stored
-// at ``slots`` first, then every row attends over its S = gather.numel() / B slots with the
-// additive ``bias`` (0 or -inf); out (B, H*D). Query head h reads key head h / (H / Hkv).
+// at ``slots`` first, then every row attends over its S = context[0] slots, row b's at
+// gather[b*S:(b+1)*S], with the additive ``bias`` (0 or -inf) laid out alike; out (B, H*D).
+// Query head h reads key head h / (H / Hkv). S is read from a tensor, not bound as an int, so
+// that one bound decode step serves every context length (fast_decode.FastDecoder.plan).
 void paged_attention_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor kp,
                           at::Tensor vp, const at::Tensor& slots, const at::Tensor& gather, const at::Tensor& bias,
-                          double scale, at::Tensor out) {
+                          const at::Tensor& context, double scale, at::Tensor out) {
   const int64_t B = q.size(0), Hkv = kp.size(0), n_slots = kp.size(1), D = kp.size(2);
   TORCH_CHECK(q.scalar_type() == at::kFloat && kp.scalar_type() == at::kFloat && vp.sizes() == kp.sizes() &&
               kp.is_contiguous() && vp.is_contiguous(), "attention: fp32 q and contiguous fp32 caches (Hkv, slots, D)");
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1 && k.stride(1) == 1 && v.stride(1) == 1 && out.stride(1) == 1 &&
               k.size(1) == Hkv * D && v.size(1) == Hkv * D && q.size(1) % D == 0 && out.sizes() == q.sizes(),
               "attention: q / out (B, H*D), k / v (B, Hkv*D), each row contiguous");
+  TORCH_CHECK(context.scalar_type() == at::kLong && context.numel() == 1, "attention: context must be one int64");
+  const int64_t H = q.size(1) / D, S = context.data_ptr<int64_t>()[0];
   TORCH_CHECK(slots.scalar_type() == at::kLong && gather.scalar_type() == at::kLong && slots.numel() >= B &&
-              gather.is_contiguous() && bias.is_contiguous() && gather.numel() % B == 0 &&
-              bias.numel() == gather.numel(), "attention: slots (B,), gather / bias (B*S,) contiguous");
-  const int64_t H = q.size(1) / D, S = gather.numel() / B;
+              gather.is_contiguous() && bias.is_contiguous() && S > 0 && gather.numel() >= B * S &&
+              bias.numel() >= B * S, "attention: slots (B,), gather / bias at least (B*S,) contiguous, for S = ",
+              S, " (context)");
   TORCH_CHECK(H % Hkv == 0, "attention: ", H, " query heads for ", Hkv, " key heads");
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* gp = gather.data_ptr<int64_t>();
@@ -152,7 +156,7 @@ void paged_attention_into(const at::Tensor& q, const at::Tensor& k, const at::Te
 TORCH_LIBRARY_FRAGMENT(trainforge_cpu, m) {
   m.def("rope_into(Tensor(a!)[] xs, Tensor cos, Tensor sin) -> ()");
   m.def("paged_attention_into(Tensor q, Tensor k, Tensor v, Tensor(a!) kp, Tensor(b!) vp, Tensor slots, "
-        "Tensor gather, Tensor bias, float scale, Tensor(c!) out) -> ()");
+        "Tensor gather, Tensor bias, Tensor context, float scale, Tensor(c!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(trainforge_cpu, CPU, m) {

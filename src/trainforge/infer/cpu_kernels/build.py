@@ -1,4 +1,4 @@
-"""Build the kernel sources (blocks.cpp, attention.cpp, norm_act.cpp) with torch.utils.cpp_extension on first use, cached per source + torch.
+"""Build the kernel sources (blocks.cpp, attention.cpp, norm_act.cpp, program.cpp) with torch.utils.cpp_extension on first use, cached per source + torch.
 
 When there is no compiler, the build fails or TRAINFORGE_CPU_ISA names a path this CPU
 lacks, `load_kernels()` returns None and warns once: the engine then keeps today's kernels.
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "blocks.cpp", _DIR / "attention.cpp", _DIR / "norm_act.cpp"]
+_SOURCES = [_DIR / "blocks.cpp", _DIR / "attention.cpp", _DIR / "norm_act.cpp", _DIR / "program.cpp"]
 _HEADERS = [_DIR / "isa.h", _DIR / "vec_math.h"]
 
 
