@@ -59,6 +59,23 @@ def test_calls_that_are_not_fully_bound_operators_stay_python_calls(ops):
     assert compile_calls([unbound, method, packet]) == [unbound, method, packet]
 
 
+def test_an_empty_tensor_list_argument_is_typed_from_the_schema(ops):
+    x, cos, sin = torch.randn(1, 2, 8), torch.ones(1, 8), torch.zeros(1, 8)
+    calls = compile_calls([p(ops.rope_into.default, [], cos, sin), p(ops.rope_into.default, [x], cos, sin),
+                           p(torch.ops.aten.mul_.Scalar, x, 2.0)])
+    want = 2 * x
+    assert len(calls) == 1
+    calls[0]()
+    assert torch.equal(x, want)  # cos 1, sin 0: the rotation is the identity
+
+
+def test_an_argument_the_conversion_cannot_type_leaves_that_call_in_python(ops):
+    x = torch.ones(3)
+    odd = p(torch.ops.aten.add_.Tensor, x, x, alpha=object())  # no IValue for an arbitrary object
+    calls = compile_calls([p(torch.ops.aten.mul_.Scalar, x, 2.0), odd, p(torch.ops.aten.mul_.Scalar, x, 3.0)])
+    assert len(calls) == 3 and calls[1] is odd
+
+
 def test_an_error_inside_a_program_names_the_op_and_stops_there(ops):
     x, bad_out = torch.ones(2, 8), torch.empty(2, 7)
     calls = compile_calls([p(torch.ops.aten.mul_.Scalar, x, 2.0),

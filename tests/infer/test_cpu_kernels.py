@@ -133,6 +133,40 @@ def test_f32_linear_matches_f_linear(ops, monkeypatch, isa, m, n, k):
     assert torch.equal(into, out)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+# D 64 / 128: the grouped kernel's 4-vector output chunks (two of them at 128); 24: a multiple of 8
+# only (the AVX2 group kernel on an AVX-512 path); 12: the per-head kernel. G = H / Hkv 1 or 3.
+@pytest.mark.parametrize("D", [12, 24, 64, 128])
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (6, 2)])
+def test_paged_attention_matches_sdpa_over_the_gathered_slots(ops, monkeypatch, isa, D, H, Hkv):
+    if not ops.supports(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    monkeypatch.setenv("TRAINFORGE_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(D * 10 + H)
+    B, S, n_slots, valid = 2, 40, 96, [40, 7]  # row 1 attends to 7 of its 40 slots (the rest masked)
+    q, k, v = torch.randn(B, H * D, generator=gen), torch.randn(B, Hkv * D, generator=gen), \
+        torch.randn(B, Hkv * D, generator=gen)
+    kp, vp = torch.randn(Hkv, n_slots, D, generator=gen), torch.randn(Hkv, n_slots, D, generator=gen)
+    gather = torch.stack([torch.randperm(n_slots - 2, generator=gen)[:S] + 2 for _ in range(B)])  # slots 2..
+    slots = torch.tensor([0, 1])  # the new keys / values land in slots 0 and 1, each row's last valid slot
+    gather[0, valid[0] - 1], gather[1, valid[1] - 1] = 0, 1
+    bias = torch.full((B, S), float("-inf"))
+    for b, n in enumerate(valid):
+        bias[b, :n] = 0.0
+    want_kp, want_vp = kp.clone(), vp.clone()
+    want_kp[:, slots] = k.view(B, Hkv, D).transpose(0, 1)
+    want_vp[:, slots] = v.view(B, Hkv, D).transpose(0, 1)
+    kg = want_kp[:, gather].permute(1, 0, 2, 3)  # (B, Hkv, S, D)
+    vg = want_vp[:, gather].permute(1, 0, 2, 3)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.view(B, H, 1, D), kg, vg, attn_mask=bias.view(B, 1, 1, S), enable_gqa=True).reshape(B, H * D)
+    out = torch.full((B, H * D), float("nan"))
+    ops.paged_attention_into(q, k, v, kp, vp, slots, gather.reshape(-1), bias.reshape(-1), torch.tensor([S]),
+                             D ** -0.5, out)
+    assert torch.equal(kp, want_kp) and torch.equal(vp, want_vp)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)  # fp32 summation order only
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "f32"])
 def test_ops_have_shape_functions_for_compile(ops, fmt):
     # opcheck runs the op under fake tensors (what torch.compile traces with) and checks the

@@ -109,6 +109,76 @@ struct Heads {  // one step's attention inputs, for rows 0..B-1
 ATTEND_HEAD(, scalar, softmax_exp_scalar)
 ATTEND_HEAD(T2, avx2, softmax_exp_avx2)
 
+// Cold cache rows (the weights streamed since the last layer evicted them) are what this kernel
+// waits on: a row's lines are asked for ahead of their use.
+inline void prefetch_row(const float* r, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(r + i), _MM_HINT_T0);
+}
+
+// One (row b, key head g) with its G query heads together (grouped-query attention), for D a
+// multiple of the vector width W: each key row is loaded once for the G heads, each q.k is two
+// independent FMA chains then one horizontal sum (the per-head loop above is one dependent chain
+// per slot: ~3x slower here), each head's output is summed in registers over the slots, and
+// masked slots (bias -inf, whose weight is exactly 0) are skipped. p: G * S floats, qs: G * D.
+#define ATTEND_GROUP(TARGET, SUFFIX, V, W, ZERO, LOAD, STORE, FMA, ADD, MUL, SET1, HSUM)           \
+  TARGET void attend_group_##SUFFIX(const Heads& a, int64_t b, int64_t g, float* p, float* qs) {   \
+    const int64_t D = a.D, G = a.G, S = a.S;                                                       \
+    const int64_t* slot = a.gather + b * S;                                                        \
+    const float* bias = a.bias + b * S;                                                            \
+    const float* kg = a.kp + g * a.slots * D;                                                      \
+    const float* vg = a.vp + g * a.slots * D;                                                      \
+    const float* q = a.q + b * a.q_stride + g * G * D;                                             \
+    for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * a.scale;                                    \
+    for (int64_t s = 0; s < S; ++s) {                                                              \
+      if (std::isinf(bias[s])) {                                                                   \
+        for (int64_t h = 0; h < G; ++h) p[h * S + s] = -INFINITY;                                  \
+        continue;                                                                                  \
+      }                                                                                            \
+      const float* kr = kg + slot[s] * D;                                                          \
+      prefetch_row(kg + slot[std::min(s + 8, S - 1)] * D, D); /* key rows ahead */              \
+      prefetch_row(vg + slot[s] * D, D); /* the value row, read once the scores are in */         \
+      for (int64_t h = 0; h < G; ++h) {                                                            \
+        const float* qh = qs + h * D;                                                              \
+        V acc0 = ZERO(), acc1 = ZERO();                                                            \
+        int64_t c = 0;                                                                             \
+        for (; c + 2 * W <= D; c += 2 * W) {                                                       \
+          acc0 = FMA(LOAD(qh + c), LOAD(kr + c), acc0);                                            \
+          acc1 = FMA(LOAD(qh + c + W), LOAD(kr + c + W), acc1);                                    \
+        }                                                                                          \
+        if (c < D) acc0 = FMA(LOAD(qh + c), LOAD(kr + c), acc0);                                   \
+        p[h * S + s] = HSUM(ADD(acc0, acc1)) + bias[s];                                            \
+      }                                                                                            \
+    }                                                                                              \
+    float* out = a.out + b * a.out_stride + g * G * D;                                             \
+    for (int64_t h = 0; h < G; ++h) {                                                              \
+      float* ph = p + h * S;                                                                       \
+      const V inv = SET1(1.f / softmax_exp_avx2(ph, S));                                           \
+      for (int64_t c0 = 0; c0 < D; c0 += 4 * W) { /* up to 4 vectors of the head in registers */ \
+        const int64_t n = std::min<int64_t>(4, (D - c0) / W);                                      \
+        V o0 = ZERO(), o1 = ZERO(), o2 = ZERO(), o3 = ZERO();                                      \
+        for (int64_t s = 0; s < S; ++s) {                                                          \
+          if (ph[s] == 0.f) continue; /* a masked slot (or an underflow: adds nothing) */          \
+          const V w = SET1(ph[s]);                                                                 \
+          const float* vr = vg + slot[s] * D + c0;                                                 \
+          o0 = FMA(w, LOAD(vr), o0);                                                               \
+          if (n > 1) o1 = FMA(w, LOAD(vr + W), o1);                                                \
+          if (n > 2) o2 = FMA(w, LOAD(vr + 2 * W), o2);                                            \
+          if (n > 3) o3 = FMA(w, LOAD(vr + 3 * W), o3);                                            \
+        }                                                                                          \
+        float* oh = out + h * D + c0;                                                              \
+        STORE(oh, MUL(o0, inv));                                                                  \
+        if (n > 1) STORE(oh + W, MUL(o1, inv));                                                   \
+        if (n > 2) STORE(oh + 2 * W, MUL(o2, inv));                                               \
+        if (n > 3) STORE(oh + 3 * W, MUL(o3, inv));                                               \
+      }                                                                                            \
+    }                                                                                              \
+  }
+
+ATTEND_GROUP(T2, avx2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps,
+             _mm256_add_ps, _mm256_mul_ps, _mm256_set1_ps, hsum256)
+ATTEND_GROUP(T512, avx512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps,
+             _mm512_add_ps, _mm512_mul_ps, _mm512_set1_ps, _mm512_reduce_add_ps)
+
 // q (B, H*D), k / v (B, Hkv*D) rows (any row stride), kp / vp (Hkv, slots, D): k / v are stored
 // at ``slots`` first, then every row attends over its S = context[0] slots, row b's at
 // gather[b*S:(b+1)*S], with the additive ``bias`` (0 or -inf) laid out alike; out (B, H*D).
@@ -142,7 +212,20 @@ void paged_attention_into(const at::Tensor& q, const at::Tensor& k, const at::Te
     }
   const Heads a{q.data_ptr<float>(), kpp, vpp, bias.data_ptr<float>(), gp, out.data_ptr<float>(), q.stride(0),
                 out.stride(0), n_slots, S, H, H / Hkv, D, (float)scale};
-  auto head = trainforge_cpu::chosen_isa() == "scalar" ? attend_head_scalar : attend_head_avx2;
+  const std::string isa = trainforge_cpu::chosen_isa();
+  auto group = isa == "avx512" && D % 16 == 0 ? attend_group_avx512
+               : isa != "scalar" && D % 8 == 0 ? attend_group_avx2 : nullptr;
+  const int64_t G = H / Hkv;
+  if (group != nullptr) {
+    // (row, key head) pairs across threads, a chunk holding >= ~32K multiply-adds (fork cost).
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 2 * S * D * G));
+    at::parallel_for(0, B * Hkv, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<float> p(G * S), qs(G * D);
+      for (int64_t i = i0; i < i1; ++i) group(a, i / Hkv, i % Hkv, p.data(), qs.data());
+    });
+    return;
+  }
+  auto head = isa == "scalar" ? attend_head_scalar : attend_head_avx2;
   // (row, head) pairs across threads, a chunk holding >= ~32K multiply-adds (fork cost).
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, 2 * S * D));
   at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {

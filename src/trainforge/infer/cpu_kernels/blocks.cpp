@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -326,13 +327,6 @@ void q8_0_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 void q4_0_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, at::Tensor out) {
   TORCH_CHECK(w.scalar_type() == at::kByte, "q4_0 packed weight must be uint8");
   x8_linear_into(x, w, s, out, QK / 2, true);
-}
-
-T2 inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // ---- fp32 GEMV / small-M GEMM ---------------------------------------------------------------

@@ -33,7 +33,9 @@ def _entry(call: Callable[[], None]) -> tuple[str, str, tuple] | None:
             return None
     if kwargs:
         return None
-    return schema.name, schema.overload_name, tuple(args)
+    # An empty list goes as None: program.cpp types it from the schema.
+    return schema.name, schema.overload_name, tuple(None if isinstance(a, (list, tuple)) and not a else a
+                                                    for a in args)
 
 
 def compile_calls(calls: list[Callable[[], None]]) -> list[Callable[[], None]]:
@@ -42,12 +44,20 @@ def compile_calls(calls: list[Callable[[], None]]) -> list[Callable[[], None]]:
     program = None
     for call in calls:
         entry = _entry(call)
-        if entry is None:
-            out.append(call)
-            program = None
-            continue
-        if program is None:
-            program = torch.classes.trainforge_cpu.CallProgram()
-            out.append(program.run)
-        program.add(*entry)
+        if entry is not None:
+            fresh = program is None
+            if fresh:
+                program = torch.classes.trainforge_cpu.CallProgram()
+            try:
+                program.add(*entry)
+            except RuntimeError:  # an argument the conversion cannot type: the call stays a Python call
+                entry = None
+                if fresh:
+                    program = None
+            else:
+                if fresh:
+                    out.append(program.run)
+                continue
+        out.append(call)
+        program = None
     return out

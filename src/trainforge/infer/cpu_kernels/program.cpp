@@ -21,14 +21,21 @@ struct CallProgram : torch::CustomClassHolder {
   std::vector<std::pair<c10::OperatorHandle, std::vector<c10::IValue>>> calls;
 
   // ``args``: a tuple of every argument of the schema, in its order (keyword-only ones and
-  // defaults filled in by the caller, call_program.py).
+  // defaults filled in by the caller, call_program.py), an empty list passed as None (Python's
+  // conversion cannot type an empty list; the schema can).
   void add(const std::string& name, const std::string& overload, const c10::IValue& args) {
     auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
     TORCH_CHECK(args.isTuple(), "CallProgram.add: args must be a tuple, got ", args.tagKind());
     const auto& elements = args.toTupleRef().elements();
-    TORCH_CHECK(elements.size() == op.schema().arguments().size(), "CallProgram.add: ", name, " takes ",
-                op.schema().arguments().size(), " arguments, got ", elements.size());
-    calls.emplace_back(op, std::vector<c10::IValue>(elements.begin(), elements.end()));
+    const auto& schema_args = op.schema().arguments();
+    TORCH_CHECK(elements.size() == schema_args.size(), "CallProgram.add: ", name, " takes ", schema_args.size(),
+                " arguments, got ", elements.size());
+    std::vector<c10::IValue> bound(elements.begin(), elements.end());
+    for (size_t i = 0; i < bound.size(); ++i)
+      if (bound[i].isNone())
+        if (auto list = schema_args[i].type()->cast<c10::ListType>())
+          bound[i] = c10::impl::GenericList(list->getElementType());
+    calls.emplace_back(op, std::move(bound));
   }
 
   void run() {
