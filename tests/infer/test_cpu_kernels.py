@@ -199,3 +199,23 @@ def test_gemv_linear_moves_a_mapped_weight_to_the_arena_and_keeps_it_tied(ops):
     assert emb.weight is gemv.weight
     assert torch.equal(gemv(torch.ones(1, 48)), ops.f32_linear(torch.ones(1, 48), base[4:].view(64, 48)))
     assert _rel(gemv(torch.ones(1, 48)), want) < 1e-5
+
+
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
+@pytest.mark.parametrize("rows", [1, 8, 9, 64, 65, 300])  # GEMV, row-block bmm, prompt GEMM (oneDNN or MKL)
+def test_gemv_linear_matches_f_linear_on_every_row_count_path(ops, monkeypatch, rows, onednn):
+    from trainforge.infer import cpu_linear
+
+    if onednn and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(cpu_linear, "onednn_prompt_gemm", lambda: onednn)
+    gen = torch.Generator().manual_seed(rows)
+    lin = torch.nn.Linear(96, 130, bias=False)
+    lin.weight = torch.nn.Parameter(torch.randn(130, 96, generator=gen), requires_grad=False)
+    x = torch.randn(1, rows, 96, generator=gen)
+    want = torch.nn.functional.linear(x, lin.weight.detach().clone())
+    gemv = cpu_linear.GemvLinear.of(lin, ops)
+    with torch.no_grad():
+        got = gemv(x)
+    assert got.shape == want.shape
+    assert _rel(got, want) < 1e-5  # fp32 summation order only
