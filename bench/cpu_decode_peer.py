@@ -44,10 +44,16 @@ our KV pool bytes, from ``--stats``) <= 1.3. ``--rss_large`` checks the same bou
 287M-parameter model (``large_config``; files made once into ``--work``/large, ours only).
 
 Greedy agreement, after the rounds, at the largest T: ``llama-completion`` greedy on a short text
-prompt (``-ctk f32 -ctv f32 --temp 0 -n 128 --ignore-eos -no-cnv``), writing the prompt's and the
-generated token ids to a session file (``--prompt-cache --prompt-cache-all``); ours greedy from
+prompt (``-ctk f32 -ctv f32 -fa off --temp 0 -n 128 --ignore-eos -no-cnv``), writing the prompt's and
+the generated token ids to a session file (``--prompt-cache --prompt-cache-all``); ours greedy from
 those same prompt ids. Reported: the generated tokens equal before the first difference, on the f32
-file (the issue's claim: all 128) and on the q8_0 file (no bound).
+file (the issue's claim: all 128) and on the q8_0 file (no bound). Flash attention is off because
+llama.cpp's CPU flash attention (its default, ``auto``) rounds through fp16 even with an f32 cache:
+on the f32 file its logits were up to 4.4e-3 from an fp64 forward of the same weights (logits up
+to 2.8), 1.1e-6 with it off; ours were 2.0e-6 (BENCHMARKS.md, 2026-12-04). The f32 comparison is
+run once more with ``-fa auto``, for the record, and for both the bench counts at how many of
+llama.cpp's positions an fp64 forward of the same weights, fed llama.cpp's tokens, picks
+llama.cpp's token (``exact_picks``). The speed tests keep llama.cpp's defaults.
 
 A benchmark, not a test: it prints the targets' PASS / FAIL and exits 0.
 """
@@ -308,20 +314,37 @@ def ours_sample(gguf: Path, threads: int, test: str, tokens: int, prompt: list[i
     return Sample(ours_tok_s(stats, test), proc.peak_rss, proc.cpu_s / proc.wall_s, int(stats["kv_pool_bytes"]))
 
 
-def agreement(peer: LlamaCpp, gguf: Path, threads: int, tokens: int, work: Path) -> dict:
-    """Greedy tokens of llama.cpp (f32 KV cache) and ours on the same prompt ids and file."""
+def agreement(peer: LlamaCpp, gguf: Path, threads: int, tokens: int, work: Path, flash_attn: str = "off") -> dict:
+    """Greedy tokens of llama.cpp (f32 KV cache, ``-fa flash_attn``) and ours on the same prompt ids and
+    file; for the f32 file also how many of llama.cpp's tokens an fp64 forward picks (``exact_picks``)."""
     session = work / f"session-{gguf.stem}.bin"
     session.unlink(missing_ok=True)  # an existing one would be resumed, not regenerated
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     run_process([str(peer.tool("llama-completion")), "-m", str(gguf), "-p", AGREEMENT_PROMPT, "-n", str(tokens),
-                 "--temp", "0", "--ignore-eos", "-ctk", "f32", "-ctv", "f32", "-t", str(threads), "-no-cnv",
-                 "--no-display-prompt", "--no-warmup", "--prompt-cache", str(session), "--prompt-cache-all"], env=env)
+                 "--temp", "0", "--ignore-eos", "-ctk", "f32", "-ctv", "f32", "-fa", flash_attn, "-t", str(threads),
+                 "-no-cnv", "--no-display-prompt", "--no-warmup", "--prompt-cache", str(session),
+                 "--prompt-cache-all"], env=env)
     ids = session_ids(session)
     prompt, theirs = ids[:-tokens], ids[-tokens:]
     ours = [int(t) for t in run_process(ours_cmd(gguf, prompt, tokens, stats=False), env=env).stdout.split(",")]
-    return {"prompt_tokens": len(prompt), "generated": tokens,
+    return {"prompt_tokens": len(prompt), "generated": tokens, "flash_attn": flash_attn,
             "equal_before_first_difference": agreed_prefix(theirs, ours),
-            "equal_positions": sum(a == b for a, b in zip(theirs, ours)), "llama_cpp_ids": theirs, "ours_ids": ours}
+            "equal_positions": sum(a == b for a, b in zip(theirs, ours)), "llama_cpp_ids": theirs, "ours_ids": ours,
+            "llama_cpp_exact_picks": exact_picks(gguf, prompt, theirs) if gguf.stem.endswith("f32") else None}
+
+
+def exact_picks(gguf: Path, prompt: list[int], theirs: list[int]) -> int:
+    """At how many of llama.cpp's generated positions the file's weights in fp64 (our model's plain
+    forward, fed llama.cpp's own tokens) pick llama.cpp's token: which side of a near-tie the exact
+    result is on, when the two greedy runs part."""
+    import torch
+
+    from trainforge.infer.loading import load_model
+
+    model = load_model(str(gguf), "cpu").model.eval().double()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + theirs[:-1]]))[0, len(prompt) - 1:]
+    return int((logits.argmax(-1) == torch.tensor(theirs)).sum())
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -397,9 +420,11 @@ def report(rows: list[dict], bare: list[int], agree: dict, header: dict) -> None
         print(f"{threads:>2} {prec:>5} | {cells[0]} | {cells[1]} | {tg['llama_cpp_peak_rss_mib']:9.0f} / "
               f"{tg['ours_peak_rss_mib']:<8.0f} {tg['rss_bound']:5.2f} {tg['ours_cpu_per_wall']:13.2f}")
     for name, a in agree.items():
-        print(f"greedy agreement, {name} file, f32 KV cache: {a['equal_before_first_difference']} of {a['generated']} "
-              f"generated tokens equal before the first difference ({a['equal_positions']} positions equal; "
-              f"prompt {a['prompt_tokens']} tokens)")
+        exact = "" if a.get("llama_cpp_exact_picks") is None else \
+            f"; llama.cpp's token is the fp64 forward's pick at {a['llama_cpp_exact_picks']} of {a['generated']}"
+        print(f"greedy agreement, {name} file, f32 KV cache, flash attention {a.get('flash_attn', 'off')}: "
+              f"{a['equal_before_first_difference']} of {a['generated']} generated tokens equal before the first "
+              f"difference ({a['equal_positions']} positions equal; prompt {a['prompt_tokens']} tokens){exact}")
     for test in TESTS:
         worst = min((r for r in rows if r["test"] == test), key=lambda r: r["ratio"])
         ok = worst["ratio"] >= TARGETS[test]
@@ -476,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         with locked(a.lock):
             agree = {prec: agreement(peer, files[prec], max(a.threads), a.agree_tokens, a.work)
                      for prec in ("f32", "q8_0")}
+            # llama.cpp's default flash attention, for the record (module docstring: it rounds through fp16).
+            agree["f32 (llama.cpp -fa auto)"] = agreement(peer, files["f32"], max(a.threads), a.agree_tokens, a.work,
+                                                          flash_attn="auto")
     import torch
 
     from trainforge.infer.cpu_kernels.build import load_kernels
