@@ -1,8 +1,8 @@
 """Op-level speed of the trainforge CPU kernels against the kernels they would replace, in one
 process, interleaved.
 
-    python -m bench.cpu_kernels            # ~3 min on 2 cores
-    python -m bench.cpu_kernels --quick    # ~1 min: fewer samples
+    python -m bench.cpu_kernels            # ~4 min on 2 cores
+    python -m bench.cpu_kernels --quick    # ~2 min: fewer samples
 
 Pairs, each on the same random weights (seeded), at 1 and 2 intra-op threads, M = 1 (decode)
 and M = 512 (prefill), on the linear shapes of the 90m bench model (dim 768, ffn 2048, kv dim
@@ -16,6 +16,12 @@ Then the weight stream of a decode step, fp32 ``f32_linear_into`` over 32 weight
 (192 MiB, past any L3), M = 1: weights 16-byte aligned (as numpy copies and file maps leave them)
 vs 64-byte aligned (``torch.empty``), and 4 KiB pages (``torch.empty``) vs the huge-page weight
 arena (``infer/weight_arena.py``).
+
+Then the prompt GEMM (M = 512, fp32, the 90m shapes): ``F.linear`` (MKL) vs oneDNN's
+``mkldnn._linear_pointwise`` on the same plain weight, the path ``infer/cpu_linear.GemvLinear``
+takes for prompts on AVX-512 CPUs. And the decode step of a random 90m model (fp32 and q4_0,
+prepared as the engine prepares it, batch 1 over 80 context slots): its bound calls run one by
+one from Python vs the same calls as one C++ call program (``infer/cpu_kernels/call_program.py``).
 
 The baselines come from the engine's own kernels (``Int8Linear`` / ``Int4Linear``
 ``build_kernel``). Each sample times baseline then ours back to back (order alternated per
@@ -94,6 +100,42 @@ def stream_pairs(ops, count: int = 32, n: int = 2048, k: int = 768):
         del base, ours
 
 
+def prompt_gemm_pairs(m: int = 512):
+    """(shape, MKL, oneDNN) products of M x K activations by each 90m weight (module docstring)."""
+    for n, k in SHAPES[:5]:
+        gen = torch.Generator().manual_seed(n + k)
+        w, x = torch.randn(n, k, generator=gen) * 0.02, torch.randn(m, k, generator=gen)
+        yield (n, k), (lambda x=x, w=w: F.linear(x, w)), \
+            (lambda x=x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+
+
+def step_pairs(context: int = 80):
+    """(mode, Python loop, C++ program) over one decode step of a random 90m model (module docstring)."""
+    from bench.inference import SIZES
+    from trainforge.infer.engine import Engine, EngineConfig
+    from trainforge.infer.prepare import prepare_model
+    from trainforge.infer.quantize import quantize_model
+    from trainforge.model import build_model
+
+    for mode in ("fp32", "q4_0"):
+        model = build_model(SIZES["90m"], seed=0).eval().requires_grad_(False)
+        if mode != "fp32":
+            quantize_model(model, mode, pack=False)
+        prepare_model(model)
+        dec = Engine(model, EngineConfig(max_batch_size=1, max_queue=1, max_context=256)).runner.decoder
+        dec._context[0] = context
+        calls = dec._bind(1, context)
+        program = dec.ws.kernels.compile(calls)
+
+        def run(cs):
+            def f():
+                for c in cs:
+                    c()
+            return f
+        yield f"{mode} ({len(calls)} calls -> {len(program)})", run(calls), run(program)
+        del model, dec, calls, program
+
+
 def measure(base, ours, samples: int, budget_s: float) -> tuple[float, float, float, float]:
     for _ in range(3):
         base(), ours()
@@ -147,6 +189,21 @@ def main() -> None:
                 ms, med, p10, p90 = measure(base, ours, samples, budget)
             print(f"{threads:>3} {name:>5} base {ms:7.2f} ms  ratio {med:5.2f} {p10:5.2f}-{p90:<5.2f}  "
                   f"ours {32 * 2048 * 768 * 4 / (ms / med * 1e-3) / 1e9:5.1f} GB/s", flush=True)
+    print("\nprompt GEMM, fp32, M = 512: base = F.linear (MKL), ours = oneDNN on the same weight")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for shape, base, ours in prompt_gemm_pairs():
+            with locked("/tmp/cpu.lock"):
+                ms, med, p10, p90 = measure(base, ours, samples, budget)
+            print(f"{threads:>3} {str(shape):>12} base {ms:7.3f} ms  ratio {med:5.2f} {p10:5.2f}-{p90:<5.2f}", flush=True)
+    print("\ndecode step, random 90m model, batch 1, 80 slots: base = the bound calls from Python, ours = one "
+          "C++ call program")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, base, ours in step_pairs():
+            with torch.no_grad(), locked("/tmp/cpu.lock"):
+                ms, med, p10, p90 = measure(base, ours, samples, budget)
+            print(f"{threads:>3} {name:>24} base {ms:7.3f} ms  ratio {med:5.2f} {p10:5.2f}-{p90:<5.2f}", flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
