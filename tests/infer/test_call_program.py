@@ -8,18 +8,9 @@ import functools
 import pytest
 import torch
 
-from trainforge.infer.cpu_kernels import build
 from trainforge.infer.cpu_kernels.call_program import compile_calls
 
 p = functools.partial
-
-
-@pytest.fixture(scope="module")
-def ops():
-    loaded = build.load_kernels()
-    if loaded is None:
-        pytest.skip("kernels did not build (warning says why)")
-    return loaded
 
 
 def _calls(ops, x: torch.Tensor, y: torch.Tensor, log: list[str]):

@@ -13,14 +13,6 @@ FORMATS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ops():
-    loaded = build.load_kernels()
-    if loaded is None:
-        pytest.skip("kernels did not build (warning says why)")
-    return loaded
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 

@@ -9,8 +9,8 @@ Swapped in from outside by ``prepare_model`` when the C++ kernels build; same ``
 and name, so a tied output stays tied.
 
 A prompt's product (more rows than the row-block path takes) runs on oneDNN's fp32 GEMM where
-the CPU has AVX-512, reading the same weight (no packed copy): 1.13-1.19x MKL's at 512 rows of
-the 90m model's shapes on Zen 4 at 1 and 2 threads (MKL does not take its AVX-512 kernels on
+the CPU has AVX-512, reading the same weight (no packed copy): 1.07-1.31x MKL's at 512 rows of
+the 90m model's shapes on Zen 4 at 1 and 2 threads (``bench/cpu_kernels.py``, prompt GEMM) (MKL does not take its AVX-512 kernels on
 AMD CPUs). Elsewhere MKL's, as before: oneDNN was not measured there.
 """
 

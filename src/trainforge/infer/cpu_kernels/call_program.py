@@ -1,10 +1,10 @@
 """Run a fast decode step's bound calls as one C++ call (``program.cpp``).
 
 ``FastDecoder`` binds a step as a list of no-argument calls (``model/fast_decode.py``). Each
-that is ``functools.partial(op, *args, **kwargs)`` of an operator overload (``torch.ops.ns.op.overload``)
-with every argument bound becomes an entry of a ``CallProgram``; a run of such calls is then one
-Python call, the program looping over the dispatcher in C++ (the per-call Python cost was
-~0.25 ms of a ~2 ms 90m step). Any other call (a Python closure, a MoE block's forward) stays
+that is ``functools.partial(op, *args, **kwargs)`` of an operator overload
+(``torch.ops.ns.op.overload``) with every argument bound becomes an entry of a ``CallProgram``; a
+run of such calls is then one Python call, the program looping over the dispatcher in C++ (the
+per-call Python cost was ~0.25 ms of a ~2 ms 90m step). Any other call (a Python closure, a MoE block's forward) stays
 as it is, between programs, so the order of the calls never changes and neither do the results.
 """
 
@@ -41,21 +41,18 @@ def _entry(call: Callable[[], None]) -> tuple[str, str, tuple] | None:
 def compile_calls(calls: list[Callable[[], None]]) -> list[Callable[[], None]]:
     """``calls`` with each run of operator calls replaced by one ``CallProgram.run`` (same order)."""
     out: list[Callable[[], None]] = []
-    program = None
+    program = None  # the program the current run of operator calls goes into
     for call in calls:
         entry = _entry(call)
         if entry is not None:
-            fresh = program is None
-            if fresh:
-                program = torch.classes.trainforge_cpu.CallProgram()
+            target = program if program is not None else torch.classes.trainforge_cpu.CallProgram()
             try:
-                program.add(*entry)
+                target.add(*entry)
             except RuntimeError:  # an argument the conversion cannot type: the call stays a Python call
-                entry = None
-                if fresh:
-                    program = None
+                pass
             else:
-                if fresh:
+                if program is None:
+                    program = target
                     out.append(program.run)
                 continue
         out.append(call)
