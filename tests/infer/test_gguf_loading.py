@@ -243,9 +243,9 @@ def test_sentencepiece_tokenizer_is_refused_with_the_way_round(tmp_path):
 
 
 def _q8_0_reference(model):
-    """``model`` with llama.cpp's Q8_0 arithmetic in its plain forward: every linear's weight is the
-    file's Q8_0 values (gguf-py's quantiser, dequantised) and its input goes through the activation
-    quantiser llama.cpp and our kernels share (``formats.quantize_activations``)."""
+    """``model`` with the block kernels' Q8_0 arithmetic in its plain forward: every linear's weight
+    is the file's Q8_0 values (gguf-py's quantiser, dequantised) and its input goes through the
+    kernels' activation quantiser (``formats.quantize_activations``)."""
     import copy
 
     from trainforge.infer.cpu_kernels.formats import quantize_activations
@@ -262,7 +262,7 @@ def _q8_0_reference(model):
 
 def test_trainforge_generate_reads_a_gguf_file(tmp_path, model, capsys):
     """The CLI path (prepare_model: fusion, the Q8_0 block kernels): F32 gives the original model's
-    greedy tokens, Q8_0 those of the model in llama.cpp's Q8_0 arithmetic (``_q8_0_reference``: the
+    greedy tokens, Q8_0 those of the model in the kernels' Q8_0 arithmetic (``_q8_0_reference``: the
     same integers and scales, only the fp32 summation order differs). Q8_0 against the float model
     would hang on its near-ties: a top-2 gap of 0.0035 at the 5th token, logits ~1.8."""
     from trainforge.cli import main

@@ -23,20 +23,16 @@ using trainforge_cpu::supports;
 constexpr int64_t QK = 32;
 
 // ---- activation rows -> int8 blocks -----------------------------------------------------
-// llama.cpp's activation quantiser (ggml-cpu quantize_row_q8_0), as formats.quantize_activations:
-// q = rint(x * (127 / absmax)), half to even, and d = absmax / 127 rounded to fp16 (llama.cpp
-// stores it as a block_q8_0's fp16 scale). The same integers and scales as llama.cpp's dots, so a
-// GGUF file's Q8_0 / Q4_0 logits differ from llama.cpp's only in fp32 summation order.
+// Same arithmetic as formats.quantize_activations: d = absmax/127, q = rint(x * (1/d)).
 // c (when given): 8 * each block's code sum, the offset term of the q4_0 dots.
-inline float fp16_rounded(float v) { return static_cast<float>(c10::Half(v)); }
-
 void quantize_row_scalar(const float* x, int64_t K, int8_t* q, float* d, int32_t* c) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const float* xb = x + b * QK;
     float amax = 0.f;
     for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float id = amax != 0.f ? 127.f / amax : 0.f;
-    d[b] = fp16_rounded(amax / 127.f);
+    const float db = amax / 127.f;
+    const float id = db != 0.f ? 1.f / db : 0.f;
+    d[b] = db;
     int32_t sum = 0;
     for (int i = 0; i < QK; ++i) {
       q[b * QK + i] = (int8_t)std::nearbyint(xb[i] * id);
@@ -59,9 +55,9 @@ T2 void quantize_row_avx2(const float* x, int64_t K, int8_t* q, float* d, int32_
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
-    d[b] = fp16_rounded(amax / 127.f);
+    const float db = _mm_cvtss_f32(m4) / 127.f;
+    const __m256 id = _mm256_set1_ps(db != 0.f ? 1.f / db : 0.f);
+    d[b] = db;
     __m256i i32[4];
     for (int i = 0; i < 4; ++i)
       i32[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

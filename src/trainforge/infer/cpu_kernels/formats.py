@@ -17,8 +17,8 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
 
 
 def _absmax_blocks(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks (..., 32) -> (rounded codes in [-127, 127] as float, fp32 d = absmax / 127): the
-    weights' Q8_0 (x * (1/d), half to even; the caller stores d as fp16)."""
+    """Blocks (..., 32) -> (rounded codes in [-127, 127] as float, fp32 d = absmax / 127), the
+    arithmetic of llama.cpp's Q8_0 and of the kernels' activation quantiser (x * (1/d), half to even)."""
     d = b.abs().amax(-1) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     return torch.round(b * inv.unsqueeze(-1)).clamp(-127, 127), d
@@ -58,14 +58,9 @@ def dequantize_q4_0(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """Per-32-block int8 round trip of x (M, K), the same arithmetic as the C++ kernels and as
-    llama.cpp's activation quantiser: q = round(x * (127 / absmax)), half to even, d = absmax / 127
-    rounded to fp16; returned dequantised (q * d in fp32)."""
-    b = _blocks(x)
-    amax = b.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    q = torch.round(b * inv.unsqueeze(-1)).clamp(-127, 127)
-    d = (amax / 127.0).half().float()
+    """Per-32-block int8 round trip of x (M, K), the same arithmetic as the C++ kernels
+    (d = absmax/127 in fp32, q = round(x * (1/d)), half to even), returned dequantised."""
+    q, d = _absmax_blocks(_blocks(x))
     return (q * d.unsqueeze(-1)).reshape(x.shape)
 
 
