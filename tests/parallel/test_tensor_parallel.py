@@ -32,7 +32,9 @@ WEIGHT_ATOL = 1e-5  # every parameter after 3 clipped AdamW steps (lr 1e-3)
 # sequence / loss parallel, tied embeddings; latent attention (MLA) with a low- or full-rank query;
 # multi-token prediction (1 or 2 depths, dense or MLA) with its own loss
 CASES = ["sp-lp", "sp-nolp", "nosp-lp", "nosp-nolp", "sp-lp-tied", "mla-sp-lp", "mla-nosp-nolp", "mla-fullq-sp-lp",
-         "mtp-sp-lp", "mtp-sp-nolp", "mtp-nosp-lp", "mtp-sp-lp-tied", "mla-mtp-sp-lp"]
+         "mtp-sp-lp", "mtp-sp-nolp", "mtp-nosp-lp", "mtp-sp-lp-tied", "mla-mtp-sp-lp",
+         # with the trainer's grad finisher that sums the Partial norm gradients once (parallel/partial_grads.py)
+         "sp-lp-reduced", "mtp-sp-lp-reduced"]
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,20 @@ def test_tp2_training_matches_single_device(tp_results, case):
         assert r["weight_max"] <= WEIGHT_ATOL, f"{where}: weights off by {r['weight_max']:.3g} after 3 steps"
         # The optimizer moved the weights far beyond the tolerance, so the weight check has teeth.
         assert r["weight_moved"] > 100 * WEIGHT_ATOL, where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["sp-lp", "mtp-sp-lp"])
+def test_partial_gradients_are_summed_once_per_step(tp_results, case):
+    """Under sequence parallelism the norm weights' gradients come back Partial. Left so,
+    AdamW re-reduces each of them on every foreach op; the reducer sums them all in one
+    all-reduce after backward, and the optimizer step then communicates nothing."""
+    for rank, results in enumerate(tp_results):
+        plain, reduced = results[case], results[f"{case}-reduced"]
+        assert min(plain["partial_grads"]) > 0, f"rank {rank}: no Partial gradient to reduce in {case}"
+        assert min(plain["optimizer_collectives"]) >= 2 * plain["partial_grads"][0], (rank, plain)
+        assert reduced["reducer_collectives"] == [1] * len(reduced["losses"]), (rank, reduced)
+        assert reduced["optimizer_collectives"] == [0] * len(reduced["losses"]), (rank, reduced)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from trainforge.parallel.apply import (
     parallelize_module_stack,
 )
 from trainforge.parallel.data_parallel import data_parallel_kind
+from trainforge.parallel.partial_grads import partial_grad_reducer
 from trainforge.parallel.shared_embedding import shared_embedding_grads
 from trainforge.parallel.tensor_parallel import cross_entropy_loss
 from trainforge.precision.casting import apply_precision
@@ -151,4 +152,7 @@ def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device:
     reducer = expert_grad_reducer(model_parts, mesh, dims)
     if reducer is not None:
         layout.grad_finishers.append(reducer)
+    partials = partial_grad_reducer(model_parts, dims.tp)  # TP's Partial norm-weight gradients, summed once
+    if partials is not None:
+        layout.grad_finishers.append(partials)
     return ModelStack(mp, model, model_parts, mp.opt_parts(model_parts), pipeline, predicted, layout)

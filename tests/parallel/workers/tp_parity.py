@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 
 from trainforge.model import FLAVORS, build_model
 from trainforge.parallel.distributed import destroy_distributed, init_distributed
+from trainforge.parallel.partial_grads import PartialGradReducer
 from trainforge.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_loss, loss_context
 from trainforge.train.mtp_loss import MTPLoss
 from trainforge.train.section import TrainingSection
@@ -48,6 +50,9 @@ CASES = {  # name -> (sequence_parallel, loss_parallel, tie_embeddings, model ov
     "mtp-sp-lp-tied": (True, True, True, {"mtp_depth": 1}),
     "mla-mtp-sp-lp": (True, True, False, {**MLA, "mtp_depth": 1}),
 }
+# The trainer's grad finisher for TP (parallel/partial_grads.py) on top: the norm weights'
+# Partial gradients summed once, before clipping; name -> the CASES entry it runs.
+REDUCED = {"sp-lp-reduced": "sp-lp", "mtp-sp-lp-reduced": "mtp-sp-lp"}
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -69,7 +74,7 @@ def batches(vocab: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict) -> dict:
+def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict, reduce_partials: bool = False) -> dict:
     cfg = dataclasses.replace(FLAVORS["debug"], tie_embeddings=tied, **overrides)
     ref = build_model(cfg, seed=0)
     model = copy.deepcopy(ref)
@@ -108,6 +113,8 @@ def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict) -> dict:
     opt_tp = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5, weight_decay=0.1)
     loss_rel, grad_max, worst_grad, norm_rel = 0.0, 0.0, "", 0.0
     losses = []
+    reducer = PartialGradReducer(list(model.parameters())) if reduce_partials else None
+    partial_grads, reducer_collectives, optimizer_collectives = [], [], []
     # An MTP model trains with main + lambda x mean over depths; its depth losses take the
     # same loss-parallel cross-entropy as the main one.
     mtp_loss = MTPLoss(cfg.mtp_depth, TrainingSection()) if cfg.mtp_depth else None
@@ -124,6 +131,9 @@ def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict) -> dict:
             loss = mtp_loss(model, model, inputs, targets) if mtp_loss else cross_entropy_loss(logits, targets)
             assert not isinstance(loss, DTensor) and loss.dim() == 0
             loss.backward()
+        partial_grads.append(sum(any(pl.is_partial() for pl in p.grad.placements) for p in model.parameters()))
+        if reducer is not None:
+            reducer_collectives.append(reducer())
         losses.append((loss.item(), loss_ref.item()))
         loss_rel = max(loss_rel, abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
         for name, p in ref_params.items():
@@ -137,14 +147,17 @@ def run_case(mesh, sp: bool, lp: bool, tied: bool, overrides: dict) -> dict:
         norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True))
         norm_rel = max(norm_rel, abs(norm.item() - norm_ref.item()) / norm_ref.item())
         opt_ref.step()
-        opt_tp.step()
+        with CommDebugMode() as comm:  # what the optimizer step communicates (Partial gradients re-reduced)
+            opt_tp.step()
+        optimizer_collectives.append(comm.get_total_counts())
         opt_ref.zero_grad()
         opt_tp.zero_grad()
     weight_max = max(max_abs_diff(tp_params[n], p) for n, p in ref_params.items())
     # The weights moved by much more than the tolerance, so matching them means something.
     moved = max((p - build_model(cfg, seed=0).get_parameter(n)).abs().max().item() for n, p in ref_params.items())
     return {"loss_rel": loss_rel, "grad_max": grad_max, "worst_grad": worst_grad, "grad_norm_rel": norm_rel,
-            "weight_max": weight_max, "weight_moved": moved, "losses": losses}
+            "weight_max": weight_max, "weight_moved": moved, "losses": losses, "partial_grads": partial_grads,
+            "reducer_collectives": reducer_collectives, "optimizer_collectives": optimizer_collectives}
 
 
 def run_stages(mesh) -> dict:
@@ -199,6 +212,7 @@ def main() -> None:
     info = init_distributed("cpu")
     mesh = init_device_mesh("cpu", (info.world_size,), mesh_dim_names=("tp",))
     result = {name: run_case(mesh, *case) for name, case in CASES.items()}
+    result.update({name: run_case(mesh, *CASES[base], reduce_partials=True) for name, base in REDUCED.items()})
     result["stages"] = run_stages(mesh)
     result["seq_len_error"] = check_seq_len(mesh)
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result, indent=1))
