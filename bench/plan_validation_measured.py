@@ -17,6 +17,7 @@ machine no other heavy job runs at the same time; the load average is recorded p
     python bench/plan_validation_measured.py [--steps 12] [--warmup 4] [--json out.json]
     python bench/plan_validation_measured.py --only "DDP 2,TP 2" --json part.json   # a few layouts
     python bench/plan_validation_measured.py --reuse out.json   # predict again on saved measurements
+    python bench/plan_validation_measured.py --reuse out.json --recalibrate --json new.json  # + calibration
 
 Each locked job (a layout's run, the calibration) stays under 5 minutes; ``--reuse`` keeps the
 saved measurements and calibration samples and only predicts again (seconds).
@@ -225,11 +226,12 @@ def measured_table(steps: int = 12, warmup: int = 4, cases=CASES, measure_fn=mea
 
 
 CALIBRATED_FIELDS = ("matmul_efficiency", "step_overhead_s", "pass_overhead_s", "tp_pass_overhead_s",
-                     "tp_token_overhead_s", "tp_step_overhead_s")
+                     "tp_token_overhead_s", "tp_step_overhead_s", "fsdp_pass_overhead_s", "fsdp_token_overhead_s")
 # What each term of the calibrated estimate contributed (cost_model breakdown keys, seconds per step).
 TERMS = (("compute", "compute_s"), ("mem-bound", "memory_bound_s"), ("optimizer", "optimizer_s"),
          ("tp comm", "tp_comm_s"), ("dp comm", "dp_comm_s"), ("bubble", "bubble_s"),
-         ("pass ovh", "pass_overhead_s"), ("step ovh", "step_overhead_s"), ("exposed comm", "exposed_comm_s"))
+         ("sync", "sync_s"), ("pass ovh", "pass_overhead_s"), ("step ovh", "step_overhead_s"),
+         ("exposed comm", "exposed_comm_s"))
 
 
 def format_terms(result: dict) -> str:
@@ -267,12 +269,14 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the result here")
     ap.add_argument("--reuse", default=None, help="a --json file of an earlier run: keep its measurements, "
                                                   "predict again (after a cost model change)")
+    ap.add_argument("--recalibrate", action="store_true", help="with --reuse: measure the calibration again "
+                                                              "(after a change to what it measures), keep the layouts")
     a = ap.parse_args()
     cases = [c for c in CASES if not a.only or c.name in a.only.split(",")]
     old = json.loads(Path(a.reuse).read_text()) if a.reuse else {}
     reuse = {r["layout"]: r for r in old["rows"]} if a.reuse else None
     result = measured_table(a.steps, a.warmup, cases, log=lambda m: print(m, file=sys.stderr, flush=True),
-                            reuse=reuse, calibration_samples=old.get("calibration_samples"))
+                            reuse=reuse, calibration_samples=None if a.recalibrate else old.get("calibration_samples"))
     print(format_table(result))
     print(format_terms(result))
     print(f"calibration: {result['calibration']}")

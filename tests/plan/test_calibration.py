@@ -18,6 +18,7 @@ from trainforge.plan.spec import Layout, Workload
 
 W = Workload(model=FLAVORS["debug"], seq_len=32, global_batch=8, precision="fp32", flavor="debug")
 EFF, PASS, STEP, TP_PASS, TP_SEQ, TP_STEP = 0.5, 0.01, 0.05, 0.02, 0.001, 0.002
+FSDP_PASS, FSDP_SEQ = 0.03, 0.0005
 
 
 def _cluster(n: int) -> probe.MeasuredCluster:
@@ -37,6 +38,7 @@ def _samples(slowdown: float = 1.5) -> dict:
             "trainer_step_s": {k: PASS + w + b[8]["optimizer_s"] + STEP for k, w in work.items()},
             "pass_s": {k: PASS + w for k, w in work.items()},
             "tp_pass_s": {k: PASS + w + TP_PASS + TP_SEQ * int(k) for k, w in work.items()},
+            "fsdp_pass_s": {k: PASS + w + FSDP_PASS + FSDP_SEQ * int(k) for k, w in work.items()},
             "opt_s": 0.003, "tp_opt_s": 0.003 + TP_STEP,
             "concurrent": {"2": {"pass_s": {k: PASS + slowdown * w for k, w in work.items()}}}}
 
@@ -49,7 +51,9 @@ def test_fit_recovers_the_figures_that_made_the_timings():
     assert c.tp_pass_overhead_s == pytest.approx(TP_PASS, rel=1e-6)
     assert c.tp_token_overhead_s == pytest.approx(TP_SEQ / 32, rel=1e-6)
     assert c.tp_step_overhead_s == pytest.approx(TP_STEP, rel=1e-6)
-    assert "trainer steps" in c.source and "debug at batch 2 and 8" in c.source
+    assert c.fsdp_pass_overhead_s == pytest.approx(FSDP_PASS, rel=1e-6)
+    assert c.fsdp_token_overhead_s == pytest.approx(FSDP_SEQ / 32, rel=1e-6)
+    assert "trainer steps" in c.source and "FSDP2 (on a one-rank mesh) adds 30 ms per pass" in c.source and "debug at batch 2 and 8" in c.source
 
 
 @pytest.mark.parametrize("batch", [2, 4, 8])
@@ -89,6 +93,21 @@ def test_dtensor_overhead_lands_on_tensor_parallel_layouts_only():
     # One pass of the whole model per step, its DTensor costs (the shard: 8 x 32 / 2 tokens), x contention.
     k = cal.contention(_samples(), 2)
     assert extra == pytest.approx(k * (TP_PASS + TP_SEQ * 8 / 2 + TP_STEP), rel=1e-6)
+
+
+def test_fsdp2_overhead_lands_on_fsdp2_layouts_only():
+    """FSDP2's hooks and buffer copies (timed on a one-rank mesh): per pass and per token of the
+    rank's micro-batch, x contention; DDP and TP do not pay it."""
+    s = _samples()
+    c = cal.calibrate(_cluster(2), W, s)
+    plain = dataclasses.replace(c, fsdp_pass_overhead_s=0.0, fsdp_token_overhead_s=0.0)
+    for lay in (Layout(dp_replicate=2), Layout(tp=2)):
+        assert estimate(W, lay, c).step_s == pytest.approx(estimate(W, lay, plain).step_s)
+    extra = estimate(W, Layout(dp_shard=2), c).step_s - estimate(W, Layout(dp_shard=2), plain).step_s
+    k = cal.contention(s, 2)  # each rank runs 4 of the 8 sequences in one pass
+    assert extra == pytest.approx(k * (FSDP_PASS + FSDP_SEQ * 4), rel=1e-6)
+    older = {key: v for key, v in s.items() if key != "fsdp_pass_s"}  # samples from before it was measured
+    assert cal.fit_calibration(_cluster(2), W, older).fsdp_pass_overhead_s == 0.0
 
 
 def test_pipeline_pays_the_pass_overhead_per_microbatch_for_its_share_of_layers():

@@ -9,14 +9,17 @@ Why a one-rank mesh: it runs the project's own TP plan (``apply_tensor_parallel`
 op goes through DTensor's dispatch, sharding propagation and redistribution bookkeeping, but
 no byte crosses a link. The difference to the plain model at the same batch is DTensor's
 per-op CPU cost, which a tp-way run pays on every rank (the op count does not shrink with
-tp), on top of the collectives ``comm_model`` charges. FSDP2 is not measured this way: its
-parameters are DTensors only outside forward/backward (it unshards them to plain tensors).
+tp), on top of the collectives ``comm_model`` charges. FSDP2 likewise: the project's
+``fully_shard`` units (each block, then the root) on a one-rank mesh run its hooks, the
+copies into and out of the all-gather and reduce-scatter buffers and its DTensor bookkeeping,
+which every FSDP2 rank pays beside the collectives.
 
 Timed, one thread, best of ``--repeats`` after a warm-up (oneDNN builds kernels on first
 use; a burst of someone else's load spoils some repeats, not all):
 
 - ``pass_s[b]``: forward + loss + backward on (b, seq_len) random tokens, plain model;
 - ``tp_pass_s[b]``: the same on the DTensor model;
+- ``fsdp_pass_s[b]``: the same under FSDP2;
 - ``opt_s`` / ``tp_opt_s``: clip (foreach, as the trainer) + fused AdamW step + zero_grad.
 
 Launched with N > 1 processes it times only the plain passes, on every rank at once with no
@@ -59,13 +62,14 @@ def _slowest(t: float) -> float:
 
 def measure(flavor: str, seq_len: int, batch_sizes: list[int], repeats: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
 
     from trainforge.model import FLAVORS, build_model
     from trainforge.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_loss, loss_context
 
     cfg = dataclasses.replace(FLAVORS[flavor], max_seq_len=max(FLAVORS[flavor].max_seq_len, seq_len))
     gen = torch.Generator().manual_seed(0)
-    out: dict = {"pass_s": {}, "tp_pass_s": {}}
+    out: dict = {"pass_s": {}, "tp_pass_s": {}, "fsdp_pass_s": {}}
 
     def runner(model: torch.nn.Module, lp: bool):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -101,6 +105,17 @@ def measure(flavor: str, seq_len: int, batch_sizes: list[int], repeats: int) -> 
     for b in batch_sizes:
         out["tp_pass_s"][str(b)] = _best_s(pass_at(b), repeats)
     out["tp_opt_s"] = _best_s(step, repeats, setup=pass_at(batch_sizes[0]))
+    del sharded
+
+    fsdp = build_model(cfg, seed=0)
+    blocks = list(fsdp.layers.values())
+    one = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    for i, block in enumerate(blocks):  # as parallel/data_parallel.apply_fsdp wraps them
+        fully_shard(block, mesh=one, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(fsdp, mesh=one)
+    pass_at, _ = runner(fsdp, False)
+    for b in batch_sizes:
+        out["fsdp_pass_s"][str(b)] = _best_s(pass_at(b), repeats)
     return out
 
 

@@ -15,7 +15,7 @@ Measured (``measure_samples``, 2-3 minutes for ``tiny``, under the probe lock):
    (the fastest window: someone else's load spoils some, not all);
 2. ``calibrate_worker`` on one process: forward + backward of the plain model at both batch
    sizes, P(b); the same with every parameter a DTensor (the TP plan on a one-rank mesh),
-   D(b); clip + AdamW, plain and on DTensors;
+   D(b), and under FSDP2 on a one-rank mesh, F(b); clip + AdamW, plain and on DTensors;
 3. ``calibrate_worker`` on N processes at once for each N asked (no communication): the
    slowest rank's P_N(b). ``contention(N)`` = slope of P_N / slope of P: how much a rank's
    work stretches when N processes share this CPU (x1.0 for 2 processes on this 2-vCPU VM,
@@ -30,6 +30,8 @@ probe's N-process rates; ``O``: its AdamW at the lone-process bandwidth):
 - ``step_overhead_s`` = T's intercept - pass_overhead_s - O: the trainer's fixed cost per step;
 - ``tp_pass_overhead_s`` / ``tp_token_overhead_s``: intercept and slope (per token) of D - P;
   ``tp_step_overhead_s``: DTensor clip + AdamW less the plain one;
+- ``fsdp_pass_overhead_s`` / ``fsdp_token_overhead_s``: the same of F - P, F(b) the pass under
+  FSDP2 on a one-rank mesh (its hooks and buffer copies, no byte on a link);
 - every overhead (CPU time of one process) x contention.
 
 So a one-rank layout on the calibrated cluster of one process replays the trainer's measured
@@ -68,6 +70,8 @@ class Calibration:
     tp_token_overhead_s: float
     tp_step_overhead_s: float
     source: str
+    fsdp_pass_overhead_s: float = 0.0
+    fsdp_token_overhead_s: float = 0.0
 
 
 def default_batch_sizes(workload: Workload) -> tuple[int, int]:
@@ -196,26 +200,33 @@ def fit_calibration(cluster: MeasuredCluster, workload: Workload, samples: dict)
     dtensor = {b: samples["tp_pass_s"][b] - samples["pass_s"][b] for b in samples["pass_s"]}
     d_intercept, d_slope = _line(dtensor, lo, hi)
     tp_step = max(0.0, samples["tp_opt_s"] - samples["opt_s"])
+    # FSDP2's own cost (older samples lack it: 0)
+    fsdp = {b: samples["fsdp_pass_s"][b] - samples["pass_s"][b] for b in samples.get("fsdp_pass_s", {})}
+    f_intercept, f_slope = _line(fsdp, lo, hi) if fsdp else (0.0, 0.0)
     t = samples["trainer_step_s"]
     source = (f"measured on this machine {samples['date']}: {samples['flavor']} at batch {lo} and {hi} x "
               f"{samples['seq_len']}, one thread: trainer steps {t[str(lo)] * 1e3:.0f} / {t[str(hi)] * 1e3:.0f} ms "
               f"(per sequence {t_slope * 1e3:.1f} ms; fixed {t_intercept * 1e3:.0f} ms = pass "
               f"{pass_overhead * 1e3:.0f} + AdamW {optimizer * 1e3:.0f} + trainer {step_overhead * 1e3:.0f} ms); "
               f"DTensor (TP plan on a one-rank mesh) adds {max(0.0, d_intercept) * 1e3:.0f} ms per pass + "
-              f"{max(0.0, d_slope) * 1e3:.1f} ms per sequence, {tp_step * 1e3:.0f} ms to clip + AdamW; "
+              f"{max(0.0, d_slope) * 1e3:.1f} ms per sequence, {tp_step * 1e3:.0f} ms to clip + AdamW; FSDP2 (on a "
+              f"one-rank mesh) adds {max(0.0, f_intercept) * 1e3:.0f} ms per pass + "
+              f"{max(0.0, f_slope) * 1e3:.1f} ms per sequence; "
               f"{n} processes at once: x {k:.2f} per sequence (the model's pass on every process, no "
               f"communication), so per sequence {k * t_slope * 1e3:.1f} ms against the cost model's compute "
               f"{c_slope * 1e3:.1f} + memory-bound {m_slope * 1e3:.1f} ms at the probe's {n}-process rates")
     return Calibration(matmul_efficiency=efficiency, step_overhead_s=k * step_overhead,
                        pass_overhead_s=k * pass_overhead, tp_pass_overhead_s=k * max(0.0, d_intercept),
                        tp_token_overhead_s=k * max(0.0, d_slope) / samples["seq_len"],
-                       tp_step_overhead_s=k * tp_step, source=source)
+                       tp_step_overhead_s=k * tp_step, source=source,
+                       fsdp_pass_overhead_s=k * max(0.0, f_intercept),
+                       fsdp_token_overhead_s=k * max(0.0, f_slope) / samples["seq_len"])
 
 
 def apply_calibration(cluster: MeasuredCluster, cal: Calibration) -> MeasuredCluster:
     """``cluster`` with ``cal``'s figures (fitted for its process count) and their source."""
     fields = ("matmul_efficiency", "step_overhead_s", "pass_overhead_s", "tp_pass_overhead_s", "tp_token_overhead_s",
-              "tp_step_overhead_s")
+              "tp_step_overhead_s", "fsdp_pass_overhead_s", "fsdp_token_overhead_s")
     return dataclasses.replace(cluster, sources={**cluster.sources, **{k: cal.source for k in fields}},
                                **{k: getattr(cal, k) for k in fields})
 

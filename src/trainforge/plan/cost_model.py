@@ -73,7 +73,8 @@ table): a fixed cost per forward + backward (per-op dispatch), the rank's share 
 per pipeline microbatch, on the critical path like compute; under TP, DTensor's dispatch per
 pass and per token of the rank's shard (``tp_overhead``, apart from the collectives); and a
 fixed cost per optimizer step (the trainer's clipping, guard, loss sync and logging; DTensor's
-clipping and AdamW under TP).
+clipping and AdamW under TP); under FSDP2 its own per-pass cost (hooks, copies into and out of
+the collectives' buffers: ``fsdp_*_overhead``, apart from the collectives).
 
 step_s = micro-steps x ((stage compute + memory-bound + TP + EP + pass overheads) / (1 - bubble)
 + exposed PP + exposed DP) + expert reduce + optimizer + step overhead. bubble: the schedule's own action list replayed (``pipeline_sim``).
@@ -111,6 +112,20 @@ def codec_bytes_per_value(codec: str, dim: int) -> float:
 
     n = 1 << 20
     return make_codec(codec).nbytes(n) / n
+
+
+def waiting_charged(cluster: Cluster, n_ranks: int, pp: int) -> float:
+    """The share of a rank's waiting (the pipeline bubble, a blocking collective) that costs
+    step time. On GPUs, or on a CPU with a core per rank, all of it. On a CPU with more ranks
+    than cores (``Cluster.cores``) a waiting rank gives its core to the others: without a
+    pipeline every rank waits at the same collectives at once, so it is all paid; with one,
+    only one stage's ranks (n / pp) wait together while the other stages' ranks run on the
+    cores, so the step loses only the cores those cannot fill: max(0, cores - (n - n / pp)) /
+    cores. (8 ranks in 2 stages on 2 cores: the 4 running ranks keep both cores busy.)"""
+    cores = cluster.cores
+    if not cores or n_ranks <= cores or pp == 1:
+        return 1.0
+    return max(0, cores - (n_ranks - n_ranks // pp)) / cores
 
 
 def layout_problem(workload: Workload, layout: Layout) -> str:
@@ -237,8 +252,16 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         memory_bound = streamed * mb_tokens * m / cluster.memory_bandwidth_bytes_per_s
         tp_size, tp_link = links["tp"]
         tp_msgs = len(layers) * (6 if ac else 4) + 2 * (first + last)
-        tp_comm = ge.tp_exposed_s(m * tp_msgs * cm.all_reduce_s(mb_tokens * cfg.dim * a, tp_size, tp_link),
-                                  compute, cluster, workload.stack)
+        act_bytes = mb_tokens * cfg.dim * a
+        # Sequence parallel (the trainer's default): each message is an all-gather + reduce-scatter
+        # pair (= one all-reduce under the formulas; a measured cluster prices each op by its fit).
+        tp_msg_s = cm.all_gather_s(act_bytes, tp_size, tp_link) + cm.reduce_scatter_s(act_bytes, tp_size, tp_link)
+        # Loss parallel: 3 small all-reduces of per-token values (max, sum of exp, target logit)
+        # per pass on the last stage; and once a step the norms' Partial gradients, summed in one
+        # flat all-reduce (parallel/partial_grads.py).
+        tp_small = (m * 3 * cm.all_reduce_s(mb_tokens * 4, tp_size, tp_link) if last else 0.0) \
+            + cm.all_reduce_s((2 * len(layers) + last) * cfg.dim * 4, tp_size, tp_link)
+        tp_comm = ge.tp_exposed_s(m * tp_msgs * tp_msg_s + tp_small, compute, cluster, workload.stack)
         moe_layers = sum(table.moe[i] for i in layers)
         ep_size, ep_link = links["ep"]
         dispatched = mb_tokens * cfg.n_activated_experts * cfg.dim * a
@@ -249,32 +272,54 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         rep_size, rep_link = links["dp_replicate"]
         hidden_dp = compressed = 0.0
         if fsdp:
-            gathers = 2 * (m if pp > 1 else 1)
-            hidden_dp += gathers * cm.all_gather_s(dense_local * a, shard_size, shard_link)
-            hidden_dp += cm.reduce_scatter_s(dense_local * pb.reduce, shard_size, shard_link)
+            # One collective per FSDP unit (each block, then the root: embedding, final norm, head;
+            # parallel/data_parallel.py): forward gathers every unit, backward every block but the
+            # last (kept unsharded after forward) and not the root; one reduce-scatter per unit.
+            # Under a pipeline the gathers repeat per microbatch.
+            blocks = [table.dense_params[i] / tp for i in layers]
+            root = ((emb_params if first else 0) + (head_params if last else 0)) / tp
+            units = blocks + ([root] if root else [])
+            passes = m if pp > 1 else 1
+            gathered = units + blocks[:-1]
+            hidden_dp += passes * sum(cm.all_gather_s(u * a, shard_size, shard_link) for u in gathered)
+            hidden_dp += sum(cm.reduce_scatter_s(u * pb.reduce, shard_size, shard_link) for u in units)
         rep_values = dense_local / shard  # what crosses dp_replicate: the shard (HSDP) or everything (DDP)
         if workload.compression == "none":
             hidden_dp += cm.all_reduce_s(rep_values * (pb.reduce if fsdp else pb.grad), rep_size, rep_link)
         else:
             compressed = cm.all_reduce_s(rep_values * wire, rep_size, rep_link)
         edp_size, edp_link = links["edp"]
+        # What each blocking collective costs beyond its own time where ranks compute between them
+        # (``Link.sync_s``: measured by the probe on a CPU cluster, 0 on the GPU table), by count:
+        # TP's all-gathers and reduce-scatters and its small all-reduces, EP's all-to-alls and the
+        # pipeline's receives sit inside the stage's time; the data-parallel ones are exposed.
+        idle = waiting_charged(cluster, layout.n_gpus, pp)
+        stage_syncs = idle * (((m * (2 * tp_msgs + 3 * last) + 1) * tp_link.sync_s if tp > 1 else 0.0)
+                              + m * moe_layers * (6 if ac else 4) * ep_link.sync_s
+                              + (2 * m * v * links["pp"][1].sync_s if pp > 1 else 0.0))
+        dp_syncs = idle * (((passes * len(gathered) + len(units)) * shard_link.sync_s if fsdp else 0.0)
+                           + (len(units) if fsdp else 1) * rep_link.sync_s)
         exposed_dp = (max(0.0, hidden_dp - compute - memory_bound) + hidden_dp / max(1, len(layers))
-                      if cluster.comm_overlaps_compute else hidden_dp) + compressed
+                      if cluster.comm_overlaps_compute else hidden_dp) + compressed + dp_syncs
         # CPU time the counts do not see (Cluster's *_overhead_s; 0 for the GPU table): a pass's
         # fixed cost for this rank's share of the layers, m passes per micro-step; under tp DTensor's
         # dispatch on top (per pass, and per token of the rank's shard): a term apart from tp_comm.
         share = len(layers) / cfg.n_layers
         tp_overhead = m * share * (cluster.tp_pass_overhead_s + mb_tokens / tp * cluster.tp_token_overhead_s) \
             if tp > 1 else 0.0
-        pass_overhead = m * share * cluster.pass_overhead_s + tp_overhead
+        fsdp_overhead = m * share * (cluster.fsdp_pass_overhead_s + mb_tokens / tp * cluster.fsdp_token_overhead_s) \
+            if fsdp else 0.0
+        pass_overhead = m * share * cluster.pass_overhead_s + tp_overhead + fsdp_overhead
         # AdamW once per step: reads parameters, gradients and both moments, writes all but the gradients.
         optimizer_s = params_local * (pb.param + pb.grad + 2 * pb.optimizer_state + pb.master) * 1.75 \
             / cluster.memory_bandwidth_bytes_per_s
         rows.append({**state, "memory_bytes": sum(state.values()), "compute_s": compute,
                      "memory_bound_s": memory_bound, "optimizer_s": optimizer_s, "tp_comm_s": tp_comm,
-                     "ep_comm_s": ep_comm, "dp_comm_s": hidden_dp + compressed, "exposed_dp_s": exposed_dp,
+                     "ep_comm_s": ep_comm, "dp_comm_s": hidden_dp + compressed + dp_syncs,
+                     "exposed_dp_s": exposed_dp,
                      "expert_grad_comm_s": cm.all_reduce_s(experts_local * pb.grad, edp_size, edp_link),
-                     "busy_s": compute + memory_bound + tp_comm + ep_comm})
+                     "sync_s": stage_syncs + dp_syncs,
+                     "busy_s": compute + memory_bound + tp_comm + ep_comm + stage_syncs})
         rows[-1]["pass_overhead_s"] = pass_overhead
     worst = max(rows, key=lambda r: r["busy_s"])  # the slowest rank paces the pipeline
     fullest = max(rows, key=lambda r: r["memory_bytes"])
@@ -287,11 +332,15 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     pp_exposed = 2 * (n_stages - 1) * cm.p2p_s(hop, pp_link) if pp > 1 else 0.0
     micro = layout.grad_accum_steps
     bubble = profile.bubble_fraction
-    makespan = worst["busy_s"] / (1 - bubble) if bubble < 1 else math.inf
+    # A pipeline stage's ranks wait through the bubble; on a CPU with more ranks than cores the
+    # other stages' ranks take those cores meanwhile (``waiting_charged``).
+    stretch = 1 / (1 - bubble) - 1 if bubble < 1 else math.inf
+    idle = waiting_charged(cluster, layout.n_gpus, pp)
+    makespan = worst["busy_s"] * (1 + idle * stretch)
     bubble_s = micro * (makespan - worst["busy_s"])
     exposed_comm = micro * (worst["tp_comm_s"] + worst["ep_comm_s"] + pp_exposed + worst["exposed_dp_s"]) \
         + worst["expert_grad_comm_s"]
-    overhead = worst["pass_overhead_s"] / (1 - bubble) if bubble < 1 else math.inf  # on the critical path, as compute
+    overhead = worst["pass_overhead_s"] * (1 + idle * stretch)  # on the critical path, as compute
     step_overhead = cluster.step_overhead_s + (cluster.tp_step_overhead_s if tp > 1 else 0.0)
     step_s = (micro * (makespan + overhead + pp_exposed + worst["exposed_dp_s"]) + worst["expert_grad_comm_s"]
               + max(r["optimizer_s"] for r in rows) + step_overhead)

@@ -17,6 +17,9 @@ are each process's share, as a training job sees them):
   latency and bus bandwidth that best explain all those samples under ``comm_model``'s
   formulas (``fit_tier``: its all-reduce charges 2 log2(k) latencies, not one), so the cost
   model reads the figures it was measured for.
+- synchronisation: a 4-byte all-reduce between compute chunks against back to back, per group
+  size (``MeasuredCluster.sync_s``: the difference, what each blocking collective of a step
+  costs beyond its own time).
 
 With as many processes as cores or more, ``comm_overlaps_compute`` is False: gloo's
 collective threads need the cores every rank computes on, so "overlapped" data-parallel
@@ -54,7 +57,7 @@ from trainforge.plan.probe_worker import OPS
 from trainforge.plan.spec import Cluster, LinkTier
 
 CACHE_FILE = "machine_profile.json"
-PROFILE_VERSION = 2  # bump when the worker measures differently: older cache entries are re-probed
+PROFILE_VERSION = 3  # bump when the worker measures differently: older cache entries are re-probed
 # The lock heavy CPU jobs on a shared machine take (``flock /tmp/cpu.lock <command>``);
 # TRAINFORGE_PROBE_LOCK overrides it, an empty value takes none.
 PROBE_LOCK = "/tmp/cpu.lock"
@@ -80,6 +83,9 @@ class MeasuredCluster(Cluster):
     reduce_scatter is the full, gathered tensor; of send_recv, one message)."""
 
     collectives: dict[str, dict[int, OpFit]] = field(default_factory=dict)
+    # group size -> seconds a blocking collective adds between compute beyond its back-to-back
+    # time (the worker's ``sync_s``: between_compute - back_to_back, >= 0)
+    sync_s: dict[int, float] = field(default_factory=dict)
     # What one process reached alone (the others idle): fp32_flops_per_s, memory_bytes_per_s.
     solo: dict[str, float] = field(default_factory=dict)
 
@@ -253,11 +259,16 @@ def cluster_from_profile(profile: dict) -> MeasuredCluster:
             "collectives hide behind compute" if overlaps else "gloo's threads take the cores the compute runs on, "
             "so data-parallel traffic is added to the step, not hidden")),
     }
+    sync = s.get("sync_s", {})
+    sync_s = {int(k): max(0.0, t - sync["back_to_back"][k]) for k, t in sync.get("between_compute", {}).items()}
+    if sync_s:
+        sources["sync_s"] = (f"{when}: a 4-byte all-reduce between ~3 ms matmul chunks against back to back, "
+                             f"{shared}: " + ", ".join(f"{k} ranks +{t * 1e3:.2f} ms" for k, t in sorted(sync_s.items())))
     return MeasuredCluster(
         name=f"measured: {profile['cpu_model']}, {n} x 1-thread processes", n_gpus=n, gpus_per_node=n,
         peak_flops=peak, memory_bytes=_mem_total_bytes() / n,
         memory_bandwidth_bytes_per_s=s["memory_bytes_per_s"], intra=tier, inter=tier, sources=sources,
-        matmul_efficiency=1.0, comm_overlaps_compute=overlaps, collectives=fits,
+        matmul_efficiency=1.0, comm_overlaps_compute=overlaps, collectives=fits, sync_s=sync_s, cores=cores,
         solo={"fp32_flops_per_s": s["matmul_fp32_solo_flops_per_s"], "memory_bytes_per_s": s["memory_solo_bytes_per_s"]})
 
 

@@ -18,6 +18,13 @@ by rank 0 alone, and recorded beside it).
   rest wait), every group runs the op at once, as a layout's tp or dp groups do; each size is
   timed a few times between world barriers and the slowest rank's time counts (a collective
   ends when its last rank does). The median over repeats is the sample.
+- synchronisation between compute: for each group size k, the same groups alternate a
+  compute chunk (matmuls of ~``--sync_chunk_ms``) with a 4-byte all-reduce, against the
+  chunks alone, interleaved; the extra time per round (slowest rank, median over repeats) is
+  what one blocking collective costs a rank that was computing just before, as a training
+  step's dozens of collectives do. Back-to-back collectives after a barrier (above) miss it:
+  there every rank arrives at once and no core has gone idle (on this 2-vCPU KVM guest a
+  4-byte all-reduce costs ~0.1 ms back to back and ~0.9 ms between 3 ms chunks).
 """
 
 from __future__ import annotations
@@ -143,6 +150,44 @@ def collective_samples(sizes: list[int], repeats: int) -> dict:
     return out
 
 
+def sync_samples(chunk_ms: float, rounds: int, repeats: int) -> dict:
+    """{"between_compute": {k: s}, "back_to_back": {k: s}}: the median seconds a 4-byte
+    all-reduce adds per round of compute + collective, and what it takes in rounds of nothing
+    else, on world // k groups of k at once (ranks outside a group compute only)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        a @ b
+    reps = max(1, round(chunk_ms / 1e3 / ((time.perf_counter() - t0) / 50)))
+    flag = torch.zeros(1)
+    out: dict = {"between_compute": {}, "back_to_back": {}}
+    for k in range(2, world + 1):
+        groups = [list(range(g * k, (g + 1) * k)) for g in range(world // k)]
+        handles = [dist.new_group(g) for g in groups]
+        mine = next((h for g, h in zip(groups, handles) if rank in g), None)
+        extra, alone = [], []
+        for i in range(repeats + 1):  # the first round of each warms up
+            per_round = {}
+            for chunk, with_sync in ((reps, False), (reps, True), (0, True)):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(rounds):
+                    for _ in range(chunk):
+                        a @ b
+                    if with_sync and mine is not None:
+                        dist.all_reduce(flag, group=mine)
+                slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                per_round[chunk, with_sync] = float(slowest) / rounds
+            if i:
+                extra.append(per_round[reps, True] - per_round[reps, False])
+                alone.append(per_round[0, True])
+        out["between_compute"][str(k)] = max(0.0, statistics.median(extra))
+        out["back_to_back"][str(k)] = statistics.median(alone)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
@@ -153,6 +198,8 @@ def main() -> None:
     ap.add_argument("--window_s", type=float, default=0.3)
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="also time bf16 matmuls")
+    ap.add_argument("--sync_chunk_ms", type=float, default=3.0, help="compute between synchronisations")
+    ap.add_argument("--sync_rounds", type=int, default=20)
     a = ap.parse_args()
     torch.set_num_threads(1)  # one "GPU" = one process with one thread
     dist.init_process_group("gloo")
@@ -163,6 +210,7 @@ def main() -> None:
     result["matmul_n"] = a.matmul_n
     result.update(memory_samples(a.copy_mb, a.window_s, a.windows))
     result["collectives"] = collective_samples([int(s) for s in a.sizes.split(",")], a.repeats)
+    result["sync_s"] = sync_samples(a.sync_chunk_ms, a.sync_rounds, a.repeats)
     result["probe_s"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
         with open(a.out, "w") as fh:

@@ -57,15 +57,23 @@ class Cluster:
     # rank pays its layers' share per micro-batch and pipeline microbatch); under tensor
     # parallelism DTensor's dispatch on top, ``tp_pass_overhead_s`` per pass of the whole model
     # + ``tp_token_overhead_s`` per token of a rank's shard (tokens / tp), and
-    # ``tp_step_overhead_s`` per step (clipping and AdamW on DTensors).
+    # ``tp_step_overhead_s`` per step (clipping and AdamW on DTensors); under FSDP2 its hooks,
+    # copies in and out of the collectives' buffers and DTensor bookkeeping,
+    # ``fsdp_pass_overhead_s`` per pass + ``fsdp_token_overhead_s`` per token (apart from the
+    # collectives themselves).
     step_overhead_s: float = 0.0
     pass_overhead_s: float = 0.0
     tp_pass_overhead_s: float = 0.0
     tp_token_overhead_s: float = 0.0
     tp_step_overhead_s: float = 0.0
+    fsdp_pass_overhead_s: float = 0.0
+    fsdp_token_overhead_s: float = 0.0
     # False where data-parallel traffic cannot hide behind compute: a CPU "cluster" with as many
     # processes as cores or more, whose collective threads take the cores the compute runs on.
     comm_overlaps_compute: bool = True
+    # CPU cores the ranks of a node share (a measured CPU cluster); 0: a device per rank (GPUs).
+    # With more ranks than cores a waiting rank's core runs other ranks (``cost_model.waiting_charged``).
+    cores: int = 0
 
     @property
     def n_nodes(self) -> int:
