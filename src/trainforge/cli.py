@@ -555,6 +555,10 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--compile", action="store_true",
                    help="predict for parallel.compile = true (torch.compile fuses the blocks' elementwise ops; "
                         "written into --output) (default: eager)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --gpu measured: calibrate the probed machine to this model by short one-process "
+                        "runs of it (plan/calibration.py: ~3 min for tiny; fp32, models that train here in "
+                        "seconds) (default: the probe alone)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print the ranked layouts as JSON instead of a table")
     p.add_argument("--output", default=None, metavar="FILE",
@@ -570,6 +574,10 @@ def _plan(argv: list[str]) -> int:
 
     if a.gpus < 1 or a.seq_len < 1 or a.top < 1:
         raise ConfigError("--gpus, --seq_len and --top must be >= 1")
+    if a.calibrate and a.gpu != "measured":
+        raise ConfigError(f"--calibrate measures this machine: use it with --gpu measured, not --gpu {a.gpu}")
+    if a.calibrate and a.precision != "fp32":
+        raise ConfigError(f"--calibrate runs the model in fp32: add --precision fp32 (not {a.precision})")
     cluster = _plan_cluster(a.gpu, a.gpus)
     batch = a.global_batch if a.global_batch is not None else 2 * a.gpus
     if batch < 1:
@@ -579,6 +587,10 @@ def _plan(argv: list[str]) -> int:
     workload = Workload(cfg, seq_len=a.seq_len, global_batch=batch, precision=a.precision,
                         compression=a.compression, flavor=a.model,
                         stack="trainforge-compile" if a.compile else "trainforge")
+    if a.calibrate:
+        from trainforge.plan.calibration import calibrate
+
+        cluster = calibrate(cluster, workload)
     try:
         ranked = plan(workload, cluster)
     except ValueError as e:  # an unknown precision policy or codec

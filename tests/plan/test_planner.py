@@ -102,3 +102,35 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, words):
     rc = main(["plan", "--model", "small", "--gpus", "8", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv,words", [(["--gpu", "h100", "--calibrate"], "--gpu measured"),
+                                        (["--gpu", "measured", "--calibrate"], "--precision fp32")])
+def test_cli_calibrate_names_what_it_needs(capsys, argv, words):
+    rc = main(["plan", "--model", "tiny", "--gpus", "2", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and words in err and "Traceback" not in err
+
+
+def test_cli_calibrate_plans_on_the_calibrated_machine(monkeypatch, capsys):
+    """--gpu measured --calibrate: the probed cluster, calibrated to the model (here with
+    stand-in measurements), is what the layouts are priced on."""
+    from tests.plan.test_calibration import _samples
+    from tests.plan.test_probe import _profile
+    from trainforge.plan import calibration, probe
+
+    monkeypatch.setattr(probe, "measured_cluster", lambda n: probe.cluster_from_profile(_profile(n=n)))
+    asked = []
+
+    def fake_samples(workload, batch_sizes=None, n_procs=()):
+        asked.append((workload.flavor, tuple(n_procs)))
+        return _samples()
+    monkeypatch.setattr(calibration, "measure_samples", fake_samples)
+    rc = main(["plan", "--model", "debug", "--gpus", "2", "--gpu", "measured", "--calibrate", "--precision", "fp32",
+               "--seq_len", "32", "--global_batch", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and asked == [("debug", (2,))]
+    plain = plan(Workload(FLAVORS["debug"], seq_len=32, global_batch=8, precision="fp32", flavor="debug"),
+                 probe.cluster_from_profile(_profile(n=2)))
+    # the calibration's overheads and efficiency slow every layout down against the bare probe
+    assert min(r["step_s"] for r in out["layouts"]) > min(e.step_s for e in plain if e.feasible)

@@ -235,5 +235,5 @@ def calibrate(cluster: MeasuredCluster, workload: Workload, samples: dict | None
               batch_sizes: tuple[int, int] | None = None) -> MeasuredCluster:
     """``cluster`` calibrated to ``workload``: measured now (``measure_samples``) unless
     ``samples`` of an earlier measurement are given."""
-    samples = samples if samples is not None else measure_samples(workload, batch_sizes)
+    samples = samples if samples is not None else measure_samples(workload, batch_sizes, n_procs=(cluster.n_gpus,))
     return apply_calibration(cluster, fit_calibration(cluster, workload, samples))

@@ -76,8 +76,16 @@ fixed cost per optimizer step (the trainer's clipping, guard, loss sync and logg
 clipping and AdamW under TP); under FSDP2 its own per-pass cost (hooks, copies into and out of
 the collectives' buffers: ``fsdp_*_overhead``, apart from the collectives).
 
-step_s = micro-steps x ((stage compute + memory-bound + TP + EP + pass overheads) / (1 - bubble)
-+ exposed PP + exposed DP) + expert reduce + optimizer + step overhead. bubble: the schedule's own action list replayed (``pipeline_sim``).
+On a measured CPU cluster each collective is priced by the probe's own fit for its op and
+group size (``comm_model``), FSDP2's are counted per unit (each block, then the root), and
+every blocking collective also pays the probe's ``sync_s`` (what one costs where the ranks
+computed just before it, beyond its back-to-back time). With more ranks than cores, waiting
+is charged only where no other rank can take the core (``waiting_charged``): a pipeline's
+bubble and waits cost nothing when the other stages' ranks fill the cores.
+
+step_s = micro-steps x ((stage compute + memory-bound + TP + EP + syncs + pass overheads)
+x (1 + charged x bubble / (1 - bubble)) + exposed PP + exposed DP) + expert reduce + optimizer
++ step overhead. bubble: the schedule's own action list replayed (``pipeline_sim``).
 MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]).
 """
 
