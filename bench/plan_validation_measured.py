@@ -66,6 +66,7 @@ CASES = (
     Case("TP 2", Layout(tp=2)),
     Case("PP 2 1f1b mb4", Layout(pp=2, microbatches=4, pp_schedule="1f1b")),
     Case("PP 2 interleaved mb4", Layout(pp=2, microbatches=4, pp_schedule="interleaved-1f1b")),
+    Case("PP 2 zbv mb4", Layout(pp=2, microbatches=4, pp_schedule="zbv")),  # the calibrated planner's first pick
     Case("FSDP2 4", Layout(dp_shard=4)),
     Case("FSDP2 2 x TP 2", Layout(dp_shard=2, tp=2)),
     Case("3D dp2 tp2 pp2 mb2", Layout(dp_shard=2, tp=2, pp=2, microbatches=2, pp_schedule="1f1b")),

@@ -105,7 +105,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, words):
 
 
 @pytest.mark.parametrize("argv,words", [(["--gpu", "h100", "--calibrate"], "--gpu measured"),
-                                        (["--gpu", "measured", "--calibrate"], "--precision fp32")])
+                                        (["--gpu", "measured", "--calibrate"], "--precision fp32"),
+                                        (["--machine", "measured", "--calibrate"], "--precision fp32"),
+                                        (["--machine", "measured", "--gpu", "h100"], "two clusters")])
 def test_cli_calibrate_names_what_it_needs(capsys, argv, words):
     rc = main(["plan", "--model", "tiny", "--gpus", "2", *argv])
     err = capsys.readouterr().err
@@ -126,7 +128,7 @@ def test_cli_calibrate_plans_on_the_calibrated_machine(monkeypatch, capsys):
         asked.append((workload.flavor, tuple(n_procs)))
         return _samples()
     monkeypatch.setattr(calibration, "measure_samples", fake_samples)
-    rc = main(["plan", "--model", "debug", "--gpus", "2", "--gpu", "measured", "--calibrate", "--precision", "fp32",
+    rc = main(["plan", "--model", "debug", "--gpus", "2", "--machine", "measured", "--calibrate", "--precision", "fp32",
                "--seq_len", "32", "--global_batch", "8", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and asked == [("debug", (2,))]
