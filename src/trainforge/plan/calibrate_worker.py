@@ -134,6 +134,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             with open(a.out, "w") as fh:
                 json.dump(result, fh)
+        dist.barrier()  # no rank tears gloo down while another is still in a collective
     finally:
         dist.destroy_process_group()
 
