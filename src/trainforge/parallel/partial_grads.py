@@ -43,11 +43,12 @@ class PartialGradReducer:
     def __call__(self) -> int:
         pending = [p for p in self.params if isinstance(p.grad, DTensor) and _partial_dims(p.grad)]
         issued = 0
-        # One flat buffer per (mesh, mesh dim): the Partial dims of every gradient, reduced in turn.
+        # One flat buffer per (mesh, mesh dim, dtype): the Partial dims of every gradient, in turn.
         while pending:
             first = pending[0].grad
-            mesh, dim = first.device_mesh, _partial_dims(first)[0]
-            group = [p for p in pending if p.grad.device_mesh == mesh and dim in _partial_dims(p.grad)]
+            mesh, dim, dtype = first.device_mesh, _partial_dims(first)[0], first.dtype
+            group = [p for p in pending
+                     if p.grad.device_mesh == mesh and p.grad.dtype == dtype and dim in _partial_dims(p.grad)]
             locals_ = [p.grad.to_local() for p in group]
             flat = torch.cat([t.reshape(-1) for t in locals_])
             dist.all_reduce(flat, group=mesh.get_group(dim))

@@ -213,6 +213,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
 
     from trainforge.parallel.pipeline import stage_ids_for_rank
 
+    idle = waiting_charged(cluster, layout.n_gpus, pp)  # the share of waiting (bubble, syncs) that costs time
     rows: list[dict[str, float]] = []
     for rank in range(pp):
         stages = stage_ids_for_rank(rank, pp, layout.pp_schedule, n_stages) if pp > 1 else [0]
@@ -301,7 +302,6 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         # (``Link.sync_s``: measured by the probe on a CPU cluster, 0 on the GPU table), by count:
         # TP's all-gathers and reduce-scatters and its small all-reduces, EP's all-to-alls and the
         # pipeline's receives sit inside the stage's time; the data-parallel ones are exposed.
-        idle = waiting_charged(cluster, layout.n_gpus, pp)
         stage_syncs = idle * (((m * (2 * tp_msgs + 3 * last) + 1) * tp_link.sync_s if tp > 1 else 0.0)
                               + m * moe_layers * (6 if ac else 4) * ep_link.sync_s
                               + (2 * m * v * links["pp"][1].sync_s if pp > 1 else 0.0))
@@ -342,13 +342,12 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     bubble = profile.bubble_fraction
     # A pipeline stage's ranks wait through the bubble; on a CPU with more ranks than cores the
     # other stages' ranks take those cores meanwhile (``waiting_charged``).
-    stretch = 1 / (1 - bubble) - 1 if bubble < 1 else math.inf
-    idle = waiting_charged(cluster, layout.n_gpus, pp)
-    makespan = worst["busy_s"] * (1 + idle * stretch)
+    stretch = 1 + idle * bubble / (1 - bubble) if bubble < 1 else math.inf
+    makespan = worst["busy_s"] * stretch
     bubble_s = micro * (makespan - worst["busy_s"])
     exposed_comm = micro * (worst["tp_comm_s"] + worst["ep_comm_s"] + pp_exposed + worst["exposed_dp_s"]) \
         + worst["expert_grad_comm_s"]
-    overhead = worst["pass_overhead_s"] * (1 + idle * stretch)  # on the critical path, as compute
+    overhead = worst["pass_overhead_s"] * stretch  # on the critical path, as compute
     step_overhead = cluster.step_overhead_s + (cluster.tp_step_overhead_s if tp > 1 else 0.0)
     step_s = (micro * (makespan + overhead + pp_exposed + worst["exposed_dp_s"]) + worst["expert_grad_comm_s"]
               + max(r["optimizer_s"] for r in rows) + step_overhead)
