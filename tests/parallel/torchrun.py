@@ -79,8 +79,16 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout_s: float = 
 
 
 def rank_results(script: str | Path, nproc: int, out: Path, timeout_s: float = 240.0) -> list[dict]:
-    """Run a worker that writes ``OUT/rank{r}.json`` on every rank; returns those dicts by rank."""
-    run_torchrun(script, nproc, str(out), timeout_s=timeout_s)
+    """Run a worker that writes ``OUT/rank{r}.json`` on every rank; returns those dicts by rank.
+    A launch that gloo aborted (a rank killed by std::terminate, "terminate called without an
+    active exception", no Python error: seen once in ~20 launches of tp_parity.py on a 2-vCPU
+    guest, never reproduced in isolation) is launched once more; any other failure fails."""
+    r = run_torchrun(script, nproc, str(out), timeout_s=timeout_s, check=False)
+    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
+        r = run_torchrun(script, nproc, str(out), timeout_s=timeout_s, check=False)
+    if r.returncode != 0:
+        raise AssertionError(f"torchrun {script} x{nproc} failed (rc {r.returncode}):\n"
+                             f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-6000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
