@@ -545,7 +545,7 @@ def _plan(argv: list[str]) -> int:
                                    "model of plan/cost_model.py; shapes only, no weights are built).")
     p.add_argument("--model", required=True, choices=sorted(FLAVORS), metavar="FLAVOR", help="model flavor")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu", default="h100", help="h100, h200, a100-80g, mi300x, or measured (a probe of this "
+    p.add_argument("--gpu", default=None, help="h100, h200, a100-80g, mi300x, or measured (a probe of this "
                                                  "machine, where available) (default h100)")
     p.add_argument("--machine", choices=["measured"], default=None,
                    help="measured: this machine, probed (= --gpu measured; --gpus processes of one thread)")
@@ -576,10 +576,9 @@ def _plan(argv: list[str]) -> int:
 
     if a.gpus < 1 or a.seq_len < 1 or a.top < 1:
         raise ConfigError("--gpus, --seq_len and --top must be >= 1")
-    if a.machine == "measured":
-        if "--gpu" in argv and a.gpu != "measured":
-            raise ConfigError(f"--machine measured and --gpu {a.gpu} name two clusters: give one of them")
-        a.gpu = "measured"
+    if a.machine and a.gpu not in (None, a.machine):
+        raise ConfigError(f"--machine {a.machine} and --gpu {a.gpu} name two clusters: give one of them")
+    a.gpu = a.machine or a.gpu or "h100"
     if a.calibrate and a.gpu != "measured":
         raise ConfigError(f"--calibrate measures this machine: use it with --gpu measured, not --gpu {a.gpu}")
     if a.calibrate and a.precision != "fp32":

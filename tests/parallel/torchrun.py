@@ -72,10 +72,15 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout_s: float = 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    if check and r.returncode != 0:
+    if check:
+        _check(script, nproc, r)
+    return r
+
+
+def _check(script: str | Path, nproc: int, r: subprocess.CompletedProcess) -> None:
+    if r.returncode != 0:
         raise AssertionError(f"torchrun {script} x{nproc} failed (rc {r.returncode}):\n"
                              f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-6000:]}")
-    return r
 
 
 def rank_results(script: str | Path, nproc: int, out: Path, timeout_s: float = 240.0) -> list[dict]:
@@ -86,9 +91,7 @@ def rank_results(script: str | Path, nproc: int, out: Path, timeout_s: float = 2
     r = run_torchrun(script, nproc, str(out), timeout_s=timeout_s, check=False)
     if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
         r = run_torchrun(script, nproc, str(out), timeout_s=timeout_s, check=False)
-    if r.returncode != 0:
-        raise AssertionError(f"torchrun {script} x{nproc} failed (rc {r.returncode}):\n"
-                             f"--- stdout ---\n{r.stdout[-6000:]}\n--- stderr ---\n{r.stderr[-6000:]}")
+    _check(script, nproc, r)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 

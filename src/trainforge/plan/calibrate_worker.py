@@ -62,9 +62,10 @@ def _slowest(t: float) -> float:
 
 def measure(flavor: str, seq_len: int, batch_sizes: list[int], repeats: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from trainforge.model import FLAVORS, build_model
+    from trainforge.parallel.data_parallel import apply_fsdp
+    from trainforge.parallel.dims import AXES, ParallelDims, ParallelMesh
     from trainforge.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_loss, loss_context
 
     cfg = dataclasses.replace(FLAVORS[flavor], max_seq_len=max(FLAVORS[flavor].max_seq_len, seq_len))
@@ -108,11 +109,8 @@ def measure(flavor: str, seq_len: int, batch_sizes: list[int], repeats: int) -> 
     del sharded
 
     fsdp = build_model(cfg, seed=0)
-    blocks = list(fsdp.layers.values())
-    one = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
-    for i, block in enumerate(blocks):  # as parallel/data_parallel.apply_fsdp wraps them
-        fully_shard(block, mesh=one, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(fsdp, mesh=one)
+    one = init_device_mesh("cpu", (1, 1, 1, 1), mesh_dim_names=AXES)  # the trainer's own units and options
+    apply_fsdp(fsdp, ParallelMesh(one, one["dp_replicate", "dp_shard"]._flatten("dp")), ParallelDims(1, 1, 1, 1, 1))
     pass_at, _ = runner(fsdp, False)
     for b in batch_sizes:
         out["fsdp_pass_s"][str(b)] = _best_s(pass_at(b), repeats)

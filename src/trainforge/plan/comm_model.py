@@ -22,8 +22,8 @@ group size (gloo's all-reduce, all-gather, reduce-scatter and ring send/recv, ti
 many groups at once as the layout has): a group of such a cluster prices those ops by their
 own fit (``Link.fits``), not by the one tier that best explains them all. Why: on gloo the
 ops differ by more than the formulas allow (its reduce-scatter costs an all-reduce, and
-more: 3.5 ms + 1.9 ns/byte against the all-gather's 1.4 ms + 1.2 ns/byte on 4 processes
-here), and a step issues dozens of them. Such a group also carries ``sync_s``: what a blocking
+more: 5.2 ms + 1.7 ns/byte against the all-gather's 1.7 ms + 1.0 ns/byte on 4 processes
+of a 2-vCPU guest), and a step issues dozens of them. Such a group also carries ``sync_s``: what a blocking
 collective costs beyond that where every rank computed just before it (a core gone idle
 waking, the ranks' jitter), which the cost model adds per collective it counts.
 """

@@ -120,14 +120,24 @@ def _run_op(op: str, group, members: list[int], rank: int, bufs: dict) -> None:
         raise AssertionError(op)
 
 
-def collective_samples(sizes: list[int], repeats: int) -> dict:
-    """{op: {k: [[nbytes, median seconds], ...]}} for k = 2..world."""
+def split_groups() -> dict[int, tuple[list[int], object] | None]:
+    """For k = 2..world: world // k groups of k consecutive ranks (the rest wait), as a layout's
+    tp or dp groups run at once; k -> (this rank's group's members, its process group), or
+    None where this rank is in none. Every rank creates every group, in order."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out: dict = {op: {} for op in OPS}
+    out = {}
     for k in range(2, world + 1):
         groups = [list(range(g * k, (g + 1) * k)) for g in range(world // k)]
-        handles = [dist.new_group(g) for g in groups]  # every rank creates every group, in order
-        mine = next(((g, h) for g, h in zip(groups, handles) if rank in g), None)
+        handles = [dist.new_group(g) for g in groups]
+        out[k] = next(((g, h) for g, h in zip(groups, handles) if rank in g), None)
+    return out
+
+
+def collective_samples(sizes: list[int], repeats: int, groups: dict) -> dict:
+    """{op: {k: [[nbytes, median seconds], ...]}} for k = 2..world on ``split_groups()``."""
+    rank = dist.get_rank()
+    out: dict = {op: {} for op in OPS}
+    for k, mine in groups.items():
         for op in OPS:
             rows = []
             for nbytes in sizes:
@@ -150,11 +160,10 @@ def collective_samples(sizes: list[int], repeats: int) -> dict:
     return out
 
 
-def sync_samples(chunk_ms: float, rounds: int, repeats: int) -> dict:
+def sync_samples(chunk_ms: float, rounds: int, repeats: int, groups: dict) -> dict:
     """{"between_compute": {k: s}, "back_to_back": {k: s}}: the median seconds a 4-byte
     all-reduce adds per round of compute + collective, and what it takes in rounds of nothing
     else, on world // k groups of k at once (ranks outside a group compute only)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     t0 = time.perf_counter()
     for _ in range(50):
@@ -162,10 +171,8 @@ def sync_samples(chunk_ms: float, rounds: int, repeats: int) -> dict:
     reps = max(1, round(chunk_ms / 1e3 / ((time.perf_counter() - t0) / 50)))
     flag = torch.zeros(1)
     out: dict = {"between_compute": {}, "back_to_back": {}}
-    for k in range(2, world + 1):
-        groups = [list(range(g * k, (g + 1) * k)) for g in range(world // k)]
-        handles = [dist.new_group(g) for g in groups]
-        mine = next((h for g, h in zip(groups, handles) if rank in g), None)
+    for k, member in groups.items():
+        mine = member[1] if member is not None else None
         extra, alone = [], []
         for i in range(repeats + 1):  # the first round of each warms up
             per_round = {}
@@ -209,8 +216,9 @@ def main() -> None:
     result.update(compute_samples(a.matmul_n, a.bf16, a.window_s, a.windows))
     result["matmul_n"] = a.matmul_n
     result.update(memory_samples(a.copy_mb, a.window_s, a.windows))
-    result["collectives"] = collective_samples([int(s) for s in a.sizes.split(",")], a.repeats)
-    result["sync_s"] = sync_samples(a.sync_chunk_ms, a.sync_rounds, a.repeats)
+    groups = split_groups()
+    result["collectives"] = collective_samples([int(s) for s in a.sizes.split(",")], a.repeats, groups)
+    result["sync_s"] = sync_samples(a.sync_chunk_ms, a.sync_rounds, a.repeats, groups)
     result["probe_s"] = time.perf_counter() - t0
     if dist.get_rank() == 0:
         with open(a.out, "w") as fh:
