@@ -8,10 +8,10 @@ collectives it issued to JSON; the tests below assert them.
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.parallel.torchrun import WORKERS, rank_results
+from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.model import FLAVORS
 from trainforge.parallel.tp2d import (
@@ -105,3 +105,17 @@ def test_1d_counts_four_stream_all_reduces():
 def test_2d_count_refuses_a_batch_the_grid_rows_cannot_split():
     with pytest.raises(ValueError, match="q = 2 must divide batch = 3"):
         summa_bytes_per_rank(BlockShape(3, 8, 64, 176, 4, 2), 4)
+
+
+# --- the config edge: parallel.tp_mode and what 2-D refuses --------------------------------------
+
+def test_tp_mode_2d_is_a_config_key_checked_at_load():
+    cfg = load_config(None, ["--parallel.tp", "9", "--parallel.tp_mode", "2d"])
+    assert (cfg.parallel.tp, cfg.parallel.tp_mode) == (9, "2d")
+    assert load_config(None, []).parallel.tp_mode == "1d"
+    with pytest.raises(ConfigError, match=r"parallel.tp' = 6 with parallel.tp_mode"):
+        load_config(None, ["--parallel.tp", "6", "--parallel.tp_mode", "2d"])
+    with pytest.raises(ConfigError, match=r"parallel.loss_parallel.*tp_mode = \"2d\""):
+        load_config(None, ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.loss_parallel", "false"])
+    with pytest.raises(ConfigError, match="parallel.tp_mode"):
+        load_config(None, ["--parallel.tp_mode", "3d"])

@@ -15,6 +15,10 @@ class ParallelSection:
     dp_replicate: int = _f(1, "data-parallel replicas (DDP, or the replicate axis of HSDP: across nodes)")
     dp_shard: int = _f(-1, "FSDP2 shards per replica; -1 = whatever the other axes leave of the world size")
     tp: int = _f(1, "tensor-parallel degree (DTensor; keep within a node)")
+    tp_mode: Literal["1d", "2d"] = _f("1d", "how the tp ranks split the model: 1d (Megatron: heads and FFN hidden "
+                                            "dim over all tp ranks) or 2d (SUMMA: tp = q x q grid, weights split "
+                                            "over grid rows and columns, batch rows over grid rows, hidden over "
+                                            "grid columns; dense Llama models only; parallel/tp2d)")
     pp: int = _f(1, "pipeline stages")
     ep: int = _f(1, "expert-parallel degree: each MoE layer's routed experts split over this many data-parallel "
                     "ranks (must divide dp_replicate x dp_shard and model.n_routed_experts)")
@@ -29,8 +33,10 @@ class ParallelSection:
                                          "slowest stage's imbalance exceeds the planned one by this fraction; "
                                          "0 = off; needs pp_split = auto")
     rebalance_min_steps: int = _f(100, "steps between two pipeline re-balances")
-    sequence_parallel: bool = _f(True, "shard norms and residuals along the sequence between TP regions")
-    loss_parallel: bool = _f(True, "compute cross-entropy on vocab-sharded logits under TP")
+    sequence_parallel: bool = _f(True, "shard norms and residuals along the sequence between TP regions (tp_mode "
+                                       "1d; 2d splits batch rows over its grid rows instead and ignores it)")
+    loss_parallel: bool = _f(True, "compute cross-entropy on vocab-sharded logits under TP (tp_mode 2d always "
+                                   "does)")
     activation_checkpointing: Literal["none", "full"] = _f("none", "recompute each block's activations "
                                                                    "in backward")
     compile: bool = _f(False, "torch.compile each transformer block (after TP and activation checkpointing, "
@@ -48,6 +54,13 @@ class ParallelSection:
                  "a number >= 0 (0 = off)")
         _require(self.rebalance_min_steps >= 1, "parallel.rebalance_min_steps", self.rebalance_min_steps,
                  "an integer >= 1")
+        if self.tp_mode == "2d":
+            from trainforge.parallel.tp2d.grid import grid_side
+
+            grid_side(self.tp)  # tp = q * q, q >= 2; the error names parallel.tp and parallel.tp_mode
+            _require(self.loss_parallel, "parallel.loss_parallel", self.loss_parallel,
+                     "true with parallel.tp_mode = \"2d\" (its logits stay split over the grid: batch rows by grid "
+                     "row, vocab by grid column; nothing gathers them whole); set it to true or use tp_mode = \"1d\"")
         _require(self.microbatches >= 0, "parallel.microbatches", self.microbatches, "an integer >= 0 (0 = auto)")
         if self.pp_split not in ("auto", "even"):
             try:

@@ -87,7 +87,7 @@ def check_schedule_layout(tcfg: Any, parallel: Any, transforms: list[dict]) -> s
                               "pick one (the schedule keeps tokens per step constant and resumes exactly; "
                               "remove the transform, or set seq_len_schedule = 'fixed')")
     tp = parallel.tp
-    if tp > 1 and parallel.sequence_parallel:
+    if tp > 1 and parallel.sequence_parallel and getattr(parallel, "tp_mode", "1d") == "1d":  # 2d: no sequence split
         odd = [n for n in ladder(tcfg) if n % tp]
         if odd:
             raise ConfigError(f"config key 'training.seq_len_start' = {start_length(tcfg)} is not allowed with "
