@@ -92,30 +92,35 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
-def _coerce(key: str, value: Any, tp: Any, from_cli: bool) -> Any:
-    """Check ``value`` against the annotated type ``tp``; CLI strings are parsed first."""
+def _coerce(key: str, value: Any, tp: Any, from_cli: bool, meta: Any = None) -> Any:
+    """Check ``value`` against the annotated type ``tp``; CLI strings are parsed first
+    (``meta``: the field's metadata, see ``config_base._f``)."""
+    meta = meta or {}
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (from_cli and isinstance(value, str) and value.lower() in ("none", "null")):
             return None
-        return _coerce(key, value, args[0], from_cli)
+        return _coerce(key, value, args[0], from_cli, meta)
     if origin is Literal:
         choices = typing.get_args(tp)
         _require(value in choices, key, value, f"one of {list(choices)}")
         return value
     if tp is list or origin is list:
         # Lists of tables (data.augment.transforms). On the command line the value is TOML text.
-        if from_cli and isinstance(value, str):
+        example = meta.get("example", '[{name = "token_replace", p = 0.1}]')
+        if from_cli and isinstance(value, str) and "from_text" in meta and not value.lstrip().startswith("["):
+            value = meta["from_text"](value, key)
+        elif from_cli and isinstance(value, str):
             try:
                 value = tomllib.loads(f"v = {value}")["v"]
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config key '{key}' = {value!r} is not a TOML list ({e}); write e.g. "
-                                  "'[{name = \"token_replace\", p = 0.1}]'") from None
+                                  f"'{example}'") from None
         if is_list_of_tables(value):
             return [dict(v) for v in value]
         raise ConfigError(f"config key '{key}' = {value!r} has the wrong type: expected a list of tables, "
-                          "e.g. [{name = \"token_replace\", p = 0.1}]")
+                          f"e.g. {example}")
     try:
         if tp is bool:
             if from_cli and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
@@ -162,7 +167,8 @@ def _set(obj: Any, table: str, parts: list[str], value: Any, from_cli: bool) -> 
         return
     if len(parts) > 1:
         raise ConfigError(f"unknown config key '{name}.{'.'.join(parts[1:])}': '{name}' is a value, not a table")
-    setattr(obj, parts[0], _coerce(name, value, tp, from_cli))
+    meta = {f.name: f.metadata for f in dataclasses.fields(obj)}.get(parts[0])
+    setattr(obj, parts[0], _coerce(name, value, tp, from_cli, meta))
 
 
 def _did_you_mean(word: str, known, prefix: str = "") -> str:

@@ -17,8 +17,11 @@ from trainforge.errors import ConfigError
 _TOML_HEADER = "# resolved trainforge config: `trainforge train --config` accepts this file\n\n"
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """A config key: its default, its ``--help`` text, and optional metadata: ``example`` (a
+    valid value, quoted in type errors) and ``from_text`` (a parser of a shorter command-line
+    form, e.g. model.hourglass's "2@1 4@2 2@1", tried where the text is not TOML)."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:

@@ -168,6 +168,9 @@ def test_the_spec_is_a_toml_list_of_tables(tmp_path):
     saved.write_text(config_to_toml(cfg))
     assert load_config(saved).model == cfg.model
     assert resolve("--model.flavor", "hourglass-tiny", "--model.hourglass", "[]").hourglass == ""
+    # The command line also takes the compact text the flavors and the model summary print.
+    assert resolve("--model.flavor", "debug", "--model.n_layers", "5", "--model.hourglass_pool", "linear",
+                   "--model.hourglass", "1@1 1@2 1@6/2 1@2 1@1") == mc
 
 
 @pytest.mark.parametrize("tables, words", [
@@ -184,6 +187,8 @@ def test_the_spec_is_a_toml_list_of_tables(tmp_path):
     ("[{blocks=1}, {shorten=2}, {blocks=1}]", ["model.hourglass[1]", "no 'blocks'"]),
     ("[{blocks=1}, {blocks=1, shorten=true}, {blocks=0}]", ["model.hourglass[1].shorten"]),
     ("{blocks=1}", ["model.hourglass", "list of tables"]),
+    ("2@1 4@x 2@1", ["model.hourglass", "'4@x' is not BLOCKS@SHORTEN", "list of tables"]),
+    ("[2@1]", ["model.hourglass", "not a TOML list", "'2@1 4@2 2@1'"]),
 ])
 def test_a_bad_spec_names_the_key_and_the_fix(tables, words):
     with pytest.raises(ConfigError) as e:
@@ -283,10 +288,10 @@ def test_auto_pipeline_split_is_refused_for_an_hourglass():
     dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=1, tp=1, world_size=2)
     with pytest.raises(ConfigError, match="parallel.pp_split.*model.hourglass"):
         check_pipeline_layout(FLAVORS["hourglass-tiny"], dims, cfg, batch_size=8)
-    cfg.pp_split = "even"  # even: [0, 4], inside the span [2, 6)
-    with pytest.raises(ConfigError, match="start stages only at 0 and \\[1, 2, 6, 7\\]"):
+    cfg.pp_split = "even"  # even: [0, 4], inside the span [1, 7)
+    with pytest.raises(ConfigError, match="start stages only at 0 and \\[1, 7\\]"):
         check_pipeline_layout(FLAVORS["hourglass-tiny"], dims, cfg, batch_size=8)
-    cfg.pp_split = "0,6"
+    cfg.pp_split = "0,7"
     assert check_pipeline_layout(FLAVORS["hourglass-tiny"], dims, cfg, batch_size=8)[0] == 2
 
 
@@ -316,7 +321,7 @@ def test_trainforge_train_runs_hourglass_tiny(tmp_path, small_data):
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     log = r.stdout + r.stderr
-    assert "hourglass 2@1 4@2 2@1, mean pool" in log and "stage 1: 4@2" in log, log[-3000:]
+    assert "hourglass 1@1 6@2 1@1, mean pool" in log and "stage 1: 6@2" in log, log[-3000:]
     assert "sample:" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
     assert [rec["step"] for rec in read_jsonl(run_dir / "metrics.jsonl") if "loss" in rec] == [1, 2]
     ck = run_dir / "checkpoints" / "step_0000002"

@@ -9,6 +9,18 @@ from pathlib import Path
 from typing import Literal
 
 from trainforge.config_base import _f, _require
+from trainforge.errors import ConfigError
+from trainforge.model.hourglass_spec import parse_spec
+
+
+def _hourglass_tables(text: str, key: str) -> list[dict]:
+    """model.hourglass's compact command-line form ("2@1 4@2/2 2@1") as its TOML tables."""
+    try:
+        stages = parse_spec(text, key)
+    except ConfigError as e:
+        raise ConfigError(f"{e}, or a TOML list of tables, e.g. '[{{blocks = 2}}, {{blocks = 4, shorten = 2}}, "
+                          "{blocks = 2}]'") from None
+    return [{"blocks": s.blocks, "shorten": s.shorten, "width_ratio": s.width_ratio} for s in stages]
 
 
 @dataclass
@@ -76,7 +88,10 @@ class ModelSection:
                                             "in shortens by an integer k >= 2 (shift right by k-1, pool k "
                                             "positions, project down); the way out mirrors it (repeat each "
                                             "position k times, project up, add the stream from before). The "
-                                            "blocks add up to model.n_layers; [] = dense")
+                                            "blocks add up to model.n_layers; [] = dense. On the command "
+                                            "line also BLOCKS@SHORTEN[/WIDTH_RATIO] per stage: '2@1 4@2/2 2@1'",
+                                  example="[{blocks = 2}, {blocks = 4, shorten = 2}, {blocks = 2}] or '2@1 4@2 2@1'",
+                                  from_text=_hourglass_tables)
     hourglass_pool: Literal["mean", "linear"] | None = _f(None, "hourglass shortening: mean of each k positions, "
                                                                 "or a learned linear map of their concatenation")
 
