@@ -8,12 +8,18 @@ collectives it issued to JSON; the tests below assert them.
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from tests.parallel.torchrun import WORKERS, rank_results
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
-from trainforge.model import FLAVORS
+from trainforge.model import FLAVORS, ModelConfig, build_model
+from trainforge.parallel.tensor_parallel import check_tensor_parallel
+from trainforge.parallel.tp2d.apply import apply_tp2d, check_tp2d
 from trainforge.parallel.tp2d import (
     BlockShape,
     grid_side,
@@ -119,3 +125,73 @@ def test_tp_mode_2d_is_a_config_key_checked_at_load():
         load_config(None, ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.loss_parallel", "false"])
     with pytest.raises(ConfigError, match="parallel.tp_mode"):
         load_config(None, ["--parallel.tp_mode", "3d"])
+
+
+def _debug(**changes) -> ModelConfig:
+    return dataclasses.replace(FLAVORS["debug"], **changes)
+
+
+@pytest.mark.parametrize(("model_config", "kw", "named"), [
+    (FLAVORS["moe-debug"], {}, "model.n_routed_experts"),
+    (FLAVORS["dsv3-debug"], {}, "model.n_routed_experts"),  # MoE and MLA: the first refusal names MoE
+    (_debug(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+     {}, "model.kv_lora_rank"),
+    (FLAVORS["hourglass-tiny"], {}, "model.hourglass"),
+    (_debug(mtp_depth=1), {}, "model.mtp_depth"),
+    (_debug(tie_embeddings=True), {}, "model.tie_embeddings"),
+    (_debug(n_heads=2, n_kv_heads=1), {}, "model.n_kv_heads' = 1"),
+    (_debug(vocab_size=511), {}, "model.vocab_size' = 511"),
+    (_debug(ffn_hidden_dim=175), {}, "model.ffn_hidden_dim' = 175"),
+    (FLAVORS["debug"], {"batch_size": 3}, "training.batch_size' = 3"),
+    (FLAVORS["debug"], {"pp": 2}, "parallel.pp' = 2"),
+    (FLAVORS["debug"], {"compile": True}, "parallel.compile"),
+    (FLAVORS["debug"], {"loss_chunk_tokens": 64}, "training.loss_chunk_tokens"),
+])
+def test_2d_refuses_what_it_does_not_split_naming_the_key(model_config, kw, named):
+    with pytest.raises(ConfigError) as e:
+        check_tp2d(model_config, 4, **kw)
+    assert named in str(e.value) and "tp_mode" in str(e.value)
+
+
+def test_2d_accepts_the_debug_model_that_1d_tp_4_refuses():
+    """tp 4 as a 2 x 2 grid splits heads and widths 2 ways: debug's 2 KV heads divide, where
+    1-D tp 4 needs 4."""
+    check_tp2d(FLAVORS["debug"], 4, batch_size=8)
+    with pytest.raises(ConfigError, match="model.n_kv_heads = 2"):
+        check_tensor_parallel(FLAVORS["debug"], 4)
+
+
+def test_2d_refuses_before_any_collective():
+    """A stub tp mesh whose only working methods are ``ndim`` and ``size()``: reaching the grid
+    (a collective) would fail with another error; nothing is swapped."""
+    model = build_model(FLAVORS["moe-debug"], seed=0)
+    with pytest.raises(ConfigError, match="model.n_routed_experts"):
+        apply_tp2d(model, SimpleNamespace(ndim=1, size=lambda: 4))
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_applied_model_matches_single_process(ranks):
+    """``apply_tp2d`` on the debug Llama: logits, loss, every gradient and the gradient norm
+    (DTensor's, each shard counted once) equal the single-process model's; every parameter is
+    a DTensor; the logits are the (B, T, vocab) DTensor split by batch rows and vocab."""
+    for r, res in enumerate(ranks):
+        m = res["model"]
+        assert m["all_dtensor"], r
+        assert m["logits_shape"] == [4, 16, 512] and m["logits_placements"] == "(Shard(dim=0), Shard(dim=2))", m
+        assert m["logits_max"] <= ATOL, (r, m["logits_max"])
+        got, want = m["loss"]
+        assert abs(got - want) <= 1e-6 * want, (r, m["loss"])
+        assert m["grad_max"] <= ATOL, f"rank {r}: gradient of {m['worst_grad']} off by {m['grad_max']:.3g}"
+        got, want = m["grad_norm"]
+        assert abs(got - want) <= 1e-6 * want, (r, m["grad_norm"])
+
+
+@pytest.mark.slow
+def test_projections_sharing_an_input_gather_it_once(ranks):
+    """Per block the forward gathers over the grid row 4 times (the attention's input for
+    wq / wk / wv, wo's, the feed-forward's input for w1 / w3, w2's), not 7; one more for the
+    output projection."""
+    for r, res in enumerate(ranks):
+        m = res["model"]
+        assert m["forward_row_gathers"] == 4 * m["n_layers"] + 1, (r, m["forward_row_gathers"])

@@ -4,6 +4,7 @@
    parameter casts, fp32 master copy, autocast rule wrappers, which every later step keeps)
 1. pipeline split (each rank keeps its stages; FQNs unchanged)  -- ``pipeline.py``
 2. tensor parallel (DTensor plans; must see plain modules)        -- ``tensor_parallel.py``
+   or, with ``parallel.tp_mode = "2d"``, SUMMA on a q x q grid      -- ``tp2d/apply.py``
    or expert parallel (MoE models; experts sharded over ``ep``,
    token all-to-all hooks; per pipeline stage)                     -- ``expert_parallel.py``
 3. activation checkpointing (wraps whole blocks)                  -- ``activation_checkpoint.py``
@@ -35,7 +36,11 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
         from trainforge.parallel.expert_parallel import apply_expert_parallel
 
         ignored = apply_expert_parallel(model, mesh.experts)
-    if dims.tp > 1 and mesh is not None:
+    if dims.tp > 1 and mesh is not None and section.tp_mode == "2d":
+        from trainforge.parallel.tp2d.apply import apply_tp2d
+
+        apply_tp2d(model, mesh["tp"])
+    elif dims.tp > 1 and mesh is not None:
         from trainforge.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=section.sequence_parallel,

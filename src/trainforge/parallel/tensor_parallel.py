@@ -406,9 +406,15 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
     ``logits`` is either a plain tensor or, under ``loss_context(True)``, a DTensor sharded on
     the vocab dim (Shard(-1)); then each rank reduces its own vocab slice and only (B*T,)
-    statistics cross ranks. ``targets`` is a plain tensor, identical on the TP ranks.
+    statistics cross ranks. 2-D TP's logits (a DTensor on the grid's 2-D mesh, batch rows split
+    too) go to ``tp2d.loss.cross_entropy_2d``. ``targets`` is a plain tensor, identical on the TP ranks.
     Returns a plain scalar tensor (the same value on every TP rank), still attached to the
     graph, so callers can scale, accumulate and ``.item()`` it like any loss."""
+    if isinstance(logits, DTensor) and logits.device_mesh.ndim > 1:
+        # 2-D tensor parallelism's logits: batch rows split over grid rows as well (tp2d/loss.py).
+        from trainforge.parallel.tp2d.loss import cross_entropy_2d
+
+        return cross_entropy_2d(logits, targets)
     # (B, T, V) -> (B*T, V): cross_entropy's class dim is 1, and the flattened logits stay
     # sharded on the (now last) vocab dim.
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))

@@ -5,6 +5,7 @@ step mechanics of that layout: ``step_layout.py``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -62,7 +63,15 @@ def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log:
                    state_shards=dims.dp_shard * dims.tp * dims.pp, layer_shards=dims.pp,
                    tp=dims.tp, activation_checkpointing=cfg.parallel.activation_checkpointing == "full",
                    loss_chunk_tokens=tcfg.loss_chunk_tokens)
-    dims.check_model(model_config)
+    if cfg.parallel.tp_mode == "2d" and dims.tp > 1:
+        from trainforge.parallel.tp2d.apply import check_tp2d
+
+        check_tp2d(model_config, dims.tp, batch_size=tcfg.batch_size, pp=dims.pp, compile=cfg.parallel.compile,
+                   loss_chunk_tokens=tcfg.loss_chunk_tokens)
+        # 2-D splits heads and widths q = sqrt(tp) ways (checked above), not tp: the other axes' checks only.
+        dataclasses.replace(dims, tp=1).check_model(model_config)
+    else:
+        dims.check_model(model_config)
     pp_layout = None
     if dims.pp > 1:
         pp_layout = check_pipeline_layout(model_config, dims, cfg.parallel, tcfg.batch_size)

@@ -5,7 +5,9 @@ Linear ("mlp"), and a SwiGLU whose w1 and w3 share one gathered input ("swiglu")
 2 x 2 grid copy of it (parallel/tp2d). Both run forward and backward on the same input and
 output cotangent; each rank compares its blocks of the output, the input gradient and the
 weight gradients with the reference's, and counts the collectives the 2-D step issued (bytes
-by the ring model of comm_bytes.py, per rank). Writes ``<out_dir>/rank<r>.json``.
+by the ring model of comm_bytes.py, per rank). "model": the debug Llama split by
+``apply_tp2d`` against the same model on one process (one forward and backward).
+Writes ``<out_dir>/rank<r>.json``.
 
 usage: torchrun --nproc_per_node=4 tp2d_parity.py OUT_DIR
 """
@@ -25,9 +27,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+from trainforge.model import FLAVORS, build_model
 from trainforge.model.norm import RMSNorm
 from trainforge.parallel.distributed import destroy_distributed, init_distributed
+from trainforge.parallel.tensor_parallel import cross_entropy_loss, loss_context
 from trainforge.parallel.tp2d import Grid2D, Linear2D, RMSNorm2D, shard_activation, summa_matmul
+from trainforge.parallel.tp2d.apply import apply_tp2d
 
 BATCH, SEQ, DIM, FFN = 4, 3, 8, 12  # q = 2 divides batch, dim and ffn
 
@@ -124,6 +129,41 @@ def run_case(name: str, grid: Grid2D) -> dict:
     }
 
 
+def run_model(tp_mesh) -> dict:
+    """The debug Llama split by ``apply_tp2d`` against the same model on one process: logits,
+    loss, every parameter's gradient (gathered with full_tensor), the total gradient norm, and
+    how many times the 2-D forward gathered an activation over the grid row."""
+    cfg = FLAVORS["debug"]
+    ref, model = build_model(cfg, seed=0), build_model(cfg, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    ref_logits = ref(x)
+    ref_loss = cross_entropy_loss(ref_logits, y)
+    ref_loss.backward()
+    grid = apply_tp2d(model, tp_mesh)
+    row = dist.get_process_group_ranks(grid.row_group)
+    log: list[dict] = []
+    with loss_context(True):
+        with counted_collectives(log):
+            logits = model(x)
+        forward_log = list(log)
+        loss = cross_entropy_loss(logits, y)
+        loss.backward()
+    ref_params = dict(ref.named_parameters())
+    grads = {n: max_diff(p.grad.full_tensor(), ref_params[n].grad) for n, p in model.named_parameters()}
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], foreach=True).full_tensor()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    return {
+        "logits_shape": list(logits.shape), "logits_placements": str(logits.placements),
+        "logits_max": max_diff(logits.full_tensor(), ref_logits), "loss": [loss.item(), ref_loss.item()],
+        "grad_max": max(grads.values()), "worst_grad": max(grads, key=grads.get),
+        "grad_norm": [norm.item(), ref_norm.item()],
+        "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
+        "forward_row_gathers": sum(c["op"] == "all_gather_single" and c["group"] == row for c in forward_log),
+        "n_layers": cfg.n_layers,
+    }
+
+
 def main(out_dir: Path) -> None:
     info = init_distributed("cpu")
     world = init_device_mesh("cpu", (1, info.world_size), mesh_dim_names=("dp", "tp"))
@@ -139,6 +179,7 @@ def main(out_dir: Path) -> None:
     assert (Replicate(), Shard(0)) == tuple(RMSNorm2D.from_rmsnorm(RMSNorm(4, 1e-5), grid).weight.placements)
     for name in ("mlp", "swiglu"):
         results[name] = run_case(name, grid)
+    results["model"] = run_model(world["tp"])
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(results))
     destroy_distributed()
 

@@ -56,6 +56,12 @@ class _SumGradOver(torch.autograd.Function):
         return grad, None
 
 
+def sum_grad_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` unchanged; its gradient summed over ``group`` in backward (the local block of a
+    weight replicated over ``group`` whose replicas see different batch rows)."""
+    return _SumGradOver.apply(x, group)
+
+
 class RMSNorm2D(nn.Module):
     """``model.norm.RMSNorm`` on X_ij: the same float32 math, over the full ``dim``."""
 
@@ -78,5 +84,5 @@ class RMSNorm2D(nn.Module):
         x = x.float()  # as RMSNorm: the mean of squares overflows fp16
         sum_sq = _AllReduceSum.apply(x.pow(2).sum(-1, keepdim=True), self.grid.row_group)  # (B/q, ..., 1)
         x = x * torch.rsqrt(sum_sq / self.dim + self.eps)
-        weight = _SumGradOver.apply(self.weight.to_local(), self.grid.col_group)  # (dim/q,)
+        weight = sum_grad_over(self.weight.to_local(), self.grid.col_group)  # (dim/q,)
         return weight * x.to(dtype)
