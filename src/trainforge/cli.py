@@ -670,7 +670,7 @@ def _print_plan(shown, cluster, workload, n_total: int) -> None:
     table = Table(title=f"{workload.flavor} on {cluster.n_gpus} x {cluster.name}: seq_len {workload.seq_len}, "
                         f"global batch {workload.global_batch}, {workload.precision}, compression "
                         f"{workload.compression} ({n_total} layouts priced)")
-    for col in ("#", "layout", "microbatches / schedule", "grad accum", "act. ckpt", "GiB/GPU", "step s",
+    for col in ("#", "layout", "tp mode", "microbatches / schedule", "grad accum", "act. ckpt", "GiB/GPU", "step s",
                 "tokens/s/GPU", "MFU", "comm", "bubble"):
         table.add_column(col, justify="left" if col in ("layout", "microbatches / schedule") else "right")
     for i, e in enumerate(shown, 1):
@@ -682,7 +682,8 @@ def _print_plan(shown, cluster, workload, n_total: int) -> None:
                     f"{e.bubble_fraction:.1%}"]
         else:
             nums = ["-", "-", "-", "-", f"[red]{e.why}[/red]"]
-        table.add_row(str(i), _layout_label(L), sched, str(L.grad_accum_steps),
+        # tp_mode: 1d (Megatron) or 2d (SUMMA grid); the printed layout runs with --parallel.tp_mode <it>
+        table.add_row(str(i), _layout_label(L), L.tp_mode if L.tp > 1 else "-", sched, str(L.grad_accum_steps),
                       "full" if L.activation_checkpoint else "none", mem, *nums)
     Console(width=max(160, Console().width)).print(table)
     if n_ok == 0:

@@ -35,7 +35,8 @@ Communication per optimizer step (``comm_model``: alpha-beta, the tier from wher
 axis' group lies): TP, Megatron style, 4 all-reduces of a microbatch's activations per
 block (2 forward, 2 backward; the reduce-scatter + all-gather pairs of sequence
 parallelism move the same bytes), 2 more with recomputation, 2 for the embedding and
-the loss. EP: 4 all-to-alls of the dispatched tokens per MoE block (2 more with
+the loss. 2-D TP (``tp_mode = "2d"``): the SUMMA grid's own collectives on its row and column
+links, edges included, and the panels it keeps in memory (``tp2d_cost``). EP: 4 all-to-alls of the dispatched tokens per MoE block (2 more with
 recomputation). PP: each microbatch's activation forward and gradient back over each stage
 boundary. DP: DDP all-reduces the gradients every micro-step (no ``no_sync`` in the
 trainer); FSDP2 all-gathers the parameters for forward and again for backward and
@@ -91,6 +92,7 @@ MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -98,6 +100,7 @@ from trainforge.errors import ConfigError
 from trainforge.plan import comm_model as cm
 from trainforge.plan import gemm_efficiency as ge
 from trainforge.plan import memory_model as mm
+from trainforge.plan import tp2d_cost
 from trainforge.plan.pipeline_sim import schedule_profile, stages_per_rank
 from trainforge.plan.spec import Cluster, Estimate, Layout, Workload
 
@@ -145,13 +148,21 @@ def layout_problem(workload: Workload, layout: Layout) -> str:
     for name in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "microbatches", "grad_accum_steps"):
         if getattr(layout, name) < 1:
             return f"parallel.{name} = {getattr(layout, name)} must be >= 1"
+    if layout.tp_mode not in tp2d_cost.TP_MODES:
+        return f"parallel.tp_mode = {layout.tp_mode!r}: use one of {', '.join(tp2d_cost.TP_MODES)}"
     try:
         dims = ParallelDims(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.n_gpus, layout.ep)
         if dims.dp % layout.ep:
             return (f"parallel.ep = {layout.ep} must divide dp_replicate x dp_shard = {dims.dp} (expert-parallel "
                     "ranks are data-parallel ranks)")
-        dims.check_model(cfg)
         per_rank, rem = divmod(workload.global_batch, layout.dp * layout.grad_accum_steps)
+        if layout.tp_mode == "2d":  # its own shape rules (tp2d_cost); the rest of the model checks as at tp 1
+            why = tp2d_cost.tp2d_problem(cfg, layout.tp, per_rank, layout.pp,
+                                         workload.stack == "trainforge-compile")
+            if why:
+                return why
+            dims = dataclasses.replace(dims, tp=1, world_size=layout.n_gpus // layout.tp)
+        dims.check_model(cfg)
         if rem or per_rank < 1:
             return (f"global batch {workload.global_batch} is not a multiple of dp x grad_accum_steps = "
                     f"{layout.dp} x {layout.grad_accum_steps}")
@@ -246,6 +257,10 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
             acts += max(per_layer) * mb_tokens
         if last:
             acts += head_acts * mb_tokens
+        if layout.tp_mode == "2d":  # the gathered SUMMA panels kept for backward (tp2d_cost; no pipeline)
+            state["tp2d_panels_bytes"] = ((1 if ac else len(layers)) * tp2d_cost.panel_bytes(cfg, block_dense,
+                                                                                            mb_tokens, tp, a)
+                                          + tp2d_cost.panel_bytes(cfg, 0, mb_tokens, tp, a, head=True))
         state["activations_bytes"] = acts
         state["reserved_bytes"] = RESERVED_BYTES + FRAGMENTATION * sum(state.values())
 
@@ -260,17 +275,26 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
                     + (cfg.vocab_size / tp * ge.loss_bytes_per_logit(cluster, workload.stack) if last else 0.0))
         memory_bound = streamed * mb_tokens * m / cluster.memory_bandwidth_bytes_per_s
         tp_size, tp_link = links["tp"]
-        tp_msgs = len(layers) * (6 if ac else 4) + 2 * (first + last)
         act_bytes = mb_tokens * cfg.dim * a
         # Sequence parallel (the trainer's default): each message is an all-gather + reduce-scatter
         # pair (= one all-reduce under the formulas; a measured cluster prices each op by its fit).
         tp_msg_s = cm.all_gather_s(act_bytes, tp_size, tp_link) + cm.reduce_scatter_s(act_bytes, tp_size, tp_link)
-        # Loss parallel: 3 small all-reduces of per-token values (max, sum of exp, target logit)
-        # per pass on the last stage; and once a step the norms' Partial gradients, summed in one
-        # flat all-reduce (parallel/partial_grads.py).
-        tp_small = (m * 3 * cm.all_reduce_s(mb_tokens * 4, tp_size, tp_link) if last else 0.0) \
-            + cm.all_reduce_s((2 * len(layers) + last) * cfg.dim * 4, tp_size, tp_link)
-        tp_comm = ge.tp_exposed_s(m * tp_msgs * tp_msg_s + tp_small, compute, cluster, workload.stack)
+        if layout.tp_mode == "2d":
+            # Every collective on the grid's row and column links, edges and loss included (tp2d_cost).
+            grid = tp2d_cost.comm(cfg, batch_size, s, len(layers), tp, a, cluster, ac)
+            tp_total, tp_count, tp_grid_sync = grid.seconds, 0, grid.sync_s
+            tp_block_sent = grid.block_sent_bytes
+        else:
+            tp_msgs = len(layers) * (6 if ac else 4) + 2 * (first + last)
+            # Loss parallel: 3 small all-reduces of per-token values (max, sum of exp, target logit)
+            # per pass on the last stage; and once a step the norms' Partial gradients, summed in one
+            # flat all-reduce (parallel/partial_grads.py).
+            tp_small = (m * 3 * cm.all_reduce_s(mb_tokens * 4, tp_size, tp_link) if last else 0.0) \
+                + cm.all_reduce_s((2 * len(layers) + last) * cfg.dim * 4, tp_size, tp_link)
+            tp_total = m * tp_msgs * tp_msg_s + tp_small
+            tp_count, tp_grid_sync = m * (2 * tp_msgs + 3 * last) + 1, 0.0
+            tp_block_sent = m * len(layers) * (6 if ac else 4) * 2 * (tp - 1) / tp * act_bytes
+        tp_comm = ge.tp_exposed_s(tp_total, compute, cluster, workload.stack)
         moe_layers = sum(table.moe[i] for i in layers)
         ep_size, ep_link = links["ep"]
         dispatched = mb_tokens * cfg.n_activated_experts * cfg.dim * a
@@ -302,7 +326,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         # (``Link.sync_s``: measured by the probe on a CPU cluster, 0 on the GPU table), by count:
         # TP's all-gathers and reduce-scatters and its small all-reduces, EP's all-to-alls and the
         # pipeline's receives sit inside the stage's time; the data-parallel ones are exposed.
-        stage_syncs = idle * (((m * (2 * tp_msgs + 3 * last) + 1) * tp_link.sync_s if tp > 1 else 0.0)
+        stage_syncs = idle * ((tp_count * tp_link.sync_s + tp_grid_sync if tp > 1 else 0.0)
                               + m * moe_layers * (6 if ac else 4) * ep_link.sync_s
                               + (2 * m * v * links["pp"][1].sync_s if pp > 1 else 0.0))
         dp_syncs = idle * (((passes * len(gathered) + len(units)) * shard_link.sync_s if fsdp else 0.0)
@@ -329,6 +353,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
                      "sync_s": stage_syncs + dp_syncs,
                      "busy_s": compute + memory_bound + tp_comm + ep_comm + stage_syncs})
         rows[-1]["pass_overhead_s"] = pass_overhead
+        rows[-1]["tp_block_bytes_sent_per_step"] = tp_block_sent  # per rank, the blocks' TP collectives
     worst = max(rows, key=lambda r: r["busy_s"])  # the slowest rank paces the pipeline
     fullest = max(rows, key=lambda r: r["memory_bytes"])
     memory = fullest["memory_bytes"]
@@ -360,6 +385,7 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     breakdown.update({k: v for k, v in fullest.items() if k.endswith("_bytes")})
     breakdown["expert_grad_comm_s"] = worst["expert_grad_comm_s"]
     breakdown["step_overhead_s"] = step_overhead
+    breakdown["tp_block_bytes_sent_per_step"] = micro * worst["tp_block_bytes_sent_per_step"]
     breakdown.update(pp_comm_s=micro * pp_total, bubble_s=bubble_s, exposed_comm_s=exposed_comm,
                      microbatch_tokens=float(mb_tokens), batch_size=float(batch_size),
                      peak_in_flight=float(profile.peak_in_flight), model_flops=model_flops)

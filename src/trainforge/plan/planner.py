@@ -4,8 +4,10 @@ model, ranked by predicted step time (feasible ones first).
     ests = plan(workload, cluster("h100", 64), top=5)
     print(config_toml(workload, ests[0]))       # what `trainforge train --config` reads
 
-Explored: tp in powers of two up to a node (dividing the GPU count), pp over the divisors
-of what is left, every split of the remaining data-parallel ranks into dp_replicate x
+Explored: tp in powers of two up to a node (dividing the GPU count), each as 1-D tensor
+parallelism and, where tp is a square (4, 16, 64), as 2-D too (``tp_mode = "2d"``: SUMMA on a
+sqrt(tp) x sqrt(tp) grid, priced by ``tp2d_cost``, which refuses models and batches the grid
+cannot split), pp over the divisors of what is left, every split of the remaining data-parallel ranks into dp_replicate x
 dp_shard, ep over the divisors of dp that divide the routed experts (MoE only), the
 pipeline schedules of ``parallel/pipeline.py`` with microbatches pp, 2pp, 4pp and 8pp
 (those dividing the micro-step batch), activation checkpointing off and on, and gradient
@@ -17,6 +19,8 @@ from the workload.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +43,12 @@ def _powers_of_two(limit: int) -> list[int]:
     return out
 
 
+def _tp_modes(tp: int) -> tuple[str, ...]:
+    """1-D always; 2-D too where the tp ranks form a q x q grid with q >= 2."""
+    q = math.isqrt(tp)
+    return ("1d", "2d") if q >= 2 and q * q == tp else ("1d",)
+
+
 def enumerate_layouts(workload: Workload, n_gpus: int, gpus_per_node: int = 8,
                       schedules: tuple[str, ...] | None = None) -> Iterator[Layout]:
     """Every candidate layout using exactly ``n_gpus`` (module docstring), gradient
@@ -56,12 +66,11 @@ def enumerate_layouts(workload: Workload, n_gpus: int, gpus_per_node: int = 8,
             dp = n_gpus // (tp * pp)
             eps = [e for e in _divisors(dp) if cfg.n_routed_experts % e == 0] if cfg.is_moe else [1]
             for rep in _divisors(dp):
-                for ep in eps:
-                    for ac in (False, True):
-                        for sched in (schedules if pp > 1 else ("1f1b",)):
-                            yield from _accumulation_variants(workload, dp, Layout(
-                                dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, ep=ep, pp_schedule=sched,
-                                activation_checkpoint=ac))
+                for ep, ac, sched, mode in itertools.product(eps, (False, True),
+                                                             schedules if pp > 1 else ("1f1b",), _tp_modes(tp)):
+                    yield from _accumulation_variants(workload, dp, Layout(
+                        dp_replicate=rep, dp_shard=dp // rep, tp=tp, pp=pp, ep=ep, pp_schedule=sched,
+                        activation_checkpoint=ac, tp_mode=mode))
 
 
 def _accumulation_variants(workload: Workload, dp: int, base: Layout) -> Iterator[Layout]:

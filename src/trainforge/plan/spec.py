@@ -104,7 +104,8 @@ class Layout:
     dp_replicate x dp_shard x tp x pp is the GPU count; ep (expert parallelism) divides
     dp_replicate x dp_shard and the routed experts (``[parallel] ep``). ``microbatches``: pipeline microbatches per step
     (1 without a pipeline); ``grad_accum_steps``: gradient accumulation (micro-steps per
-    optimizer step, each of global_batch / (dp x grad_accum) sequences per data-parallel rank)."""
+    optimizer step, each of global_batch / (dp x grad_accum) sequences per data-parallel rank).
+    ``tp_mode``: "1d" (Megatron) or "2d" (SUMMA on a sqrt(tp) x sqrt(tp) grid, ``plan/tp2d_cost.py``)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -115,6 +116,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     activation_checkpoint: bool = False
     grad_accum_steps: int = 1
+    tp_mode: str = "1d"
 
     @property
     def n_gpus(self) -> int:
@@ -128,6 +130,8 @@ class Layout:
         """The TOML tables ``trainforge train --config`` reads for this layout."""
         par: dict[str, Any] = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
                                "pp": self.pp}
+        if self.tp_mode != "1d":
+            par["tp_mode"] = self.tp_mode
         if self.ep > 1:
             par["ep"] = self.ep
         if self.pp > 1:
