@@ -107,8 +107,8 @@ def test_2d_memory_counts_the_gathered_panels():
 
 @pytest.mark.parametrize(("flavor", "tp", "batch", "words"), [
     ("llama-8b", 8, 4, "square q x q grid"),                    # not a square
-    ("llama-8b", 4, 3, "must divide training.batch_size = 3"),  # a grid row takes whole sequences
-    ("small", 64, 64, "must divide model.n_heads = 12"),        # q = 8 cannot split 12 heads
+    ("llama-8b", 4, 3, "'training.batch_size' = 3"),  # a grid row takes whole sequences
+    ("small", 64, 64, "'model.n_heads' = 12"),        # q = 8 cannot split 12 heads
     ("moe-small", 4, 4, "dense Llama blocks"),
 ])
 def test_2d_layouts_the_grid_cannot_split_are_refused_naming_why(flavor, tp, batch, words):
@@ -122,7 +122,7 @@ def test_2d_is_never_offered_with_a_pipeline():
     w = Workload(LLAMA_8B, seq_len=2048, global_batch=16)
     assert not any(lay.pp > 1 for lay in enumerate_layouts(w, 16) if lay.tp_mode == "2d"
                    and estimate(w, lay, cluster("h100", 16)).why == "")
-    assert "parallel.pp = 2" in estimate(w, Layout(tp=4, pp=2, dp_shard=2, microbatches=4, tp_mode="2d"),
+    assert "'parallel.pp' = 2" in estimate(w, Layout(tp=4, pp=2, dp_shard=2, microbatches=4, tp_mode="2d"),
                                          cluster("h100", 16)).why
 
 

@@ -1,12 +1,12 @@
 """2-D (SUMMA) tensor parallelism in the cost model: when a layout may use it, what it sends
 and what that costs on the layout's links, and the panels it keeps for backward.
 
-Which layouts (``tp2d_problem``: the rules of ``parallel/tp2d/apply.py``'s ``check_tp2d``).
-``tp_mode = "2d"`` needs tp = q x q with q >= 2 (``grid.grid_side``: its message names the
-keys), a dense Llama model with untied embeddings (no MoE, latent attention, hourglass stages
-or MTP modules), no pipeline and no ``torch.compile``, and q dividing the heads, the KV heads,
-dim, ffn_hidden_dim, the vocabulary (each grid column holds whole heads and a 1/q block of
-every width) and the sequences of one micro-step (each grid row takes whole sequences).
+Which layouts (``tp2d_problem``: ``parallel/tp2d/apply.py``'s ``check_tp2d``, the trainer's
+own check, its message). ``tp_mode = "2d"`` needs tp = q x q with q >= 2, a dense Llama model
+with untied embeddings (no MoE, latent attention, hourglass stages or MTP modules), no pipeline
+and no ``torch.compile``, and q dividing the heads, the KV heads, dim, ffn_hidden_dim, the
+vocabulary (each grid column holds whole heads and a 1/q block of every width) and the
+sequences of one micro-step (each grid row takes whole sequences).
 
 Traffic (``comm``). The collectives are ``comm_bytes.summa_block_collectives`` per block
 and ``comm_bytes.summa_edge_collectives`` for the embedding, final norm, output projection and
@@ -36,36 +36,23 @@ from dataclasses import dataclass
 
 from trainforge.errors import ConfigError
 from trainforge.model.config import ModelConfig
+from trainforge.parallel.tp2d.apply import check_tp2d
 from trainforge.parallel.tp2d.comm_bytes import BlockShape, summa_block_collectives, summa_edge_collectives
 from trainforge.parallel.tp2d.grid import grid_side
 from trainforge.plan import comm_model as cm
 from trainforge.plan.spec import Cluster
 
 TP_MODES = ("1d", "2d")
-_MODE = 'parallel.tp_mode = "2d"'
 
 
 def tp2d_problem(cfg: ModelConfig, tp: int, microstep_seqs: int, pp: int, compiled: bool) -> str:
     """Why 2-D TP of degree ``tp`` cannot run ``cfg`` with ``microstep_seqs`` sequences per
-    micro-step of a data-parallel rank, ``pp`` stages, ``compiled`` blocks (module
-    docstring), or ""."""
+    micro-step of a data-parallel rank, ``pp`` stages, ``compiled`` blocks: the trainer's own
+    ``check_tp2d`` message, or ""."""
     try:
-        q = grid_side(tp)
+        check_tp2d(cfg, tp, batch_size=microstep_seqs, pp=pp, compile=compiled)
     except ConfigError as e:
         return str(e).removeprefix("config key ")
-    if cfg.is_moe or cfg.is_mla or cfg.hourglass or cfg.mtp_depth or cfg.tie_embeddings:
-        return (f"{_MODE} splits dense Llama blocks with untied embeddings only (this model has mixture-of-experts, "
-                "latent-attention, hourglass or multi-token-prediction blocks, or tied embeddings): use "
-                "parallel.tp_mode = \"1d\"")
-    if pp > 1:
-        return f"{_MODE} runs without a pipeline (parallel.pp = {pp}): use parallel.pp = 1 or tp_mode = \"1d\""
-    if compiled:
-        return f"{_MODE} runs eager (its collectives are hand-written autograd functions): parallel.compile = false"
-    for name, v in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads), ("model.dim", cfg.dim),
-                    ("model.ffn_hidden_dim", cfg.ffn_hidden_dim), ("model.vocab_size", cfg.vocab_size),
-                    ("training.batch_size", microstep_seqs)):
-        if v % q:
-            return f"{_MODE} with parallel.tp = {tp}: the grid side q = {q} must divide {name} = {v}"
     return ""
 
 
