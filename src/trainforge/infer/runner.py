@@ -72,7 +72,7 @@ class ModelRunner:
         self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions, kernels) \
             if FastDecoder.supports(model) else None
         if self.hourglass is not None and HourglassDecoder.supports(model):
-            self.decoder = HourglassDecoder(model, self.hourglass.cache, self.tokens, self.positions)
+            self.decoder = HourglassDecoder(model, self.hourglass.cache, self.tokens, self.positions, kernels)
         self._verifier: FastDecoder | None = None  # the fast verification step (module docstring)
         if lookahead and self.decoder is not None:
             n = max_rows * (lookahead + 1)

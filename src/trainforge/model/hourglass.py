@@ -37,6 +37,7 @@ tokens per sequence, each depth attending through its own paged pool at its rate
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,6 +80,18 @@ class Shortening(nn.Module):
         h = groups.mean(dim=2)  # (B, n, d)
         return self.proj(h) if self.proj is not None else h
 
+    def decode_calls(self, ws, groups: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> list:
+        """out <- pool_groups(groups) for one closed group per row, groups (B, k, d_outer) ->
+        out (B, d_inner), as bound out= operator calls (``fast_decode.py``'s convention; the
+        decoder may compile them): the same mean, then the same projection through the
+        workspace's linear. ``scratch`` (B, d_outer): the mean, when a projection follows."""
+        B, k, d = groups.shape
+        if self.pool == "linear":
+            return [ws.linear(self.proj).bind(groups.view(B, k * d), out)]
+        h = scratch if self.proj is not None else out
+        calls = [functools.partial(torch.ops.aten.mean.out, groups, [1], False, out=h)]
+        return calls + ([ws.linear(self.proj).bind(h, out)] if self.proj is not None else [])
+
 
 class Upsampling(nn.Module):
     """Project the width up, repeat each position k times, add the stream from before the
@@ -92,6 +105,14 @@ class Upsampling(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h = self.proj(x) if self.proj is not None else x
         return residual + h.repeat_interleave(self.k, dim=1)[:, :residual.shape[1]]
+
+    def decode_calls(self, ws, inner: torch.Tensor, x: torch.Tensor, scratch: torch.Tensor) -> list:
+        """x <- forward(inner, x) for one token per row (its group's inner output, repeated
+        once): inner (B, d_inner), x (B, d_outer) in place, as bound operator calls.
+        ``scratch`` (B, d_outer): the projection, when there is one."""
+        if self.proj is None:
+            return [functools.partial(torch.ops.aten.add_.Tensor, x, inner)]
+        return [ws.linear(self.proj).bind(inner, scratch), functools.partial(torch.ops.aten.add_.Tensor, x, scratch)]
 
 
 class HourglassTrunk(nn.Module):

@@ -82,6 +82,12 @@ class HourglassCache(AttentionCache):
         self._due_rows: list[torch.Tensor | slice] = []
         self._due_np: list[np.ndarray] = []
         self._pos: list[torch.Tensor] = []
+        # Each level's inner positions live in one buffer per level (``_pos`` are views of it),
+        # so a decode step bound once (``hourglass_decode.py``) reads this step's positions.
+        self.pos_buf = [torch.zeros(max_rows, dtype=torch.long, device=device) for _ in self.factors]
+        # Per level, when every entering row shares one phase: (slot, closes a group), or None
+        # where no row enters; ``phase`` is None when some level mixes phases.
+        self.phase: tuple[tuple[int, bool] | None, ...] | None = None
 
     def layer(self, index: int) -> LayerCache:
         return self._layers[index]
@@ -98,15 +104,24 @@ class HourglassCache(AttentionCache):
         t = np.asarray(positions, dtype=np.int64)
         rows = np.arange(len(t))
         self._enter, self._slot, self._due_rows, self._due_np, self._pos = [], [], [], [], []
-        for k, rate, _, _ in self.factors:
+        phase: list[tuple[int, bool] | None] | None = []
+        for level, (k, rate, _, _) in enumerate(self.factors):
             p = t[rows] // rate  # the entering rows' positions at the level's outer rate
             due = np.flatnonzero(p % k == 0)
+            slot = (p + k - 1) % k
             self._enter.append(self._index(rows))
-            self._slot.append(self._tensor((p + k - 1) % k))
+            self._slot.append(self._tensor(slot))
+            if phase is not None:
+                uniform = len(rows) == len(t) and (not len(slot) or (slot == slot[0]).all())
+                phase = phase + [(int(slot[0]), len(due) > 0) if len(rows) else None] if uniform or not len(rows) \
+                    else None
             rows = rows[due]
             self._due_rows.append(self._index(rows))
             self._due_np.append(rows)
-            self._pos.append(self._tensor((p[due] // k)[:, None]))  # (B', 1): one token per row
+            pos = self.pos_buf[level][:len(rows)]
+            pos.copy_(self._tensor(p[due] // k))
+            self._pos.append(pos[:, None])  # (B', 1): one token per row
+        self.phase = tuple(phase) if phase is not None else None
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)

@@ -16,12 +16,13 @@ depths' workspaces. Parity with the plain forward: tests/infer/test_hourglass_de
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 from torch import nn
 
-from trainforge.model.fast_decode import DecodeWorkspace
+from trainforge.model.fast_decode import DecodeWorkspace, _gather
 from trainforge.model.hourglass_cache import HourglassCache, block_depths
 from trainforge.model.hourglass_spec import shortening_spans
 from trainforge.model.llama import Transformer, rope_tables_folded
@@ -48,7 +49,10 @@ class HourglassDecoder:
 
     MAX_PLANS = 256  # (segment, rows, context) bindings kept
 
-    def __init__(self, model: Transformer, cache: HourglassCache, tokens: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, model: Transformer, cache: HourglassCache, tokens: torch.Tensor, positions: torch.Tensor,
+                 kernels=None):
+        """``kernels``: fused decode ops handed in from outside, as ``FastDecoder``'s (each
+        depth's workspace binds them; with ``compile`` each segment's calls become one C++ call)."""
         cfg = model.cfg
         self.model, self.cache, self.tokens, self.positions = model, cache, tokens, positions
         self.trunk = model.hourglass
@@ -59,7 +63,7 @@ class HourglassDecoder:
         for d in sorted(set(depths) | {0}):  # depth 0 embeds and projects even with no full-rate block
             c = cache.caches[d]
             self.ws[d] = DecodeWorkspace(model, full.max_rows, c.context_slots,
-                                         cfg.stage_config(depths.index(d)) if d else cfg)
+                                         cfg.stage_config(depths.index(d)) if d else cfg, kernels=kernels)
             cos, sin = (model.rope_cos, model.rope_sin) if d == 0 else (
                 getattr(self.trunk, f"rope_cos_{d - 1}"), getattr(self.trunk, f"rope_sin_{d - 1}"))
             self.tables[d] = rope_tables_folded(cos, sin, self.ws[d].dtype)
@@ -68,7 +72,14 @@ class HourglassDecoder:
         self._x = {level + 1: torch.empty(full.max_rows, d_in, dtype=self.ws[0].dtype, device=self.ws[0].device)
                    for level, (*_, d_in) in enumerate(cache.factors) if level + 1 not in self.ws}
         self.segments = segments(cfg)
-        self._plans: dict[tuple[int, int, int], list[Callable[[], None]]] = {}
+        self._plans: dict[tuple, list[Callable[[], None]]] = {}
+        # Per level: the mean before a pooling's projection, and an upsampling's projection.
+        self._pool_scratch = [torch.empty(full.max_rows, d_out, dtype=self.ws[0].dtype, device=self.ws[0].device)
+                              for _, _, d_out, _ in cache.factors]
+        self._up_scratch = [torch.empty_like(t) for t in self._pool_scratch]
+        # Each depth's context length S, as the C++ attention reads it (FastDecoder's ``_context``).
+        self._context = {d: c.context.numpy() if c.context.device.type == "cpu" else c.context
+                         for d, c in enumerate(cache.caches) if c is not None}
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
@@ -86,17 +97,25 @@ class HourglassDecoder:
         return self.ws[depth]._x[:rows] if depth in self.ws else self._x[depth][:rows]
 
     def _plan(self, index: int, rows: int, context: int) -> list[Callable[[], None]]:
-        key = (index, rows, context)
-        calls = self._plans.get(key)
+        """As ``FastDecoder.plan``, per segment: kept under (index, rows, None) when no call read
+        the context (the C++ attention reads S at run time), compiled when the kernels can."""
+        calls = self._plans.get((index, rows, None)) or self._plans.get((index, rows, context))
         if calls is None:
             if len(self._plans) >= self.MAX_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-            calls = self._plans[key] = self._bind(index, rows, context)
+            calls = self._bind(index, rows, context)
+            depth = 0 if index == len(self.segments) else self.segments[index][1]
+            ws = self.ws[depth]
+            compile_calls = getattr(ws.kernels, "compile", None)
+            if compile_calls is not None:
+                calls = compile_calls(calls)
+            self._plans[(index, rows, context if ws.context_read else None)] = calls
         return calls
 
     def _bind(self, index: int, B: int, S: int) -> list[Callable[[], None]]:
         if index == len(self.segments):  # the final norm and the output projection
             ws = self.ws[0]
+            ws.begin(B, S)
             x, (h, _) = ws._x[:B], ws.hidden(B)
             return [*self.model.norm.decode_calls(ws, x, h), ws.linear(self.model.output).bind(h, ws.logits[:B])]
         _, depth, blocks = self.segments[index]
@@ -115,10 +134,84 @@ class HourglassDecoder:
             torch.index_select(cos, 0, positions, out=ws._cos[:rows])
             torch.index_select(sin, 0, positions, out=ws._sin[:rows])
 
+    def _bind_uniform(self, B: int, phase: tuple, contexts: dict[int, int]) -> list[Callable[[], None]]:
+        """The whole step as one list of bound calls when every row entering each level shares
+        its phase (``HourglassCache.phase``; batch 1 always): the rows at a depth are then all
+        B or none, each level's group slot is one index, and the shortenings and upsamplings
+        are their modules' ``decode_calls`` into the depths' streams. Compiled, the step is one
+        C++ call. The same modules and order as ``step``'s general path."""
+        cache, model, p = self.cache, self.model, functools.partial
+        ws0 = self.ws[0]
+        calls = [_gather(model.tok_embeddings, self.tokens[:B], self.stream(0, B)), *self._rope_calls(0, B,
+                                                                                                      self.positions[:B])]
+        entered = {0}
+        for kind, k, blocks in self.segments:
+            if kind == "blocks":
+                if k in entered:
+                    ws = self.ws[k]
+                    ws.begin(B, contexts.get(k, 0))
+                    x = ws.residual()
+                    for j in blocks:
+                        calls += model.layers[str(j)].decode_calls(ws, x, cache.layer(j))
+            elif kind == "shorten" and k in entered:
+                slot, due = phase[k]
+                group = cache.groups[k][:B]
+                calls.append(p(torch.ops.aten.copy_.default, group[:, slot], self.stream(k, B)))
+                if due:
+                    entered.add(k + 1)
+                    calls += self.trunk.shorten[str(k)].decode_calls(ws0, group, self.stream(k + 1, B),
+                                                                     self._pool_scratch[k][:B])
+                    calls += self._rope_calls(k + 1, B, cache.pos_buf[k][:B])
+            elif kind == "upsample" and k in entered:
+                inner = cache.inner[k][:B]
+                if k + 1 in entered:
+                    calls.append(p(torch.ops.aten.copy_.default, inner, self.stream(k + 1, B)))
+                calls += self.trunk.upsample[str(k)].decode_calls(ws0, inner, self.stream(k, B), self._up_scratch[k][:B])
+        ws0.begin(B, 0)
+        x, (h, _) = ws0._x[:B], ws0.hidden(B)
+        calls += model.norm.decode_calls(ws0, x, h)
+        calls.append(ws0.linear(model.output).bind(h, ws0.logits[:B]))
+        return calls
+
+    def _rope_calls(self, depth: int, B: int, positions: torch.Tensor) -> list[Callable[[], None]]:
+        """``_enter`` as bound calls: each row's rotary rows at ``depth`` for ``positions`` (B,)."""
+        if depth not in self.ws:
+            return []
+        ws, (cos, sin) = self.ws[depth], self.tables[depth]
+        return [functools.partial(torch.ops.aten.index_select.out, cos, 0, positions, out=ws._cos[:B]),
+                functools.partial(torch.ops.aten.index_select.out, sin, 0, positions, out=ws._sin[:B])]
+
+    def _uniform_plan(self, B: int, phase: tuple, contexts: dict[int, int]) -> list[Callable[[], None]]:
+        """``_bind_uniform``'s calls, kept per (B, phase) when no binding read a context (the C++
+        attention reads S at run time), else per contexts too; compiled when the kernels can."""
+        key = ("uniform", B, phase)
+        calls = self._plans.get(key) or self._plans.get((*key, tuple(sorted(contexts.items()))))
+        if calls is None:
+            if len(self._plans) >= self.MAX_PLANS:
+                self._plans.pop(next(iter(self._plans)))
+            calls = self._bind_uniform(B, phase, contexts)
+            compile_calls = getattr(self.ws[0].kernels, "compile", None)
+            if compile_calls is not None:
+                calls = compile_calls(calls)
+            read = any(ws.context_read for ws in self.ws.values())
+            self._plans[(*key, tuple(sorted(contexts.items()))) if read else key] = calls
+        return calls
+
     @torch.no_grad()
     def step(self, rows: int, context: int) -> torch.Tensor:
         """One decode step for rows 0..B-1; returns logits (B, V), a view of the workspace."""
         model, cache = self.model, self.cache
+        if cache.phase is not None:
+            contexts = {0: context}
+            for level, ph in enumerate(cache.phase):
+                inner = cache.caches[level + 1]
+                if ph is not None and ph[1] and inner is not None:
+                    contexts[level + 1] = inner.decode_shape[1]
+            for d, c in contexts.items():
+                self._context[d][0] = c
+            for call in self._uniform_plan(rows, cache.phase, contexts):
+                call()
+            return self.ws[0].logits[:rows]
         n = {0: rows}  # rows at each depth this step
         ctx = {0: context}
         x0 = self.stream(0, rows)
@@ -127,6 +220,7 @@ class HourglassDecoder:
         for index, (kind, k, _) in enumerate(self.segments):
             if kind == "blocks":
                 if n[k]:
+                    self._context[k][0] = ctx[k]
                     for call in self._plan(index, n[k], ctx[k]):
                         call()
             elif kind == "shorten":
