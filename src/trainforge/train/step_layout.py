@@ -106,10 +106,14 @@ class StepLayout:
 
 def by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` grouped by DTensor mesh (plain tensors together), in first-seen order;
-    ``[[]]`` for none, so a norm of nothing is still computed (and is 0)."""
+    ``[[]]`` for none, so a norm of nothing is still computed (and is 0). Meshes are compared
+    by value: FSDP2 over tensor-parallel DTensors gives every parameter its own, equal,
+    (dp, tp...) mesh object; grouped by identity, each parameter was a group (a norm
+    reduction each, and an optimizer param group each, whose empty first no-decay group
+    failed DCP's optimizer load on resume)."""
     groups: dict[Any, list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault(id(t.device_mesh) if isinstance(t, DTensor) else None, []).append(t)
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
     return list(groups.values()) or [[]]
 
 
