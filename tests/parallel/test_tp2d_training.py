@@ -1,6 +1,7 @@
 """2-D tensor parallelism through the real CLI under torchrun (gloo, CPU, one thread per
 process): tp 4 as a 2 x 2 grid (``--parallel.tp 4 --parallel.tp_mode 2d``) trains as one
-process does and as tp 4 1-D does; with FSDP2 on dp_shard 2 around it (8 processes); and its
+process does and as tp 4 1-D does; with activation checkpointing; with FSDP2 on dp_shard 2
+around it (8 processes); and its
 DCP checkpoints load at 1-D, under FSDP2 and in one process (and a 1-D checkpoint at 2-D).
 
 The model is ``debug`` with 8 query and 4 KV heads (1-D tp 4 needs tp to divide them; 2-D
@@ -30,8 +31,9 @@ ONE = ["--parallel.tp", "1", "--parallel.tp_mode", "1d"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data):
-    """(root, name -> CompletedProcess) of every run: one 4-process launch (2-D, 1-D, each
-    resumed at the other mode from its step-3 checkpoint), one 8-process launch (FSDP2 x 2-D,
+    """(root, name -> CompletedProcess) of every run: one 4-process launch (2-D, 1-D, 2-D with
+    activation checkpointing, 2-D and 1-D each resumed at the other mode from its step-3
+    checkpoint), one 8-process launch (FSDP2 x 2-D,
     and the 2-D checkpoint resumed under it), one process (the reference, and the 2-D
     checkpoint resumed in one process)."""
     root = tmp_path_factory.mktemp("tp2d_runs")
@@ -42,6 +44,7 @@ def runs(tmp_path_factory, small_data):
 
     done = run_train_many(4, {
         "tp2d": fresh("tp2d", TP2D), "tp1d": fresh("tp1d", TP1D),
+        "tp2d-ac": fresh("tp2d-ac", [*TP2D, "--parallel.activation_checkpointing", "full"]),
         "tp2d-to-1d": resumed(root / "tp2d", root / "tp2d-to-1d", 3, *TP1D),
         "tp1d-to-2d": resumed(root / "tp1d", root / "tp1d-to-2d", 3, *TP2D)})
     done |= run_train_many(8, {
@@ -68,7 +71,7 @@ def grad_norms(run_dir) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2d", "tp1d", "fsdp-tp2d"])
+@pytest.mark.parametrize("name", ["tp2d", "tp1d", "fsdp-tp2d", "tp2d-ac"])
 def test_training_matches_one_process(runs, name):
     """6 steps (AdamW, clipping, 2 validations): losses within 1e-4 relative, the gradient
     norm (each DTensor shard counted once) as one process's, final weights within 1e-5."""
