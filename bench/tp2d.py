@@ -12,7 +12,8 @@ counted from a real training step, and step time on a bandwidth-limited link (is
    the embedding's and the output's stream message and the loss's three per-token all-reduces)
    and the token count per step above which 2-D's blocks send less (both are affine in tokens).
 2. Counted: ``trainforge train`` under torchrun, 4 gloo processes, ``--parallel.tp 4
-   --parallel.tp_mode 1d|2d``, ``tiny`` at width 256 (vocab 512), fp32, batch 4 x 64 tokens;
+   --parallel.tp_mode 1d|2d``, ``tiny`` at width 256 (vocab 512), fp32, batch 4 x 64 tokens
+   (below the widths' break-even: 2-D sends more) and 8 x 256 (the timed shape: 2-D sends less);
    every collective of the 3rd step (forward, backward, clipping, optimizer) is recorded on every
    rank by a ``TorchDispatchMode`` (``CollectiveCounter``: c10d and functional collectives,
    DTensor's and the hand-written SUMMA ones alike) with the bytes the ring model says this rank
@@ -64,7 +65,8 @@ NPROC = 4
 ANALYTIC_SHAPES = {"small": (16, 2048), "llama-8b": (16, 8192)}  # flavor -> (batch, seq) per step
 ANALYTIC_TPS = (4, 16, 64)
 # Counted and timed runs: tiny's widths (dim 256, 8 heads, 4 KV heads, ffn 704), vocab 512.
-COUNT_BATCH, COUNT_SEQ, COUNT_STEP, COUNT_VOCAB = 4, 64, 3, 512  # vocab: bench_data's tokenizer
+# (batch, seq) counted: below tiny's break-even token count, and the timed runs' shape above it
+COUNT_SHAPES, COUNT_STEP, COUNT_VOCAB = ((4, 64), (8, 256)), 3, 512  # vocab: bench_data's tokenizer
 TIME_BATCH, TIME_SEQ, TIME_LAYERS, TIME_STEPS, TIME_WINDOW = 8, 256, 2, 9, 2
 
 
@@ -300,25 +302,25 @@ def _torchrun(port: int | None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", f"--nproc_per_node={NPROC}", *rdzv]
 
 
-def count_step(mode: str, n_layers: int, data: Path, tmp: Path) -> list[dict[str, Any]]:
+def count_step(mode: str, n_layers: int, batch: int, seq: int, data: Path, tmp: Path) -> list[dict[str, Any]]:
     """Every rank's collectives of step ``COUNT_STEP`` (``bench/_tp2d_worker.py``)."""
-    out = tmp / f"count-{mode}-{n_layers}"
+    tag = f"{mode}-{n_layers}-{batch}x{seq}"
+    out = tmp / f"count-{tag}"
     cmd = [*_torchrun(None), "-m", "bench._tp2d_worker",
-           *train_argv(tmp / f"run-count-{mode}-{n_layers}", data, mode, n_layers, COUNT_BATCH, COUNT_SEQ,
-                       COUNT_STEP, 1)]
+           *train_argv(tmp / f"run-count-{tag}", data, mode, n_layers, batch, seq, COUNT_STEP, 1)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TP2D_COUNT_OUT": str(out),
            "TP2D_COUNT_STEP": str(COUNT_STEP)}
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     if r.returncode != 0:
-        raise RuntimeError(f"counting run {mode} x{n_layers} failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
+        raise RuntimeError(f"counting run {tag} failed (rc {r.returncode}):\n{r.stderr[-4000:]}")
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(NPROC)]
 
 
-def counted_table(counts: dict[str, dict[int, list[dict]]]) -> tuple[str, dict]:
+def counted_table(counts: dict[str, dict[int, list[dict]]], batch: int, seq: int) -> tuple[str, dict]:
     """Per mode: bytes per rank per step at 1 and 2 blocks (max over ranks), one block's
     (the difference) against comm_bytes' per-block count, and the edges' (the rest)."""
     c = FLAVORS["tiny"]
-    shape = BlockShape(COUNT_BATCH, COUNT_SEQ, c.dim, c.ffn_hidden_dim, c.n_heads, c.n_kv_heads)
+    shape = BlockShape(batch, seq, c.dim, c.ffn_hidden_dim, c.n_heads, c.n_kv_heads)
     analytic = {"1d": tp1d_bytes_per_rank(shape, NPROC, True), "2d": summa_bytes_per_rank(shape, NPROC)}
     edges_analytic = {"1d": tp1d_edge_bytes(shape.tokens, c.dim, NPROC, 4),
                       "2d": sum(x.sent_bytes for x in summa_edge_collectives(shape.tokens, c.dim, COUNT_VOCAB,
@@ -425,11 +427,13 @@ def main() -> None:
     data = bench_data(Path(os.environ.get("TRAINFORGE_CACHE", Path.home() / ".cache" / "trainforge")))
     with tempfile.TemporaryDirectory(prefix="tf-tp2d-") as tmp:
         if not args.skip_counting:
-            counts = {m: {n: count_step(m, n, data, Path(tmp)) for n in (1, 2)} for m in modes}
-            table, report["counted"] = counted_table(counts)
-            print(f"\ncounted, tp 4 (2 x 2 grid), {NPROC} gloo processes, tiny widths, fp32, batch {COUNT_BATCH} x "
-                  f"{COUNT_SEQ} tokens, step {COUNT_STEP}; max over ranks:\n")
-            print(table)
+            report["counted"] = {}
+            for batch, seq in COUNT_SHAPES:
+                counts = {m: {n: count_step(m, n, batch, seq, data, Path(tmp)) for n in (1, 2)} for m in modes}
+                table, report["counted"][f"{batch}x{seq}"] = counted_table(counts, batch, seq)
+                print(f"\ncounted, tp 4 (2 x 2 grid), {NPROC} gloo processes, tiny widths, fp32, batch {batch} x "
+                      f"{seq} tokens, step {COUNT_STEP}; max over ranks:\n")
+                print(table, flush=True)
         if not args.skip_timing:
             print(f"\nstep time at {args.rate}, tiny x {TIME_LAYERS} blocks, batch {TIME_BATCH} x {TIME_SEQ}:",
                   flush=True)

@@ -82,7 +82,7 @@ def test_counted_table_takes_one_block_as_the_difference_of_two_depths():
         return [{"sent_bytes": sent, "count": 10, "by_kind": {}} for _ in range(4)]
 
     tiny_1d_block = 1_575_936.0  # comm_bytes: tiny widths, 4 x 64 tokens, tp 4, fp32, sequence parallel
-    table, out = counted_table({"1d": {1: ranks(1000 + tiny_1d_block), 2: ranks(1000 + 2 * tiny_1d_block)}})
+    table, out = counted_table({"1d": {1: ranks(1000 + tiny_1d_block), 2: ranks(1000 + 2 * tiny_1d_block)}}, 4, 64)
     assert out["1d"]["block"] == tiny_1d_block and out["1d"]["edges"] == 1000
     assert "| 1.0000 |" in table
 
