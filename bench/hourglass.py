@@ -5,8 +5,8 @@ schedule, and batch-1 decode, for an hourglass flavor and the dense flavor of ab
     OMP_NUM_THREADS=1 python -m bench.hourglass --quick         # smoke run
     OMP_NUM_THREADS=1 python -m bench.hourglass --pair small    # hourglass-small vs small (slow)
 
-On a 2-core machine at one thread the default is ~5 minutes of work in 5 locked jobs of 1-2
-minutes (4 training rounds, then decode), ``--quick`` ~1 minute; waiting for the lock comes on top.
+On a 2-core machine at one thread the default is ~17 minutes of work in 7 locked jobs of 2-3
+minutes (6 training rounds, then decode), ``--quick`` ~1 minute; waiting for the lock comes on top.
 Do not wrap the command in ``flock --lock``: it takes the lock per job itself, and a job waiting
 for a lock its own parent holds never starts (``--lock ''`` runs unlocked).
 
@@ -68,11 +68,12 @@ COMPARISONS = (("hourglass", "dense"), ("hourglass-auto", "hourglass"))
 TARGETS = {"train_tok_s_ratio": 1.3, "decode_tok_s_ratio": 1.3, "val_loss_rel_gap": 0.02}
 
 # Per mode and pair: sized so a round (one segment of each of the three arms, with their
-# process starts and validations) stays well under the 5-minute lock on a 2-core machine at
-# one thread (tiny ~1,100 tok/s; small ~10x slower), and the default run under ~12 minutes.
+# process starts and validations) stays under ~3 minutes of lock on a 2-core machine at one
+# thread (tiny ~1,600 tok/s; small ~10x slower). tiny's default is 600 steps (~17 minutes of
+# work): at 120 steps the arms' loss gap was smaller than one arm's seed-to-seed spread.
 DEFAULTS = {
-    ("default", "tiny"): dict(steps=120, segment=30, batch=4, seq_len=256, val_interval=10, val_batches=4,
-                              log_interval=5, warmup=20, new_tokens=128, decode_rounds=6),
+    ("default", "tiny"): dict(steps=600, segment=100, batch=4, seq_len=256, val_interval=50, val_batches=8,
+                              log_interval=10, warmup=30, new_tokens=128, decode_rounds=6),
     ("quick", "tiny"): dict(steps=20, segment=10, batch=4, seq_len=256, val_interval=10, val_batches=2,
                             log_interval=5, warmup=5, new_tokens=32, decode_rounds=2),
     ("default", "small"): dict(steps=40, segment=10, batch=2, seq_len=256, val_interval=10, val_batches=2,
