@@ -143,7 +143,8 @@ def _debug(**changes) -> ModelConfig:
     (_debug(vocab_size=511), {}, "model.vocab_size' = 511"),
     (_debug(ffn_hidden_dim=175), {}, "model.ffn_hidden_dim' = 175"),
     (FLAVORS["debug"], {"batch_size": 3}, "training.batch_size' = 3"),
-    (FLAVORS["debug"], {"pp": 2}, "parallel.pp' = 2"),
+    (FLAVORS["debug"], {"pp": 2, "batch_size": 4, "microbatches": 4}, "parallel.microbatches' = 4 with "
+                                                                       "training.batch_size = 4"),
     (FLAVORS["debug"], {"compile": True}, "parallel.compile"),
     (FLAVORS["debug"], {"loss_chunk_tokens": 64}, "training.loss_chunk_tokens"),
 ])
@@ -157,6 +158,7 @@ def test_2d_accepts_the_debug_model_that_1d_tp_4_refuses():
     """tp 4 as a 2 x 2 grid splits heads and widths 2 ways: debug's 2 KV heads divide, where
     1-D tp 4 needs 4."""
     check_tp2d(FLAVORS["debug"], 4, batch_size=8)
+    check_tp2d(FLAVORS["debug"], 4, batch_size=8, pp=2, microbatches=2)  # 4 rows per microbatch: 2 per grid row
     with pytest.raises(ConfigError, match="model.n_kv_heads = 2"):
         check_tensor_parallel(FLAVORS["debug"], 4)
 

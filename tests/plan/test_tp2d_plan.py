@@ -117,13 +117,17 @@ def test_2d_layouts_the_grid_cannot_split_are_refused_naming_why(flavor, tp, bat
     assert not est.feasible and words in est.why
 
 
-def test_2d_is_never_offered_with_a_pipeline():
-    """parallel/tp2d refuses pp > 1 (the stages' shapes do not describe the grid's blocks)."""
+def test_2d_with_a_pipeline_needs_microbatches_the_grid_rows_split():
+    """Under a pipeline each microbatch's rows are split over the q grid rows (parallel/tp2d):
+    8 sequences per rank in 4 microbatches run on a 2 x 2 grid, in 8 they are refused naming
+    the keys; the planner offers 2-D with a pipeline."""
     w = Workload(LLAMA_8B, seq_len=2048, global_batch=16)
-    assert not any(lay.pp > 1 for lay in enumerate_layouts(w, 16) if lay.tp_mode == "2d"
-                   and estimate(w, lay, cluster("h100", 16)).why == "")
-    assert "'parallel.pp' = 2" in estimate(w, Layout(tp=4, pp=2, dp_shard=2, microbatches=4, tp_mode="2d"),
-                                         cluster("h100", 16)).why
+    ok = estimate(w, Layout(tp=4, pp=2, dp_shard=2, microbatches=4, tp_mode="2d"), cluster("h100", 16))
+    bad = estimate(w, Layout(tp=4, pp=2, dp_shard=2, microbatches=8, tp_mode="2d"), cluster("h100", 16))
+    assert ok.feasible, ok.why
+    assert not bad.feasible and "'parallel.microbatches' = 8 with training.batch_size = 8" in bad.why
+    assert any(lay.pp > 1 for lay in enumerate_layouts(w, 16) if lay.tp_mode == "2d"
+               and estimate(w, lay, cluster("h100", 16)).why == "")
 
 
 def test_the_printed_layout_carries_tp_mode(capsys):

@@ -157,7 +157,7 @@ def layout_problem(workload: Workload, layout: Layout) -> str:
                     "ranks are data-parallel ranks)")
         per_rank, rem = divmod(workload.global_batch, layout.dp * layout.grad_accum_steps)
         if layout.tp_mode == "2d":  # its own shape rules (tp2d_cost); the rest of the model checks as at tp 1
-            why = tp2d_cost.tp2d_problem(cfg, layout.tp, per_rank, layout.pp,
+            why = tp2d_cost.tp2d_problem(cfg, layout.tp, per_rank, layout.pp, layout.microbatches,
                                          workload.stack == "trainforge-compile")
             if why:
                 return why
@@ -257,10 +257,11 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
             acts += max(per_layer) * mb_tokens
         if last:
             acts += head_acts * mb_tokens
-        if layout.tp_mode == "2d":  # the gathered SUMMA panels kept for backward (tp2d_cost; no pipeline)
-            state["tp2d_panels_bytes"] = ((1 if ac else len(layers)) * tp2d_cost.panel_bytes(cfg, block_dense,
-                                                                                            mb_tokens, tp, a)
-                                          + tp2d_cost.panel_bytes(cfg, 0, mb_tokens, tp, a, head=True))
+        if layout.tp_mode == "2d":  # the gathered SUMMA panels kept for backward (tp2d_cost), per stage-microbatch
+            blocks_panels = (1 if ac else len(layers) * profile.peak_in_flight) * tp2d_cost.panel_bytes(
+                cfg, block_dense, mb_tokens, tp, a)
+            state["tp2d_panels_bytes"] = blocks_panels + (tp2d_cost.panel_bytes(cfg, 0, mb_tokens, tp, a, head=True)
+                                                          if last else 0.0)
         state["activations_bytes"] = acts
         state["reserved_bytes"] = RESERVED_BYTES + FRAGMENTATION * sum(state.values())
 
@@ -281,9 +282,11 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         tp_msg_s = cm.all_gather_s(act_bytes, tp_size, tp_link) + cm.reduce_scatter_s(act_bytes, tp_size, tp_link)
         if layout.tp_mode == "2d":
             # Every collective on the grid's row and column links, edges and loss included (tp2d_cost).
-            grid = tp2d_cost.comm(cfg, batch_size, s, len(layers), tp, a, cluster, ac)
-            tp_total, tp_count, tp_grid_sync = grid.seconds, 0, grid.sync_s
-            tp_block_sent = grid.block_sent_bytes
+            # Under a pipeline: per microbatch (the weight panels are gathered again for each), the
+            # embedding on the first stage only, the head and loss on the last.
+            grid = tp2d_cost.comm(cfg, batch_size // m, s, len(layers), tp, a, cluster, ac, embedding=first, head=last)
+            tp_total, tp_count, tp_grid_sync = m * grid.seconds, 0, m * grid.sync_s
+            tp_block_sent = m * grid.block_sent_bytes
         else:
             tp_msgs = len(layers) * (6 if ac else 4) + 2 * (first + last)
             # Loss parallel: 3 small all-reduces of per-token values (max, sum of exp, target logit)

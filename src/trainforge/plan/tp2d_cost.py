@@ -3,10 +3,12 @@ and what that costs on the layout's links, and the panels it keeps for backward.
 
 Which layouts (``tp2d_problem``: ``parallel/tp2d/apply.py``'s ``check_tp2d``, the trainer's
 own check, its message). ``tp_mode = "2d"`` needs tp = q x q with q >= 2, a dense Llama model
-with untied embeddings (no MoE, latent attention, hourglass stages or MTP modules), no pipeline
-and no ``torch.compile``, and q dividing the heads, the KV heads, dim, ffn_hidden_dim, the
+with untied embeddings (no MoE, latent attention, hourglass stages or MTP modules), no
+``torch.compile``, and q dividing the heads, the KV heads, dim, ffn_hidden_dim, the
 vocabulary (each grid column holds whole heads and a 1/q block of every width) and the
-sequences of one micro-step (each grid row takes whole sequences).
+sequences of one micro-step, and under a pipeline of each of its microbatches (each grid row
+takes whole sequences). Under a pipeline the collectives below run per microbatch, the
+embedding's on the first stage only and the head's and loss's on the last.
 
 Traffic (``comm``). The collectives are ``comm_bytes.summa_block_collectives`` per block
 and ``comm_bytes.summa_edge_collectives`` for the embedding, final norm, output projection and
@@ -45,12 +47,12 @@ from trainforge.plan.spec import Cluster
 TP_MODES = ("1d", "2d")
 
 
-def tp2d_problem(cfg: ModelConfig, tp: int, microstep_seqs: int, pp: int, compiled: bool) -> str:
+def tp2d_problem(cfg: ModelConfig, tp: int, microstep_seqs: int, pp: int, microbatches: int, compiled: bool) -> str:
     """Why 2-D TP of degree ``tp`` cannot run ``cfg`` with ``microstep_seqs`` sequences per
-    micro-step of a data-parallel rank, ``pp`` stages, ``compiled`` blocks: the trainer's own
-    ``check_tp2d`` message, or ""."""
+    micro-step of a data-parallel rank, ``pp`` stages of ``microbatches`` pipeline microbatches,
+    ``compiled`` blocks: the trainer's own ``check_tp2d`` message, or ""."""
     try:
-        check_tp2d(cfg, tp, batch_size=microstep_seqs, pp=pp, compile=compiled)
+        check_tp2d(cfg, tp, batch_size=microstep_seqs, pp=pp, microbatches=microbatches, compile=compiled)
     except ConfigError as e:
         return str(e).removeprefix("config key ")
     return ""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -63,18 +64,19 @@ def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log:
                    state_shards=dims.dp_shard * dims.tp * dims.pp, layer_shards=dims.pp,
                    tp=dims.tp, activation_checkpointing=cfg.parallel.activation_checkpointing == "full",
                    loss_chunk_tokens=tcfg.loss_chunk_tokens)
+    pp_layout = None
+    if dims.pp > 1:
+        pp_layout = check_pipeline_layout(model_config, dims, cfg.parallel, tcfg.batch_size)
     if cfg.parallel.tp_mode == "2d" and dims.tp > 1:
         from trainforge.parallel.tp2d.apply import check_tp2d
 
-        check_tp2d(model_config, dims.tp, batch_size=tcfg.batch_size, pp=dims.pp, compile=cfg.parallel.compile,
+        check_tp2d(model_config, dims.tp, batch_size=tcfg.batch_size, pp=dims.pp,
+                   microbatches=pp_layout[1] if pp_layout else 1, compile=cfg.parallel.compile,
                    loss_chunk_tokens=tcfg.loss_chunk_tokens)
         # 2-D splits heads and widths q = sqrt(tp) ways (checked above), not tp: the other axes' checks only.
         dataclasses.replace(dims, tp=1).check_model(model_config)
     else:
         dims.check_model(model_config)
-    pp_layout = None
-    if dims.pp > 1:
-        pp_layout = check_pipeline_layout(model_config, dims, cfg.parallel, tcfg.batch_size)
     check_chunked_loss(tcfg.loss_chunk_tokens, dims)
     check_mtp_layout(tcfg, model_config, dims)
     check_qat(cfg.qat, dims, model_config, compile=cfg.parallel.compile)
@@ -143,8 +145,13 @@ def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device:
         if model_loss is not None:  # its stage_loss runs the last stage's MTP modules
             model_loss.bind_stage(pipeline.last_stage_module, pipeline.microbatches)
         runtime.rebind(torch.nn.ModuleList(model_parts))  # the stages are copies; free the whole model
-        seq = tcfg.seq_len // dims.tp if dims.tp > 1 and cfg.parallel.sequence_parallel else tcfg.seq_len
-        layout: StepLayout = PipelineStep(pipeline, model_parts, (tcfg.batch_size, seq, model_config.dim),
+        act_shape = (tcfg.batch_size, tcfg.seq_len, model_config.dim)
+        if dims.tp > 1 and cfg.parallel.tp_mode == "2d":  # X_ij: batch rows by grid row, hidden by grid column
+            q = math.isqrt(dims.tp)
+            act_shape = (tcfg.batch_size // q, tcfg.seq_len, model_config.dim // q)
+        elif dims.tp > 1 and cfg.parallel.sequence_parallel:  # the local sequence shard
+            act_shape = (tcfg.batch_size, tcfg.seq_len // dims.tp, model_config.dim)
+        layout: StepLayout = PipelineStep(pipeline, model_parts, act_shape,
                                           eval_loss=stage_loss, **common)
         # An MTP model's embedding is on the first and the last stage: one gradient, counted once.
         shared = shared_embedding_grads(pipeline, mesh["pp"].get_group(), mesh.local_rank("pp"), dims.pp)

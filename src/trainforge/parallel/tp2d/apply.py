@@ -19,6 +19,12 @@ sequences) and hidden block j of the residual stream, X_ij (B/q, T, dim/q):
   returned as the (B, T, vocab) DTensor (Shard(0), Shard(2)) it is, for ``loss.py``'s
   vocab-parallel cross-entropy (``tensor_parallel.cross_entropy_loss`` routes it there).
 
+Under a pipeline (``parallel.pp`` > 1) each stage is split the same way and the stages pass
+X_ij (B/m/q, T, dim/q) of a microbatch of B/m sequences as a plain tensor, as 1-D TP passes
+its sequence shard: the first stage's ``Embedding2D`` makes it from the microbatch's tokens,
+the last stage's output projection consumes it; the schedule infers those local shapes on
+its first step. So q must divide each microbatch's rows (``check_tp2d``).
+
 Every parameter becomes a DTensor on the grid's 2-D mesh with the single-device FQN and full
 shape, so DCP reshards a checkpoint between 2-D, 1-D and one process, and DTensor's norm
 counts each shard once (gradient clipping). What the layout does not cover is refused by
@@ -44,11 +50,13 @@ __all__ = ["apply_tp2d", "check_tp2d"]
 _MODE = 'parallel.tp_mode = "2d"'
 
 
-def check_tp2d(model_config, tp: int, *, batch_size: int | None = None, pp: int = 1, compile: bool = False,
-               loss_chunk_tokens: int = 0) -> None:
+def check_tp2d(model_config, tp: int, *, batch_size: int | None = None, pp: int = 1, microbatches: int = 1,
+               compile: bool = False, loss_chunk_tokens: int = 0) -> None:
     """Raise ``ConfigError``, naming the keys, for a model or layout 2-D TP does not split.
     Pure: no collective, so a bad layout fails on every rank with the same message.
-    ``batch_size``: sequences per micro-batch of one dp rank (``training.batch_size``)."""
+    ``batch_size``: sequences per micro-batch of one dp rank (``training.batch_size``);
+    ``microbatches``: the pipeline's (``parallel.microbatches``, resolved), used when ``pp`` > 1:
+    each pipeline microbatch's rows are split over the grid rows."""
     q = grid_side(tp)
     c = model_config
     kinds = [("model.n_routed_experts", c.is_moe, "mixture-of-experts blocks"),
@@ -73,10 +81,14 @@ def check_tp2d(model_config, tp: int, *, batch_size: int | None = None, pp: int 
         raise ConfigError(f"config key 'training.batch_size' = {batch_size} with {_MODE} and parallel.tp = {tp}: "
                           f"each data-parallel rank's micro-batch is split into q = {q} blocks of whole sequences "
                           f"(one per grid row); make training.batch_size a multiple of {q}")
-    if pp > 1:
-        raise ConfigError(f"config key 'parallel.pp' = {pp} with {_MODE}: pipeline stages would pass the 2-D "
-                          "(B/q, T, dim/q) blocks between them, which the pipeline's stage shapes do not describe "
-                          "yet; use parallel.pp = 1 or parallel.tp_mode = \"1d\"")
+    if pp > 1 and batch_size is not None and microbatches > 1 and (batch_size // microbatches) % q:
+        # The schedule splits the batch into microbatches first; the first stage's embedding then
+        # splits each microbatch's rows over the grid rows, and the stages pass (B/m/q, T, dim/q).
+        raise ConfigError(f"config key 'parallel.microbatches' = {microbatches} with training.batch_size = "
+                          f"{batch_size}, {_MODE}, parallel.tp = {tp} and parallel.pp = {pp}: each pipeline "
+                          f"microbatch of {batch_size // microbatches} sequences is split into q = {q} blocks of "
+                          f"whole sequences (one per grid row); make training.batch_size a multiple of "
+                          f"parallel.microbatches x q = {microbatches * q}, or use fewer microbatches")
     if compile:
         raise ConfigError(f"config key 'parallel.compile' = true with {_MODE}: the SUMMA collectives are hand-written "
                           "autograd functions on the grid's process groups, not traced by torch.compile here; use "
