@@ -1,7 +1,7 @@
 """2-D tensor parallelism through the real CLI under torchrun (gloo, CPU, one thread per
 process): tp 4 as a 2 x 2 grid (``--parallel.tp 4 --parallel.tp_mode 2d``) trains as one
 process does and as tp 4 1-D does; with activation checkpointing; with FSDP2 on dp_shard 2
-around it (8 processes); and its
+around it (8 processes); as 2 pipeline stages (1F1B) of 2 x 2 grids (8 processes); and its
 DCP checkpoints load at 1-D, under FSDP2 and in one process (and a 1-D checkpoint at 2-D).
 
 The model is ``debug`` with 8 query and 4 KV heads (1-D tp 4 needs tp to divide them; 2-D
@@ -14,11 +14,15 @@ world size share one launch (the ``runs`` fixture).
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
 import pytest
 import torch
 
 from tests.parallel.test_data_parallel import COMMON, LOSS_RTOL, WEIGHT_ATOL, assert_same_losses, losses, weights
-from tests.parallel.torchrun import completed_run, resumed, run_train_many
+from tests.parallel.torchrun import completed_run, copy_until, resumed, run_train_many
+from trainforge.data.prepare import PrepareOptions, prepare
 from trainforge.monitor.jsonl import read_jsonl
 
 GLOBAL_BATCH = 8
@@ -26,16 +30,23 @@ SHAPE = ["--model.n_heads", "8", "--model.n_kv_heads", "4"]
 TP2D = ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.dp_shard", "1"]
 TP1D = ["--parallel.tp", "4", "--parallel.tp_mode", "1d", "--parallel.dp_shard", "1"]
 FSDP_TP2D = ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.dp_shard", "2"]
+# 2 stages of one block each, 2 microbatches of 4 sequences: each grid row takes 2 of them.
+PP_TP2D = ["--parallel.pp", "2", "--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.dp_shard", "1",
+           "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "2"]
 ONE = ["--parallel.tp", "1", "--parallel.tp_mode", "1d"]
+# For 2 x 2 and 3 x 3 grids: heads, KV heads, dim, ffn, vocab (GRID_VOCAB) and batch rows divide by 2 and 3.
+GRID_SHAPE = ["--model.dim", "96", "--model.n_heads", "6", "--model.n_kv_heads", "6", "--model.ffn_hidden_dim", "192"]
+GRID_VOCAB, GRID_BATCH = 504, 6
+TP2D_3X3 = ["--parallel.tp", "9", "--parallel.tp_mode", "2d", "--parallel.dp_shard", "1"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data):
     """(root, name -> CompletedProcess) of every run: one 4-process launch (2-D, 1-D, 2-D with
     activation checkpointing, 2-D and 1-D each resumed at the other mode from its step-3
-    checkpoint), one 8-process launch (FSDP2 x 2-D,
-    and the 2-D checkpoint resumed under it), one process (the reference, and the 2-D
-    checkpoint resumed in one process)."""
+    checkpoint), one 8-process launch (FSDP2 x 2-D, pipeline x 2-D,
+    and the 2-D checkpoint resumed under it), one process (the reference, and the 2-D and
+    pipeline x 2-D checkpoints resumed in one process)."""
     root = tmp_path_factory.mktemp("tp2d_runs")
 
     def fresh(name, layout, dp=1):
@@ -48,10 +59,12 @@ def runs(tmp_path_factory, small_data):
         "tp2d-to-1d": resumed(root / "tp2d", root / "tp2d-to-1d", 3, *TP1D),
         "tp1d-to-2d": resumed(root / "tp1d", root / "tp1d-to-2d", 3, *TP2D)})
     done |= run_train_many(8, {
-        "fsdp-tp2d": fresh("fsdp-tp2d", FSDP_TP2D, dp=2),
+        "fsdp-tp2d": fresh("fsdp-tp2d", FSDP_TP2D, dp=2), "pp-tp2d": fresh("pp-tp2d", PP_TP2D),
         "tp2d-to-fsdp": resumed(root / "tp2d", root / "tp2d-to-fsdp", 3, *FSDP_TP2D, "--training.batch_size", "4")})
     done |= run_train_many(1, {"reference": fresh("reference", ONE),
-                               "tp2d-to-one": resumed(root / "tp2d", root / "tp2d-to-one", 3, *ONE)})
+                               "tp2d-to-one": resumed(root / "tp2d", root / "tp2d-to-one", 3, *ONE),
+                               "pp-tp2d-to-one": resumed(root / "pp-tp2d", root / "pp-tp2d-to-one", 3, *ONE,
+                                                         "--parallel.pp", "1")})
     return root, done
 
 
@@ -71,7 +84,7 @@ def grad_norms(run_dir) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2d", "tp1d", "fsdp-tp2d", "tp2d-ac"])
+@pytest.mark.parametrize("name", ["tp2d", "tp1d", "fsdp-tp2d", "tp2d-ac", "pp-tp2d"])
 def test_training_matches_one_process(runs, name):
     """6 steps (AdamW, clipping, 2 validations): losses within 1e-4 relative, the gradient
     norm (each DTensor shard counted once) as one process's, final weights within 1e-5."""
@@ -94,12 +107,48 @@ def test_2d_matches_1d(runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "uninterrupted"), [("tp2d-to-1d", "tp2d"), ("tp1d-to-2d", "tp1d"),
-                                                     ("tp2d-to-fsdp", "tp2d"), ("tp2d-to-one", "tp2d")])
+                                                     ("tp2d-to-fsdp", "tp2d"), ("tp2d-to-one", "tp2d"),
+                                                     ("pp-tp2d-to-one", "pp-tp2d")])
 def test_checkpoint_resumes_at_another_layout(runs, name, uninterrupted):
     """A DCP checkpoint written at step 3 by 2-D (1-D) resumes at 1-D (2-D), under FSDP2 x 2-D
-    and in one process: steps 4-6 as the uninterrupted run's."""
+    and in one process (also one written by 2 pipeline stages of 2-D): steps 4-6 as the
+    uninterrupted run's."""
     run_dir, ref = completed_run(*runs, name), completed_run(*runs, uninterrupted)
     assert sorted(losses(run_dir)) == list(range(1, 7))  # steps 1-3 copied, 4-6 trained after the resume
     assert "resumed from" in runs[1][name].stdout + runs[1][name].stderr
     assert_same_losses(run_dir, ref)
+    assert_same_weights(run_dir, ref)
+
+
+@pytest.fixture(scope="module")
+def grid_runs(tmp_path_factory):
+    """(root, name -> CompletedProcess): a 2 x 2 run of a shape both grids split (vocab 504,
+    6 heads, dim 96, 6 sequences), and its step-3 checkpoint resumed on a 3 x 3 grid (9
+    processes, 3 steps: the only 9-process launch, kept short for CI's 2 cores)."""
+    root = tmp_path_factory.mktemp("tp2d_grids")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = root / "data"
+    prepare([str(stdlib / n) for n in ("argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py",
+                                       "inspect.py", "json/encoder.py", "json/decoder.py", "pathlib.py",
+                                       "random.py", "shutil.py", "textwrap.py", "typing.py")],
+            data, PrepareOptions(vocab_size=GRID_VOCAB, val_fraction=0.1), log=lambda *_: None)
+    done = run_train_many(4, {"2x2": ["--run_dir", str(root / "2x2"), "--data.path", str(data), *COMMON, *GRID_SHAPE,
+                                      "--training.batch_size", str(GRID_BATCH), "--checkpoint.keep_last", "5", *TP2D]})
+    # Copied here, not as a Prepared step: the launch's first run has no process group to wait on.
+    copy_until(str(root / "2x2"), str(root / "2x2-to-3x3"), 3)
+    done |= run_train_many(9, {"2x2-to-3x3": ["--resume", str(root / "2x2-to-3x3"), *TP2D_3X3]})
+    return root, done
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_on_another_grid(grid_runs):
+    """A DCP checkpoint written at step 3 on a 2 x 2 grid resumes on a 3 x 3 grid (each
+    parameter resharded from halves to thirds on both dims): steps 4-6 as the uninterrupted
+    2 x 2 run's (losses within 1e-4 relative, weights within 1e-5)."""
+    root, done = grid_runs
+    run_dir, ref = completed_run(root, done, "2x2-to-3x3"), completed_run(root, done, "2x2")
+    out = done["2x2-to-3x3"].stdout + done["2x2-to-3x3"].stderr
+    assert "resumed from" in out
+    assert sorted(losses(run_dir)) == list(range(1, 7))
+    assert assert_same_losses(run_dir, ref) >= {6}
     assert_same_weights(run_dir, ref)
