@@ -256,16 +256,20 @@ def report(a, runs: dict, comparisons: dict, decode: dict | None, loads: list[fl
 
 def analyse(a: argparse.Namespace, out: Path, arms: list[str], ends: list[int]) -> tuple[dict, dict]:
     """Each arm's run read back from ``out``, and the COMPARISONS between them."""
-    from trainforge.model import FLAVORS
+    from trainforge.config import load_config
+    from trainforge.model.config import model_config_from_section
 
     tokens_per_step = a.batch * a.seq_len
     runs = {}
     for arm in arms:
         ns, schedule = arm_namespace(a, arm)
         r = read_run(out / arm, tokens_per_step)
+        # The shape the arm trained: the flavor at the corpus's vocabulary (small's own is 32,000,
+        # the built-in corpus's tokenizer 8,192), so params and FLOPs are the run's.
+        cfg = load_config(None, arm_args(ns, schedule))
+        model = model_config_from_section(cfg.model, cfg.data.vocab_size)
         r.update(read_memory(out / arm), flavor=ns.flavor, schedule=schedule,
-                 params=FLAVORS[ns.flavor].num_params(),
-                 flops_per_token=FLAVORS[ns.flavor].flops_per_token(a.seq_len),
+                 params=model.num_params(), flops_per_token=model.flops_per_token(a.seq_len),
                  round_tok_s=round_tokens_per_s(r["clock"], ends, tokens_per_step))
         runs[arm] = r
     comparisons = {}
