@@ -30,6 +30,7 @@ SHAPE = ["--model.n_heads", "8", "--model.n_kv_heads", "4"]
 TP2D = ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.dp_shard", "1"]
 TP1D = ["--parallel.tp", "4", "--parallel.tp_mode", "1d", "--parallel.dp_shard", "1"]
 FSDP_TP2D = ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.dp_shard", "2"]
+HSDP_TP2D = ["--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.dp_replicate", "2", "--parallel.dp_shard", "1"]
 # 2 stages of one block each, 2 microbatches of 4 sequences: each grid row takes 2 of them.
 PP_TP2D = ["--parallel.pp", "2", "--parallel.tp", "4", "--parallel.tp_mode", "2d", "--parallel.dp_shard", "1",
            "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "2"]
@@ -44,7 +45,7 @@ TP2D_3X3 = ["--parallel.tp", "9", "--parallel.tp_mode", "2d", "--parallel.dp_sha
 def runs(tmp_path_factory, small_data):
     """(root, name -> CompletedProcess) of every run: one 4-process launch (2-D, 1-D, 2-D with
     activation checkpointing, 2-D and 1-D each resumed at the other mode from its step-3
-    checkpoint), one 8-process launch (FSDP2 x 2-D, pipeline x 2-D,
+    checkpoint), one 8-process launch (FSDP2 x 2-D, HSDP (replicated dp) x 2-D, pipeline x 2-D,
     and the 2-D checkpoint resumed under it), one process (the reference, and the 2-D and
     pipeline x 2-D checkpoints resumed in one process)."""
     root = tmp_path_factory.mktemp("tp2d_runs")
@@ -59,7 +60,8 @@ def runs(tmp_path_factory, small_data):
         "tp2d-to-1d": resumed(root / "tp2d", root / "tp2d-to-1d", 3, *TP1D),
         "tp1d-to-2d": resumed(root / "tp1d", root / "tp1d-to-2d", 3, *TP2D)})
     done |= run_train_many(8, {
-        "fsdp-tp2d": fresh("fsdp-tp2d", FSDP_TP2D, dp=2), "pp-tp2d": fresh("pp-tp2d", PP_TP2D),
+        "fsdp-tp2d": fresh("fsdp-tp2d", FSDP_TP2D, dp=2), "hsdp-tp2d": fresh("hsdp-tp2d", HSDP_TP2D, dp=2),
+        "pp-tp2d": fresh("pp-tp2d", PP_TP2D),
         "tp2d-to-fsdp": resumed(root / "tp2d", root / "tp2d-to-fsdp", 3, *FSDP_TP2D, "--training.batch_size", "4")})
     done |= run_train_many(1, {"reference": fresh("reference", ONE),
                                "tp2d-to-one": resumed(root / "tp2d", root / "tp2d-to-one", 3, *ONE),
@@ -84,7 +86,7 @@ def grad_norms(run_dir) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["tp2d", "tp1d", "fsdp-tp2d", "tp2d-ac", "pp-tp2d"])
+@pytest.mark.parametrize("name", ["tp2d", "tp1d", "fsdp-tp2d", "hsdp-tp2d", "tp2d-ac", "pp-tp2d"])
 def test_training_matches_one_process(runs, name):
     """6 steps (AdamW, clipping, 2 validations): losses within 1e-4 relative, the gradient
     norm (each DTensor shard counted once) as one process's, final weights within 1e-5."""
