@@ -112,9 +112,12 @@ class HourglassCache(AttentionCache):
             self._enter.append(self._index(rows))
             self._slot.append(self._tensor(slot))
             if phase is not None:
-                uniform = len(rows) == len(t) and (not len(slot) or (slot == slot[0]).all())
-                phase = phase + [(int(slot[0]), len(due) > 0) if len(rows) else None] if uniform or not len(rows) \
-                    else None
+                if not len(rows):  # no row reaches this level
+                    phase.append(None)
+                elif len(rows) == len(t) and (slot == slot[0]).all():  # all rows, one slot: all close or none
+                    phase.append((int(slot[0]), len(due) > 0))
+                else:
+                    phase = None
             rows = rows[due]
             self._due_rows.append(self._index(rows))
             self._due_np.append(rows)

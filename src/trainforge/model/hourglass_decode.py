@@ -97,27 +97,29 @@ class HourglassDecoder:
         return self.ws[depth]._x[:rows] if depth in self.ws else self._x[depth][:rows]
 
     def _plan(self, index: int, rows: int, context: int) -> list[Callable[[], None]]:
-        """As ``FastDecoder.plan``, per segment: kept under (index, rows, None) when no call read
-        the context (the C++ attention reads S at run time), compiled when the kernels can."""
-        calls = self._plans.get((index, rows, None)) or self._plans.get((index, rows, context))
+        """Segment ``index``'s calls for ``rows`` rows over ``context`` slots (``_cached``)."""
+        depth = 0 if index == len(self.segments) else self.segments[index][1]
+        return self._cached((index, rows), (context,), lambda: self._bind(index, rows, context), [self.ws[depth]])
+
+    def _cached(self, key: tuple, contexts: tuple, bind: Callable[[], list], workspaces: list[DecodeWorkspace]
+                ) -> list[Callable[[], None]]:
+        """As ``FastDecoder.plan``: ``bind()``'s calls, compiled when the kernels can, kept under
+        ``key`` when no binding read a context (the C++ attention reads S at run time), else
+        under ``key + contexts``."""
+        calls = self._plans.get(key) or self._plans.get(key + contexts)
         if calls is None:
             if len(self._plans) >= self.MAX_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-            calls = self._bind(index, rows, context)
-            depth = 0 if index == len(self.segments) else self.segments[index][1]
-            ws = self.ws[depth]
-            compile_calls = getattr(ws.kernels, "compile", None)
+            calls = bind()
+            compile_calls = getattr(workspaces[0].kernels, "compile", None)
             if compile_calls is not None:
                 calls = compile_calls(calls)
-            self._plans[(index, rows, context if ws.context_read else None)] = calls
+            self._plans[key + contexts if any(ws.context_read for ws in workspaces) else key] = calls
         return calls
 
     def _bind(self, index: int, B: int, S: int) -> list[Callable[[], None]]:
         if index == len(self.segments):  # the final norm and the output projection
-            ws = self.ws[0]
-            ws.begin(B, S)
-            x, (h, _) = ws._x[:B], ws.hidden(B)
-            return [*self.model.norm.decode_calls(ws, x, h), ws.linear(self.model.output).bind(h, ws.logits[:B])]
+            return self._head_calls(B)
         _, depth, blocks = self.segments[index]
         ws = self.ws[depth]
         ws.begin(B, S)
@@ -129,10 +131,8 @@ class HourglassDecoder:
 
     def _enter(self, depth: int, rows: int, positions: torch.Tensor) -> None:
         """Each row's rotary rows at ``depth`` for its position there (B,)."""
-        if depth in self.ws:
-            ws, (cos, sin) = self.ws[depth], self.tables[depth]
-            torch.index_select(cos, 0, positions, out=ws._cos[:rows])
-            torch.index_select(sin, 0, positions, out=ws._sin[:rows])
+        for call in self._rope_calls(depth, rows, positions):
+            call()
 
     def _bind_uniform(self, B: int, phase: tuple, contexts: dict[int, int]) -> list[Callable[[], None]]:
         """The whole step as one list of bound calls when every row entering each level shares
@@ -167,11 +167,14 @@ class HourglassDecoder:
                 if k + 1 in entered:
                     calls.append(p(torch.ops.aten.copy_.default, inner, self.stream(k + 1, B)))
                 calls += self.trunk.upsample[str(k)].decode_calls(ws0, inner, self.stream(k, B), self._up_scratch[k][:B])
-        ws0.begin(B, 0)
-        x, (h, _) = ws0._x[:B], ws0.hidden(B)
-        calls += model.norm.decode_calls(ws0, x, h)
-        calls.append(ws0.linear(model.output).bind(h, ws0.logits[:B]))
-        return calls
+        return calls + self._head_calls(B)
+
+    def _head_calls(self, B: int) -> list[Callable[[], None]]:
+        """The final norm and the output projection of rows 0..B-1, at depth 0."""
+        ws = self.ws[0]
+        ws.begin(B, 0)
+        x, (h, _) = ws._x[:B], ws.hidden(B)
+        return [*self.model.norm.decode_calls(ws, x, h), ws.linear(self.model.output).bind(h, ws.logits[:B])]
 
     def _rope_calls(self, depth: int, B: int, positions: torch.Tensor) -> list[Callable[[], None]]:
         """``_enter`` as bound calls: each row's rotary rows at ``depth`` for ``positions`` (B,)."""
@@ -182,20 +185,9 @@ class HourglassDecoder:
                 functools.partial(torch.ops.aten.index_select.out, sin, 0, positions, out=ws._sin[:B])]
 
     def _uniform_plan(self, B: int, phase: tuple, contexts: dict[int, int]) -> list[Callable[[], None]]:
-        """``_bind_uniform``'s calls, kept per (B, phase) when no binding read a context (the C++
-        attention reads S at run time), else per contexts too; compiled when the kernels can."""
-        key = ("uniform", B, phase)
-        calls = self._plans.get(key) or self._plans.get((*key, tuple(sorted(contexts.items()))))
-        if calls is None:
-            if len(self._plans) >= self.MAX_PLANS:
-                self._plans.pop(next(iter(self._plans)))
-            calls = self._bind_uniform(B, phase, contexts)
-            compile_calls = getattr(self.ws[0].kernels, "compile", None)
-            if compile_calls is not None:
-                calls = compile_calls(calls)
-            read = any(ws.context_read for ws in self.ws.values())
-            self._plans[(*key, tuple(sorted(contexts.items()))) if read else key] = calls
-        return calls
+        """``_bind_uniform``'s calls, per (B, phase) (``_cached``)."""
+        return self._cached(("uniform", B, phase), (tuple(sorted(contexts.items())),),
+                            lambda: self._bind_uniform(B, phase, contexts), list(self.ws.values()))
 
     @torch.no_grad()
     def step(self, rows: int, context: int) -> torch.Tensor:
