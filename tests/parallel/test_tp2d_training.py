@@ -42,12 +42,25 @@ TP2D_3X3 = ["--parallel.tp", "9", "--parallel.tp_mode", "2d", "--parallel.dp_sha
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, small_data):
-    """(root, name -> CompletedProcess) of every run: one 4-process launch (2-D, 1-D, 2-D with
-    activation checkpointing, 2-D and 1-D each resumed at the other mode from its step-3
-    checkpoint), one 8-process launch (FSDP2 x 2-D, HSDP (replicated dp) x 2-D, pipeline x 2-D,
-    and the 2-D checkpoint resumed under it), one process (the reference, and the 2-D and
-    pipeline x 2-D checkpoints resumed in one process)."""
+def grid_data(tmp_path_factory) -> Path:
+    """The small stdlib set at vocab GRID_VOCAB (504: both 2 and 3 divide it)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = tmp_path_factory.mktemp("tp2d_grid_data") / "data"
+    prepare([str(stdlib / n) for n in ("argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py",
+                                       "inspect.py", "json/encoder.py", "json/decoder.py", "pathlib.py",
+                                       "random.py", "shutil.py", "textwrap.py", "typing.py")],
+            data, PrepareOptions(vocab_size=GRID_VOCAB, val_fraction=0.1), log=lambda *_: None)
+    return data
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_data, grid_data):
+    """(root, name -> CompletedProcess) of every run but the 3 x 3 one: one 4-process launch
+    (2-D, 1-D, 2-D with activation checkpointing, 2-D and 1-D each resumed at the other mode
+    from its step-3 checkpoint, and ``grid_runs``' 2 x 2 run), one 8-process launch (FSDP2 x
+    2-D, HSDP (replicated dp) x 2-D, pipeline x 2-D, and the 2-D checkpoint resumed under it),
+    one process (the reference, and the 2-D and pipeline x 2-D checkpoints resumed in one
+    process)."""
     root = tmp_path_factory.mktemp("tp2d_runs")
 
     def fresh(name, layout, dp=1):
@@ -58,7 +71,9 @@ def runs(tmp_path_factory, small_data):
         "tp2d": fresh("tp2d", TP2D), "tp1d": fresh("tp1d", TP1D),
         "tp2d-ac": fresh("tp2d-ac", [*TP2D, "--parallel.activation_checkpointing", "full"]),
         "tp2d-to-1d": resumed(root / "tp2d", root / "tp2d-to-1d", 3, *TP1D),
-        "tp1d-to-2d": resumed(root / "tp1d", root / "tp1d-to-2d", 3, *TP2D)})
+        "tp1d-to-2d": resumed(root / "tp1d", root / "tp1d-to-2d", 3, *TP2D),
+        "2x2": ["--run_dir", str(root / "2x2"), "--data.path", str(grid_data), *COMMON, *GRID_SHAPE,
+                "--training.batch_size", str(GRID_BATCH), "--checkpoint.keep_last", "5", *TP2D]})
     done |= run_train_many(8, {
         "fsdp-tp2d": fresh("fsdp-tp2d", FSDP_TP2D, dp=2), "hsdp-tp2d": fresh("hsdp-tp2d", HSDP_TP2D, dp=2),
         "pp-tp2d": fresh("pp-tp2d", PP_TP2D),
@@ -123,23 +138,15 @@ def test_checkpoint_resumes_at_another_layout(runs, name, uninterrupted):
 
 
 @pytest.fixture(scope="module")
-def grid_runs(tmp_path_factory):
+def grid_runs(runs):
     """(root, name -> CompletedProcess): a 2 x 2 run of a shape both grids split (vocab 504,
-    6 heads, dim 96, 6 sequences), and its step-3 checkpoint resumed on a 3 x 3 grid (9
-    processes, 3 steps: the only 9-process launch, kept short for CI's 2 cores)."""
-    root = tmp_path_factory.mktemp("tp2d_grids")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    data = root / "data"
-    prepare([str(stdlib / n) for n in ("argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py",
-                                       "inspect.py", "json/encoder.py", "json/decoder.py", "pathlib.py",
-                                       "random.py", "shutil.py", "textwrap.py", "typing.py")],
-            data, PrepareOptions(vocab_size=GRID_VOCAB, val_fraction=0.1), log=lambda *_: None)
-    done = run_train_many(4, {"2x2": ["--run_dir", str(root / "2x2"), "--data.path", str(data), *COMMON, *GRID_SHAPE,
-                                      "--training.batch_size", str(GRID_BATCH), "--checkpoint.keep_last", "5", *TP2D]})
+    6 heads, dim 96, 6 sequences; made in ``runs``' 4-process launch), and its step-3
+    checkpoint resumed on a 3 x 3 grid (9 processes, 3 steps: the only 9-process launch, kept
+    short for CI's 2 cores)."""
+    root, done = runs
     # Copied here, not as a Prepared step: the launch's first run has no process group to wait on.
     copy_until(str(root / "2x2"), str(root / "2x2-to-3x3"), 3)
-    done |= run_train_many(9, {"2x2-to-3x3": ["--resume", str(root / "2x2-to-3x3"), *TP2D_3X3]})
-    return root, done
+    return root, {**done, **run_train_many(9, {"2x2-to-3x3": ["--resume", str(root / "2x2-to-3x3"), *TP2D_3X3]})}
 
 
 @pytest.mark.slow
