@@ -27,6 +27,16 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 # llama-bench: pp/tg tok/s. llama-quantize: f32 GGUF -> q8_0/q4_0. llama-completion: greedy
 # text to compare tokens. llama-tokenize: token ids for the same text.
 TOOLS = ("llama-bench", "llama-quantize", "llama-completion", "llama-tokenize")
+# "native": GGML_NATIVE, this CPU's best SIMD, as our kernels choose theirs. "avx2": the code an
+# AVX2-only CPU (Zen 3, Haswell to Comet Lake) runs, built on any x86 machine, so an AVX-512 machine
+# can run both engines as an AVX2 machine would (bench/cpu_decode_peer.py --isa avx2). No AVX-VNNI:
+# Zen 3 lacks it, and our AVX2 path does not use it either.
+BUILD_DIRS = {"native": "build", "avx2": "build-avx2"}
+ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"],
+             "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                      "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
+                      "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF",
+                      "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]}
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class LlamaCpp:
     gguf-py), ``bin`` holds the tools."""
 
     root: Path
+    isa: str = "native"
 
     @property
     def src(self) -> Path:
@@ -42,7 +53,7 @@ class LlamaCpp:
 
     @property
     def bin(self) -> Path:
-        return self.root / "build" / "bin"
+        return self.root / BUILD_DIRS[self.isa] / "bin"
 
     def tool(self, name: str) -> Path:
         return self.bin / name
@@ -56,9 +67,10 @@ def cache_root(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
     return base / "trainforge" / "llama.cpp" / version
 
 
-def build_hint(version: str = LLAMA_CPP_PYTHON_VERSION) -> str:
-    return (f"llama.cpp is not built in {cache_root(version)}. Build it once (3-10 min on 2 cores) with\n"
-            f"  flock /tmp/cpu.lock python -m bench._llama_cpp --build [--sdist llama_cpp_python-{version}.tar.gz]\n"
+def build_hint(version: str = LLAMA_CPP_PYTHON_VERSION, isa: str = "native") -> str:
+    return (f"llama.cpp ({isa}) is not built in {cache_root(version) / BUILD_DIRS[isa]}. Build it once (3-10 min on "
+            f"2 cores) with\n  flock /tmp/cpu.lock python -m bench._llama_cpp --build --isa {isa} "
+            f"[--sdist llama_cpp_python-{version}.tar.gz]\n"
             f"(without --sdist, pip downloads the llama-cpp-python=={version} source distribution).")
 
 
@@ -74,11 +86,12 @@ def _sdist(version: str, sdist: Path | None, workdir: Path) -> Path:
     return found
 
 
-def build(version: str = LLAMA_CPP_PYTHON_VERSION, sdist: Path | None = None, jobs: int = 2) -> LlamaCpp:
-    """Extract the sdist (once) and build ``TOOLS``: Release, GGML_NATIVE (so the build
-    uses this CPU's SIMD, just as our kernels do), static, without network libraries."""
+def build(version: str = LLAMA_CPP_PYTHON_VERSION, sdist: Path | None = None, jobs: int = 2,
+          isa: str = "native") -> LlamaCpp:
+    """Extract the sdist (once) and build ``TOOLS``: Release, static, without network libraries,
+    with ``ISA_FLAGS[isa]`` (native: this CPU's SIMD, just as our kernels choose)."""
     root = cache_root(version)
-    peer = LlamaCpp(root)
+    peer = LlamaCpp(root, isa)
     root.mkdir(parents=True, exist_ok=True)
     if not (peer.src / "CMakeLists.txt").is_file():
         tmp = root / "download"
@@ -89,10 +102,10 @@ def build(version: str = LLAMA_CPP_PYTHON_VERSION, sdist: Path | None = None, jo
         shutil.rmtree(root / "src", ignore_errors=True)
         (root / top).rename(root / "src")
         shutil.rmtree(tmp, ignore_errors=True)
-    build_dir = root / "build"
+    build_dir = peer.bin.parent
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
     subprocess.run(["cmake", "-S", str(peer.src), "-B", str(build_dir), *gen,
-                    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+                    "-DCMAKE_BUILD_TYPE=Release", *ISA_FLAGS[isa], "-DBUILD_SHARED_LIBS=OFF",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_UI=OFF"], check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TOOLS], check=True)
@@ -147,14 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build", action="store_true", help="build it if absent (takes minutes; run under flock /tmp/cpu.lock)")
     p.add_argument("--sdist", type=Path, default=None, help="a llama_cpp_python sdist already downloaded")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    p.add_argument("--isa", choices=sorted(BUILD_DIRS), default="native",
+                   help="native: this CPU's SIMD; avx2: what an AVX2-only CPU runs")
     a = p.parse_args(argv)
-    peer = LlamaCpp(cache_root())
+    peer = LlamaCpp(cache_root(), a.isa)
     if not peer.is_built():
         if not a.build:
-            print(build_hint(), file=sys.stderr)
+            print(build_hint(isa=a.isa), file=sys.stderr)
             return 1
-        peer = build(sdist=a.sdist, jobs=a.jobs)
-    print(f"llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}) built: {peer.bin}")
+        peer = build(sdist=a.sdist, jobs=a.jobs, isa=a.isa)
+    print(f"llama.cpp (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}, {a.isa}) built: {peer.bin}")
     return 0
 
 

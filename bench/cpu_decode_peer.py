@@ -55,6 +55,11 @@ run once more with ``-fa auto``, for the record, and for both the bench counts a
 llama.cpp's positions an fp64 forward of the same weights, fed llama.cpp's tokens, picks
 llama.cpp's token (``exact_picks``). The speed tests keep llama.cpp's defaults.
 
+``--isa avx2`` runs both engines as an AVX2-only CPU (Zen 3, Haswell to Comet Lake) would, on an
+AVX-512 machine: llama.cpp from its ``avx2`` build (``bench/_llama_cpp.py``: no AVX-512, no AVX-VNNI,
+no AMX), ours with ``ISA_ENV["avx2"]``: our kernels' AVX2 path, torch's AVX2 kernels, and oneDNN
+and MKL held to AVX2. Instruction set only: the memory system and caches stay this machine's.
+
 A benchmark, not a test: it prints the targets' PASS / FAIL and exits 0.
 """
 
@@ -89,6 +94,12 @@ AGREEMENT_PROMPT = ("def parse_args(argv=None):\n    parser = argparse.ArgumentP
                     "    parser.add_argument('--verbose', action='store_true', help='say more')\n")
 SESSION_MAGIC = 0x6767736E  # llama.h LLAMA_SESSION_MAGIC ('ggsn')
 MIB = 2**20
+# What holds every layer of our process to one instruction set: our C++ kernels
+# (infer/cpu_kernels), ATen's dispatched kernels (and cpu_linear's oneDNN choice, which reads
+# ATen's capability), oneDNN's JIT and MKL's GEMMs.
+ISA_ENV = {"native": {},
+           "avx2": {"TRAINFORGE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
 GNU_TIME = "/usr/bin/time"
 
 
@@ -405,7 +416,7 @@ def summarise(samples: dict, bare: list[int], weights: dict[str, int]) -> list[d
 def report(rows: list[dict], bare: list[int], agree: dict, header: dict) -> None:
     print(f"\n{header['date']}  {header['cpu']['model']} ({header['cpu']['cpus']} CPUs)  flags "
           f"{' '.join(header['cpu']['flags'])}\ntorch {header['torch']}  trainforge {header['git_rev']} "
-          f"(kernels {header['ours_kernel_isa']})  "
+          f"(kernels {header['ours_kernel_isa']}, ATen {header['aten_capability']})  isa {header['isa']}  "
           f"llama.cpp {', '.join(header['llama_cpp_build'])} (llama-cpp-python {LLAMA_CPP_PYTHON_VERSION})  "
           f"rounds {header['rounds']}  bare `import torch` peak RSS {statistics.median(bare) / MIB:.0f} MiB")
     print("tok/s are medians over rounds; ratio = ours / llama.cpp paired per round, median (min-max); "
@@ -480,16 +491,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write every sample here")
     p.add_argument("--rss_large", action="store_true",
                    help="also check the memory bound on a 287M-parameter model (its files made once, ~2 min)")
+    p.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
+                   help="native: each engine's best path on this CPU; avx2: both as an AVX2-only CPU runs them")
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.threads = 1, [2]
-    peer = LlamaCpp(cache_root())
+    os.environ.update(ISA_ENV[a.isa])  # every process below inherits it, this one's kernels too
+    peer = LlamaCpp(cache_root(), a.isa)
     if not peer.is_built():
         if not a.build:
-            print(build_hint(), file=sys.stderr)
+            print(build_hint(isa=a.isa), file=sys.stderr)
             return 1
         with locked(a.lock):
-            peer = build()
+            peer = build(isa=a.isa)
     with locked(a.lock):
         files = prepare(a.work, peer)
     weights = {prec: tensor_bytes(f) for prec, f in files.items()}
@@ -510,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ops = load_kernels()  # the instruction path our block kernels took on this CPU
     header = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_summary(),
-              "torch": torch.__version__, "git_rev": git_rev(), "llama_cpp_build": sorted(builds),
+              "torch": torch.__version__, "git_rev": git_rev(), "llama_cpp_build": sorted(builds), "isa": a.isa,
+              "aten_capability": torch.backends.cpu.get_cpu_capability(),
               "ours_kernel_isa": ops.isa() if ops is not None else "none (fallback kernels)",
               "rounds": a.rounds, "threads": a.threads, "pp_tokens": a.pp_tokens, "tg_tokens": a.tg_tokens}
     rows = summarise(samples, bare, weights)

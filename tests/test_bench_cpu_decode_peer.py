@@ -3,6 +3,7 @@ canned output (no llama.cpp, no model): a misread here would put a wrong number 
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,25 @@ def test_the_memory_checks_large_model_is_the_90m_models_vocabulary_at_3x_the_we
     assert cfg.vocab_size == small.vocab_size and not cfg.tie_embeddings
     assert round(cfg.num_params() / 1e6, 1) == 287.4
     assert cfg.num_params() > 3 * small.num_params()
+
+
+def test_the_avx2_setting_holds_aten_and_our_kernels_to_avx2():
+    """``--isa avx2`` stands an AVX-512 machine in for an AVX2-only one: a process under its
+    environment must dispatch ATen and our kernels to AVX2, and llama.cpp is built without AVX-512."""
+    import os
+    import subprocess
+    import sys
+
+    from bench._llama_cpp import ISA_FLAGS, LlamaCpp
+    from bench.cpu_decode_peer import ISA_ENV
+    from trainforge.infer.cpu_kernels.build import load_kernels
+
+    if load_kernels() is None:
+        pytest.skip("the C++ kernels did not build here (no compiler)")
+    code = ("import torch; from trainforge.infer.cpu_kernels.build import load_kernels; "
+            "print(torch.backends.cpu.get_cpu_capability(), load_kernels().isa())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **ISA_ENV["avx2"]}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["AVX2", "avx2"]
+    assert "-DGGML_AVX512=OFF" in ISA_FLAGS["avx2"] and "-DGGML_NATIVE=OFF" in ISA_FLAGS["avx2"]
+    assert LlamaCpp(Path("/x"), "avx2").bin != LlamaCpp(Path("/x")).bin
