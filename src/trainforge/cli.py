@@ -348,7 +348,9 @@ def _generate(argv: list[str]) -> int:
     ahead = a.num_speculative_tokens if spec else 0
     loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-(min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
                                                            + ahead) // 16) + 1) * 16)
-    tok = loaded.tokenizer
+    # Text in or out (a text prompt, printed text, stop strings) needs the tokenizer; ids in and
+    # out do not, and a GGUF file's is then never built (``LoadedModel.tokenizer``).
+    tok = loaded.tokenizer if a.prompt is not None or not a.print_ids or a.stop else None
     if ids is None:
         if tok is None:
             raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json: use --prompt_ids")

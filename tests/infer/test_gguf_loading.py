@@ -232,6 +232,30 @@ def test_gpt2_tokenizer_is_rebuilt_from_metadata(tmp_path):
     assert loaded.tokenizer.decode(tok.encode(text).ids, skip_special_tokens=False) == text
 
 
+def test_generate_with_ids_in_and_out_builds_no_tokenizer(tmp_path, monkeypatch, capsys):
+    """``generate --prompt_ids --print_ids`` on a GGUF file with a tokenizer never builds it (the
+    issue's memory bound: its library and vocabulary are ~6 MiB of a small model's process); a
+    text prompt on the same file still does, and prints text."""
+    import dataclasses
+
+    from trainforge.cli import main
+    from trainforge.infer import gguf_loading
+
+    tok = _bpe(300)
+    m = build_model(dataclasses.replace(CFG, vocab_size=tok.get_vocab_size()), seed=5).eval()
+    path = str(write_gguf(tmp_path / "tok.gguf", m, tokenizer=tok))
+    built = []
+    real = gguf_loading._bpe_tokenizer
+    monkeypatch.setattr(gguf_loading, "_bpe_tokenizer", lambda *a: built.append(1) or real(*a))
+    common = ["generate", "--checkpoint", path, "--max_new_tokens", "4", "--temperature", "0", "--ignore_eos"]
+    assert main([*common, "--prompt_ids", "5,6,7", "--print_ids"]) == 0
+    assert len(capsys.readouterr().out.strip().split(",")) == 4 and built == []
+    assert main([*common, "--prompt", "the cat"]) == 0
+    assert capsys.readouterr().out.startswith("the cat") and built == [1]
+    assert main([*common, "--prompt_ids", "5,6,7", "--print_ids", "--stop", "zz"]) == 0  # stop strings need it
+    assert built == [1, 1]
+
+
 def test_sentencepiece_tokenizer_is_refused_with_the_way_round(tmp_path):
     import dataclasses
 

@@ -79,6 +79,26 @@ def test_block_modes_fuse_and_the_engine_decodes_like_the_training_forward(kerne
         assert outs[0] == outs[1]
 
 
+def test_auto_kernel_is_probed_once_per_kind_of_layer_not_per_layer(kernels, monkeypatch):
+    """pack_quantized resolves "auto" once per layer class (choose_kernel's probe builds and runs a
+    small layer); the probe layer is zeros in the stored form, so no quantiser op runs."""
+    from trainforge.infer.quantize import common
+
+    probes = []
+    real = common.kernel_works
+    monkeypatch.setattr(common, "kernel_works", lambda cls, name, *a, **kw: probes.append((cls, name))
+                        or real(cls, name, *a, **kw))
+    model = model_for("gqa4")
+    info = quantize_model(model, "q8_0", pack=False)
+    monkeypatch.setattr(Q8_0Linear, "QUANTIZE", staticmethod(lambda w: pytest.fail("the probe ran the quantiser")))
+    assert prepare_model(model, fuse=True) is model
+    assert probes == [(Q8_0Linear, "blocks")]
+    assert len(info["layers"]) > 1 and all(m.kernel_name == "blocks" for m in model.modules()
+                                           if isinstance(m, Q8_0Linear))
+    layer = Q4_0Linear.probe_layer(torch.device("cpu"))
+    assert layer.pack("blocks") == "blocks" and layer(torch.ones(2, 256)).abs().max() == 0
+
+
 def test_routed_experts_stay_float_under_a_block_mode(kernels):
     model = model_for("moe")
     info = quantize_model(model, "q8_0")

@@ -29,11 +29,14 @@ are refused, naming the tensor.
 
 from __future__ import annotations
 
+import functools
+import gc
 import mmap
+import pickle
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -90,12 +93,22 @@ class GGUFFile:
 def open_gguf(path: Path) -> tuple[GGUFFile, ModelConfig, str | None]:
     """(the file's header as ``GGUFFile``, its ``ModelConfig``, the block mode most linears are in
     or None); only the header is read, by gguf-py's ``GGUFReader``, which is then let go."""
-    reader = _reader(path)
-    header = GGUFFile(path, _metadata(reader), file_tensors(reader, path))
-    del reader
+    header = pickle.loads(_header_bytes(path))
     cfg = model_config_from_gguf(header, path)
     mode = _majority_mode([t for t in header.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
     return header, cfg, mode
+
+
+def _header_bytes(path: Path) -> bytes:
+    """The file's ``GGUFFile``, pickled, and its reader collected. The reader makes ~100k small
+    objects (``FileTensor``); the header's own objects, made among them, would each pin a pool
+    of Python's allocator and with it an arena of 1 MiB: ~3 MiB left behind for the 90m model's
+    file. Unpickled after the reader is gone, they lie together in fresh pools."""
+    reader = _reader(path)
+    blob = pickle.dumps(GGUFFile(path, _metadata(reader), file_tensors(reader, path)))
+    del reader
+    gc.collect()  # the reader's objects hold cycles: free them before the weights are read
+    return blob
 
 
 def _metadata(reader) -> dict[str, Any]:
@@ -320,9 +333,10 @@ def _strings(v: Any) -> list[str]:
     return v.tolist() if isinstance(v, StringArray) else list(v)
 
 
-def gguf_tokenizer(header: GGUFFile, path: Path) -> tuple[Any, tuple[int, ...]]:
-    """(a ``tokenizers.Tokenizer`` or None, eos ids) from ``tokenizer.ggml.*``: byte-level BPE
-    (model "gpt2": tokens + merges). SentencePiece ("llama") is refused with the way round it."""
+def gguf_tokenizer(header: GGUFFile, path: Path) -> tuple[Callable[[], Any] | None, tuple[int, ...]]:
+    """(a function building the ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*``, or None when
+    the file has no tokenizer; eos ids). Checked now, built when called: byte-level BPE (model
+    "gpt2": tokens + merges); SentencePiece ("llama") is refused with the way round it."""
     model = _field(header, "tokenizer.ggml.model")
     eos = _field(header, "tokenizer.ggml.eos_token_id")
     eos_ids = (int(eos),) if eos is not None else ()
@@ -332,6 +346,13 @@ def gguf_tokenizer(header: GGUFFile, path: Path) -> tuple[Any, tuple[int, ...]]:
         raise CheckpointError(f"{path}: GGUF tokenizer.ggml.model is {model!r}; trainforge builds byte-level BPE "
                               "('gpt2') tokenizers from GGUF metadata only. Load the Hugging Face directory (its "
                               "tokenizer.json) instead")
+    _field(header, "tokenizer.ggml.tokens", required=True, path=path)
+    _field(header, "tokenizer.ggml.merges", required=True, path=path)
+    return functools.partial(_bpe_tokenizer, header, path), eos_ids
+
+
+def _bpe_tokenizer(header: GGUFFile, path: Path) -> Any:
+    """The byte-level BPE ``tokenizers.Tokenizer`` of a file ``gguf_tokenizer`` accepted."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     tokens = _strings(_field(header, "tokenizer.ggml.tokens", required=True, path=path))
@@ -351,4 +372,4 @@ def gguf_tokenizer(header: GGUFFile, path: Path) -> tuple[Any, tuple[int, ...]]:
     # llama.cpp's token types: 3 = control, 4 = user-defined: whole tokens, never split.
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                             for i, ty in enumerate(types) if ty in (3, 4)])
-    return tok, eos_ids
+    return tok

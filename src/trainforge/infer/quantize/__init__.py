@@ -166,10 +166,21 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
 def pack_quantized(model: nn.Module, kernel: str | None = None) -> dict[str, int]:
     """Build every quantised layer's kernel form; returns {kernel: layer count}."""
     used: dict[str, int] = {}
+    # "auto" probes the kernels on a small layer (``common.choose_kernel``): once per kind of
+    # layer, device and kernel arguments, not once per layer.
+    chosen: dict[tuple, str] = {}
     for m in model.modules():
-        if isinstance(m, (QuantLinear, QuantExperts)):
+        if isinstance(m, QuantLinear) and (kernel or m.kernel) == "auto":
+            device, kw = next(iter(m.buffers())).device, m._kernel_kwargs()
+            key = (type(m), device, tuple(sorted(kw.items())))
+            if key not in chosen:
+                chosen[key] = choose_kernel(m.MODE, device, **kw)
+            name = m.pack(chosen[key])
+        elif isinstance(m, (QuantLinear, QuantExperts)):
             name = m.pack(kernel)
-            used[name] = used.get(name, 0) + 1
+        else:
+            continue
+        used[name] = used.get(name, 0) + 1
     return used
 
 

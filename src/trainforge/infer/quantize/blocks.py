@@ -69,6 +69,16 @@ class _BlockLinear(QuantLinear):
         return type(self).DEQUANTIZE(self.weight, self.scales)
 
     @classmethod
+    def probe_layer(cls, device: torch.device, **kw) -> "_BlockLinear":
+        """Zero codes and scales, stored as a file's would be: probing a kernel runs no quantiser,
+        whose ops a GGUF or pre-quantised load never needs (their code is resident once run:
+        ~1 MiB of libtorch_cpu, issue 24)."""
+        n, k = 64, 256
+        stored = {"weight": torch.zeros(n, k // cls.CODES_PER_BYTE, dtype=cls.CODE_DTYPE, device=device),
+                  "scales": torch.zeros(n, k // BLOCK, dtype=torch.float16, device=device)}
+        return cls.from_stored(stored, k, n, **kw)
+
+    @classmethod
     def quantize(cls, w: torch.Tensor, kernel: str = "auto") -> "_BlockLinear":
         return cls.from_stored(cls.quantize_stored(w.detach()), w.shape[1], w.shape[0], kernel=kernel)
 

@@ -85,6 +85,11 @@ class QuantLinear(nn.Module):
         return mod
 
     @classmethod
+    def probe_layer(cls, device: torch.device, **kw) -> "QuantLinear":
+        """A 64 x 256 layer on ``device`` for ``kernel_works`` to build and run a kernel on."""
+        return cls.quantize(torch.randn(64, 256, device=device), **kw)
+
+    @classmethod
     def cat(cls, mods: list["QuantLinear"]) -> "QuantLinear":
         """One layer computing the concatenated outputs of ``mods`` (same input), stored form."""
         first = mods[0]
@@ -192,11 +197,11 @@ def _candidates(mode: str, device: torch.device) -> tuple[str, ...]:
 
 
 def kernel_works(cls: type[QuantLinear], name: str, device: torch.device, **kw) -> bool:
-    """Whether kernel ``name`` builds and runs here (on a small layer)."""
+    """Whether kernel ``name`` builds and runs here (on ``cls.probe_layer``'s small layer)."""
     try:
-        mod = cls.quantize(torch.randn(64, 256, device=device), kernel=name, **kw)
+        mod = cls.probe_layer(device, kernel=name, **kw)
         mod.pack(name)
-        mod(torch.randn(2, 256, device=device))
+        mod(torch.ones(2, 256, device=device))
         return mod.kernel_name == name
     except Exception:
         return False
