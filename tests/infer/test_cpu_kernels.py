@@ -211,3 +211,23 @@ def test_gemv_linear_matches_f_linear_on_every_row_count_path(ops, monkeypatch, 
         got = gemv(x)
     assert got.shape == want.shape
     assert _rel(got, want) < 1e-5  # fp32 summation order only
+
+
+def test_a_cached_build_loads_without_cpp_extension(ops):
+    # A decode process that finds its kernels built loads the .so itself: cpp_extension would
+    # import setuptools (+4.4 MiB RSS) and start `ninja --version` and `c++ -dumpversion`.
+    import subprocess
+    import sys
+
+    code = ("import sys; from trainforge.infer.cpu_kernels import build; "
+            "assert build.load_kernels() is not None; "
+            "print(sorted(m for m in sys.modules if m.startswith(('torch.utils.cpp_extension', 'setuptools'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_cut_short_build_is_not_loaded(tmp_path):
+    lib = tmp_path / "trainforge_cpu_kernels.so"
+    assert not build._load_built(lib)  # absent: build it
+    lib.write_bytes(b"\x7fELF cut short")
+    assert not build._load_built(lib)  # does not load: cpp_extension.load rebuilds it
