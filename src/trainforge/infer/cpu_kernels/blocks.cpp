@@ -361,7 +361,8 @@ constexpr int64_t F32_PF = 2048;  // floats ahead in the row stream (8 KiB) for 
 
 // Two prefetcht1 per 32-float step: the two cache lines F32_PF floats ahead. Prefetches never
 // fault, so running past the end of w is harmless.
-#define F32_PF_AVX2(p) (_mm_prefetch((const char*)(p), _MM_HINT_T1), _mm_prefetch((const char*)((p) + 16), _MM_HINT_T1))
+#define F32_PF_AVX2(p) \
+  (_mm_prefetch((const char*)(p), _MM_HINT_T1), _mm_prefetch((const char*)((p) + 16), _MM_HINT_T1))
 #define F32_PF_NONE(p) ((void)0)
 
 // One weight row against M activation rows: M = 1 with four independent FMA chains (and PREFETCH

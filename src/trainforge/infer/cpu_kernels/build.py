@@ -15,6 +15,7 @@ import torch
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "blocks.cpp", _DIR / "attention.cpp", _DIR / "norm_act.cpp", _DIR / "program.cpp"]
 _HEADERS = [_DIR / "isa.h", _DIR / "vec_math.h"]
+_NAME = "trainforge_cpu_kernels"  # the library cpp_extension.load builds: <cache_dir>/<_NAME>.so
 
 
 def cache_dir() -> Path:
@@ -29,26 +30,24 @@ def cache_dir() -> Path:
 def _build() -> str | None:
     """Returns None on success, else the reason (cached: one build attempt per process)."""
     out = cache_dir()
-    if _load_built(out / "trainforge_cpu_kernels.so"):
-        _register_fakes()
-        return None
-    try:
-        from torch.utils import cpp_extension
+    if not _load_built(out / f"{_NAME}.so"):
+        try:
+            from torch.utils import cpp_extension
 
-        out.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="trainforge_cpu_kernels",
-            sources=[str(p) for p in _SOURCES],
-            build_directory=str(out),
-            # -fopenmp: without it ATen's parallel_for compiles to a serial loop (its OpenMP body
-            # is under #ifdef _OPENMP); the .so then shares the libgomp torch already loaded.
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, compile error, unwritable cache: all fall back
-        return f"{type(exc).__name__}: {exc}"
+            out.mkdir(parents=True, exist_ok=True)
+            cpp_extension.load(
+                name=_NAME,
+                sources=[str(p) for p in _SOURCES],
+                build_directory=str(out),
+                # -fopenmp: without it ATen's parallel_for compiles to a serial loop (its OpenMP
+                # body is under #ifdef _OPENMP); the .so then shares the libgomp torch already loaded.
+                extra_cflags=["-O3", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, compile error, unwritable cache: all fall back
+            return f"{type(exc).__name__}: {exc}"
     _register_fakes()
     return None
 
@@ -57,7 +56,8 @@ def _load_built(lib: Path) -> bool:
     """Load an earlier build of these exact sources directly. ``cpp_extension.load`` would also
     find it up to date, but imports setuptools (+4.4 MiB of a decode process's 80 over a bare
     ``import torch``) and runs ``ninja --version`` and ``c++ -dumpversion`` first. A file that
-    does not load (a build cut short) falls through to ``cpp_extension.load``, which rebuilds."""
+    does not load goes to ``cpp_extension.load`` as before, which rebuilds what ninja finds
+    out of date and reports the failure otherwise."""
     if not lib.is_file():
         return False
     try:
