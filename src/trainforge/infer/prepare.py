@@ -2,7 +2,8 @@
 
 ``prepare_model(model, fuse=True, quant_kernel=None)`` puts the model in eval mode, applies
 the fusion rules (``fusion.py``: QKV, gate+up, add+RMSNorm, then row-block linears on
-CPU) and builds every quantised layer's kernel form (``quantize.pack_quantized``). Fusion
+CPU) and builds every quantised layer's kernel form (``quantize.pack_quantized``), then sets the
+block kernels' prefetch by whether the weights fit the CPU's cache (``cpu_kernels/residency.py``). Fusion
 runs first because quantised layers concatenate only before packing. The engine
 (``engine.py``) takes the model as it is and never changes it; ``describe_model`` reports
 what was applied.
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainforge.infer.cpu_kernels import residency
 from trainforge.infer.fusion import fuse_model, row_block_linears
 from trainforge.infer.quantize import QuantExperts, QuantLinear, pack_quantized
 from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedTransformerBlock
@@ -30,6 +32,7 @@ def prepare_model(model: nn.Module, fuse: bool = True, quant_kernel: str | None 
         if model.tok_embeddings.weight.device.type == "cpu":
             row_block_linears(model)
     pack_quantized(model, quant_kernel)
+    residency.apply(model)
     return model
 
 

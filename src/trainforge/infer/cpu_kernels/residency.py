@@ -1,0 +1,97 @@
+"""Whether the weights a decode step reads stay in the CPU's last-level cache from one step to
+the next, and the block kernels' prefetch hint that follows (``blocks.cpp``, ``prefetch_ahead``).
+
+A step reads every weight once. Where the weights outlast the last-level cache, the kernels
+prefetch them non-temporally, so the stream does not evict the KV cache (the default). Where
+they fit, they are prefetched into every level and the next step finds them there: on a Xeon
+with a 300 MiB L3 that made the 90m q4_0 decode 2.8-2.9x faster (BENCHMARKS.md), as non-temporal
+lines never enter its L3. The hint is one per process (the cache is), so the decision covers
+every prepared model that is alive: a speculative decoder's draft model and target together.
+
+``TRAINFORGE_CPU_WEIGHT_CACHE=keep|stream`` overrides the decision (to measure both on a machine).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainforge.infer.cpu_kernels.build import load_kernels
+
+# Weights may take up to this share of the last-level cache: the KV cache, activations and, on
+# a cloud guest whose L3 is the host's, other tenants use the rest.
+LLC_SHARE = 0.5
+ENV = "TRAINFORGE_CPU_WEIGHT_CACHE"
+_SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
+_models: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()  # model -> step bytes
+
+
+def last_level_cache_bytes(root: Path = _SYS_CACHE) -> int | None:
+    """Size of the highest data or unified cache level of CPU 0 (Linux sysfs), or None if unknown."""
+    best: tuple[int, int] | None = None
+    for d in root.glob("index*"):
+        try:
+            kind, level, size = ((d / f).read_text().strip() for f in ("type", "level", "size"))
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+            entry = (int(level), int(size.rstrip("KMGkmg")) * scale)
+        except (OSError, ValueError):
+            continue
+        if kind in ("Data", "Unified") and (best is None or entry[0] > best[0]):
+            best = entry
+    return best[1] if best is not None else None
+
+
+def step_bytes(model: nn.Module) -> int:
+    """Bytes of weights a decode step of ``model`` reads (an upper bound: the token embedding,
+    of which a step reads a few rows, counts whole): its parameters and buffers, and each packed
+    quantised layer's codes and scales (held by its kernel, not by a buffer, once packed)."""
+    from trainforge.infer.quantize import QuantExperts, QuantLinear
+
+    total, seen = 0, set()
+    for m in model.modules():
+        if isinstance(m, (QuantLinear, QuantExperts)) and getattr(m, "kernel_name", "reference") != "reference":
+            total += m.weight_bytes
+    for t in (*model.parameters(), *model.buffers()):
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def keep_weights_cached(total: int, llc: int | None) -> bool:
+    """The policy: keep the weights cached when they take at most ``LLC_SHARE`` of the cache."""
+    override = os.environ.get(ENV, "")
+    if override:
+        if override not in ("keep", "stream"):
+            raise ValueError(f"{ENV}={override!r}: use keep (weights stay in the CPU cache) or stream")
+        return override == "keep"
+    return llc is not None and total <= LLC_SHARE * llc
+
+
+def apply(model: nn.Module) -> bool | None:
+    """Count ``model``'s weights with the other live prepared models' and set the block kernels'
+    prefetch hint for the total; returns it. None where the model is not on CPU, or neither it
+    nor an earlier model loaded the kernels (nothing reads the hint)."""
+    from trainforge.infer.quantize import QuantLinear
+
+    p = next(iter(model.parameters()), None)
+    if p is None or p.device.type != "cpu":
+        return None
+    _models[model] = step_bytes(model)
+    if any(isinstance(m, QuantLinear) and getattr(m, "kernel_name", None) == "blocks" for m in model.modules()):
+        ops = load_kernels()  # built already: packing used it
+    else:
+        try:  # loaded by an earlier model's packing, or absent: never built for this one
+            ops = torch.ops.trainforge_cpu if torch.ops.trainforge_cpu.set_keep_weights_cached else None
+        except (AttributeError, RuntimeError):
+            ops = None
+    if ops is None:
+        return None
+    keep = keep_weights_cached(sum(_models.values()), last_level_cache_bytes())
+    ops.set_keep_weights_cached(keep)
+    return keep
