@@ -306,6 +306,18 @@ def _load_for_engine(a, kv_slots=None):
     return loaded
 
 
+def _freeze_long_lived() -> None:
+    """Exempt every object made so far (torch's and the model's modules, the engine) from the
+    cyclic garbage collector: they live as long as the process, and each full collection walked
+    all of them, between decode steps: 3% of a 90m q4_0 decode on one thread (``perf``); 1000
+    tokens 1.05x (1.04-1.09) faster with it, 4 interleaved pairs, none measurable at 256. No
+    collection first: it would cost as much as one it saves (~0.1 s); a GGUF load has collected
+    its reader's cycles already, and any other garbage of the load stays, once."""
+    import gc
+
+    gc.freeze()
+
+
 def _engine_config(a, **kw):
     from trainforge.infer.engine import EngineConfig
 
@@ -360,6 +372,7 @@ def _generate(argv: list[str]) -> int:
                                                      max_context=min(loaded.model.cfg.max_seq_len,
                                                                      len(ids) + a.max_new_tokens)),
                         tokenizer=tok, eos_ids=loaded.eos_ids, drafter=_load_drafter(a, spec, loaded))
+        _freeze_long_lived()
         req = engine.generate([ids], params)[0]
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
@@ -513,6 +526,7 @@ def _serve(argv: list[str]) -> int:
                         tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids, drafter=_load_drafter(a, spec, loaded))
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
+    _freeze_long_lived()
     serve(engine, loaded.tokenizer, ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                                                  model_name=a.model_name or loaded.name,
                                                  max_body_bytes=a.max_body_bytes, max_concurrent=a.max_concurrent,
