@@ -30,13 +30,20 @@ TOOLS = ("llama-bench", "llama-quantize", "llama-completion", "llama-tokenize")
 # "native": GGML_NATIVE, this CPU's best SIMD, as our kernels choose theirs. "avx2": the code an
 # AVX2-only CPU (Zen 3, Haswell to Comet Lake) runs, built on any x86 machine, so an AVX-512 machine
 # can run both engines as an AVX2 machine would (bench/cpu_decode_peer.py --isa avx2). No AVX-VNNI:
-# Zen 3 lacks it, and our AVX2 path does not use it either.
-BUILD_DIRS = {"native": "build", "avx2": "build-avx2"}
+# Zen 3 lacks it, and our AVX2 path does not use it either. "avx512": AVX-512 with VNNI and BF16
+# but no AMX, as on Zen 4 or an Intel guest whose AMX the hypervisor leaves off: on a 2-vCPU
+# Emerald Rapids KVM guest that lists amx_tile, the native build's first tileloadd (q8_0 prompt
+# processing) died of SIGILL although arch_prctl(ARCH_REQ_XCOMP_PERM) succeeded.
+BUILD_DIRS = {"native": "build", "avx2": "build-avx2", "avx512": "build-avx512"}
 ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"],
              "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                       "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
                       "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF",
-                      "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]}
+                      "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
+             "avx512": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                        "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+                        "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
+                        "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]}
 
 
 @dataclass(frozen=True)
@@ -161,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sdist", type=Path, default=None, help="a llama_cpp_python sdist already downloaded")
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     p.add_argument("--isa", choices=sorted(BUILD_DIRS), default="native",
-                   help="native: this CPU's SIMD; avx2: what an AVX2-only CPU runs")
+                   help="native: this CPU's SIMD; avx2: what an AVX2-only CPU runs; avx512: AVX-512 without AMX")
     a = p.parse_args(argv)
     peer = LlamaCpp(cache_root(), a.isa)
     if not peer.is_built():

@@ -99,7 +99,9 @@ MIB = 2**20
 # ATen's capability), oneDNN's JIT and MKL's GEMMs.
 ISA_ENV = {"native": {},
            "avx2": {"TRAINFORGE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"}}
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+           # llama.cpp's AVX-512 build without AMX (_llama_cpp.py); ours on its AVX-512 paths, oneDNN without AMX.
+           "avx512": {"TRAINFORGE_CPU_ISA": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
 GNU_TIME = "/usr/bin/time"
 
 
@@ -492,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss_large", action="store_true",
                    help="also check the memory bound on a 287M-parameter model (its files made once, ~2 min)")
     p.add_argument("--isa", choices=sorted(ISA_ENV), default="native",
-                   help="native: each engine's best path on this CPU; avx2: both as an AVX2-only CPU runs them")
+                   help="native: each engine's best path on this CPU; avx2: both as an AVX2-only CPU runs them; "
+                        "avx512: both on AVX-512 without AMX")
     a = p.parse_args(argv)
     if a.quick:
         a.rounds, a.threads = 1, [2]

@@ -95,3 +95,16 @@ def test_the_avx2_setting_holds_aten_and_our_kernels_to_avx2():
     assert out == ["AVX2", "avx2"]
     assert "-DGGML_AVX512=OFF" in ISA_FLAGS["avx2"] and "-DGGML_NATIVE=OFF" in ISA_FLAGS["avx2"]
     assert LlamaCpp(Path("/x"), "avx2").bin != LlamaCpp(Path("/x")).bin
+
+
+def test_avx512_build_has_no_amx_and_runs_our_avx512_path():
+    """``--isa avx512``: llama.cpp with AVX-512 but without AMX (a guest that lists AMX may not
+    run it), in its own build directory; ours on the AVX-512 kernels where the CPU has them."""
+    from bench._llama_cpp import ISA_FLAGS, LlamaCpp
+    from bench.cpu_decode_peer import ISA_ENV
+
+    flags = ISA_FLAGS["avx512"]
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON"} <= set(flags)
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(flags)
+    assert len({LlamaCpp(Path("/x"), isa).bin for isa in ("native", "avx2", "avx512")}) == 3
+    assert ISA_ENV["avx512"]["TRAINFORGE_CPU_ISA"] == "avx512"

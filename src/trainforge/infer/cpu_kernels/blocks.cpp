@@ -354,14 +354,17 @@ void q4_0_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 // Zen 4, 2048 x 768: 22-24 GB/s on one thread against 12-14 for four rows at a time with a
 // software prefetch of the next four (four short streams that cross pages out of step), and
 // 29 against 23-26 on two (bare `sum` reads 25.5 / 30.6). No software prefetch of the next rows:
-// it lost there. The AVX2 M = 1 loop does prefetch within its own stream, 8 KiB ahead into L2
+// it lost there. The M = 1 loops do prefetch within their own stream, 8 KiB ahead into L2
 // (prefetcht1, one per line; it runs on into the next row, so the thread's run stays one
 // stream): on a 2-vCPU Xeon (Emerald Rapids, family 6 model 207) streaming 576 MiB at 2048 x
 // 768 / 768 x 2048, medians of interleaved runs went 7.2 -> 9.1 GB/s on one thread (x1.30 paired)
 // and 20 -> 25 on two (x1.26), past bare `sum` (8.7 / 22) and the AVX-512 path (8.5 / 22). Lost
 // or tied there: eight accumulators alone (x1.02), two rows at once (x1.03), prefetcht0 at
 // +256 / +512 B (x1.02-1.08), prefetchnta (x0.81-0.84); +4 to +16 KiB T0 / T1 / T2 all gave
-// x1.25-1.31. The AVX-512 loop with the same prefetch measured x1.44 / x1.32 but is not changed.
+// x1.25-1.31. The AVX-512 loop prefetches the same way (x1.44 / x1.32 in that probe; decode of
+// the 90m f32 file x1.10 at T=1 and x1.13 at T=2, paired over 4 interleaved rounds). Both were
+// measured on that Xeon only: on Zen 4 a prefetch of the next rows lost (above), this in-row
+// one has not been tried there.
 constexpr int64_t F32_MAX_M = 8;  // above this a blocked GEMM (at::matmul) reuses weights better
 constexpr int64_t F32_MT = 4;     // activation rows per pass over a weight row (a row stays in L1)
 
@@ -375,13 +378,14 @@ void f32_rows_scalar(const float* w, const float* x, int64_t M, int64_t K, int64
     }
 }
 
-constexpr int64_t F32_PF = 2048;  // floats ahead in the row stream (8 KiB) for the AVX2 M = 1 loop
+constexpr int64_t F32_PF = 2048;  // floats ahead in the row stream (8 KiB) for the M = 1 loops
 
 // Two prefetcht1 per 32-float step: the two cache lines F32_PF floats ahead. Prefetches never
 // fault, so running past the end of w is harmless.
 #define F32_PF_AVX2(p) \
   (_mm_prefetch((const char*)(p), _MM_HINT_T1), _mm_prefetch((const char*)((p) + 16), _MM_HINT_T1))
-#define F32_PF_NONE(p) ((void)0)
+// The AVX-512 step covers 64 floats, four lines.
+#define F32_PF_AVX512(p) (F32_PF_AVX2(p), F32_PF_AVX2((p) + 32))
 
 // One weight row against M activation rows: M = 1 with four independent FMA chains (and PREFETCH
 // of the stream ahead); otherwise tiles of up to F32_MT rows, one chain each, every weight
@@ -432,7 +436,7 @@ T2 void f32_rows_avx2(const float* w, const float* x, int64_t M, int64_t K, int6
 T512 void f32_rows_avx512(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
                           int64_t n0, int64_t n1, float* out) {
   F32_ROWS_BODY(__m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
-                _mm512_reduce_add_ps, F32_PF_NONE)
+                _mm512_reduce_add_ps, F32_PF_AVX512)
 }
 
 void f32_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, at::Tensor out) {
