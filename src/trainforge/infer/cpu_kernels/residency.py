@@ -48,12 +48,13 @@ def last_level_cache_bytes(root: Path = _SYS_CACHE) -> int | None:
 def step_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step of ``model`` reads (an upper bound: the token embedding,
     of which a step reads a few rows, counts whole): its parameters and buffers, and each packed
-    quantised layer's codes and scales (held by its kernel, not by a buffer, once packed)."""
-    from trainforge.infer.quantize import QuantExperts, QuantLinear
-
+    quantised layer's codes and scales (held by its kernel, not by a buffer, once packed). A
+    packed layer is one with a ``kernel_name`` other than "reference" (which keeps its buffers)
+    and its ``weight_bytes``, as ``quantize.common.QuantLinear.pack`` leaves it: read by name, as
+    ``quantize`` imports this package's kernels."""
     total, seen = 0, set()
     for m in model.modules():
-        if isinstance(m, (QuantLinear, QuantExperts)) and getattr(m, "kernel_name", "reference") != "reference":
+        if getattr(m, "kernel_name", None) not in (None, "reference") and hasattr(m, "weight_bytes"):
             total += m.weight_bytes
     for t in (*model.parameters(), *model.buffers()):
         ptr = t.untyped_storage().data_ptr()
@@ -77,13 +78,11 @@ def apply(model: nn.Module) -> bool | None:
     """Count ``model``'s weights with the other live prepared models' and set the block kernels'
     prefetch hint for the total; returns it. None where the model is not on CPU, or neither it
     nor an earlier model loaded the kernels (nothing reads the hint)."""
-    from trainforge.infer.quantize import QuantLinear
-
     p = next(iter(model.parameters()), None)
     if p is None or p.device.type != "cpu":
         return None
     _models[model] = step_bytes(model)
-    if any(isinstance(m, QuantLinear) and getattr(m, "kernel_name", None) == "blocks" for m in model.modules()):
+    if any(getattr(m, "kernel_name", None) == "blocks" for m in model.modules()):
         ops = load_kernels()  # built already: packing used it
     else:
         try:  # loaded by an earlier model's packing, or absent: never built for this one
