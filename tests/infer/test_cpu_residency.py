@@ -30,10 +30,10 @@ def test_last_level_cache_is_the_highest_data_or_unified_level(tmp_path):
     assert residency.last_level_cache_bytes(tmp_path / "absent") is None
 
 
-def test_policy_keeps_weights_up_to_half_the_cache_and_obeys_the_override(monkeypatch):
+def test_policy_keeps_weights_the_cache_holds_and_obeys_the_override(monkeypatch):
     monkeypatch.delenv(residency.ENV, raising=False)
-    assert residency.keep_weights_cached(100, 200)
-    assert not residency.keep_weights_cached(101, 200)
+    assert residency.keep_weights_cached(200, 200)
+    assert not residency.keep_weights_cached(201, 200)
     assert not residency.keep_weights_cached(1, None)  # unknown cache: stream, as before
     monkeypatch.setenv(residency.ENV, "keep")
     assert residency.keep_weights_cached(10**12, 200)
@@ -77,10 +77,10 @@ def test_prepare_model_sets_the_hint_from_every_live_models_weights(hint, monkey
     first = q4_model()
     size = residency.step_bytes(prepare_model(q4_model()))  # one packed model's bytes
     monkeypatch.setattr(residency, "_models", type(residency._models)())
-    monkeypatch.setattr(residency, "last_level_cache_bytes", lambda: int(2.5 * size))
-    prepare_model(first)  # 1 model in 2.5 of its size: half the cache or less, kept
+    monkeypatch.setattr(residency, "last_level_cache_bytes", lambda: int(1.5 * size))
+    prepare_model(first)  # 1 model in 1.5 of its size: it fits, kept
     assert hint.keeps_weights_cached()
-    second = prepare_model(q4_model())  # 2 models: more than half, streamed
+    second = prepare_model(q4_model())  # 2 models do not fit: streamed
     assert not hint.keeps_weights_cached()
     del second
     residency.apply(first)  # the second one is gone: kept again
