@@ -35,15 +35,19 @@ TOOLS = ("llama-bench", "llama-quantize", "llama-completion", "llama-tokenize")
 # Emerald Rapids KVM guest that lists amx_tile, the native build's first tileloadd (q8_0 prompt
 # processing) died of SIGILL although arch_prctl(ARCH_REQ_XCOMP_PERM) succeeded.
 BUILD_DIRS = {"native": "build", "avx2": "build-avx2", "avx512": "build-avx512"}
-ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"],
-             "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                      "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=OFF", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF",
-                      "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF", "-DGGML_AMX_TILE=OFF",
-                      "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"],
-             "avx512": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                        "-DGGML_BMI2=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
-                        "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AMX_TILE=OFF",
-                        "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]}
+
+
+def _fixed_isa(avx512: bool) -> list[str]:
+    """A build for a named instruction set rather than this CPU's: AVX2 / FMA / F16C / BMI2 always,
+    the AVX-512 family (and AVX-VNNI) only with ``avx512``, AMX never."""
+    on = "ON" if avx512 else "OFF"
+    return (["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+             "-DGGML_BMI2=ON"]
+            + [f"-DGGML_{f}={on}" for f in ("AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16")]
+            + [f"-DGGML_{f}=OFF" for f in ("AMX_TILE", "AMX_INT8", "AMX_BF16")])
+
+
+ISA_FLAGS = {"native": ["-DGGML_NATIVE=ON"], "avx2": _fixed_isa(avx512=False), "avx512": _fixed_isa(avx512=True)}
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,7 @@ struct Tile {  // one group x up to MT activation rows
 };
 
 // The weights are read once per step. Where they outlast the last-level cache (residency.py
-// decides per model; the default), fetch the lines PREFETCH_BYTES ahead of this block into L1
+// decides for the process; the default), fetch the lines PREFETCH_BYTES ahead of this block into L1
 // without keeping them in the outer caches (NTA), so DRAM latency overlaps the dots and the
 // stream does not evict the KV cache. Where they fit, fetch them into every level (T0): NTA
 // lines bypass L2 and so never enter a victim L3 such as Intel's, and each step read the whole

@@ -20,8 +20,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainforge.infer.cpu_kernels.build import load_kernels
-
 # Weights may take up to this share of the last-level cache. The whole of it: on the Xeon
 # (300 MiB L3, shared with the host's other guests) a 287M model's q8_0 weights, 291 MiB, still
 # decoded 1.31x (T=1) and 1.34x (T=2) faster kept than streamed, and its q4_0 ones (154 MiB)
@@ -80,19 +78,14 @@ def keep_weights_cached(total: int, llc: int | None) -> bool:
 def apply(model: nn.Module) -> bool | None:
     """Count ``model``'s weights with the other live prepared models' and set the block kernels'
     prefetch hint for the total; returns it. None where the model is not on CPU, or neither it
-    nor an earlier model loaded the kernels (nothing reads the hint)."""
+    nor an earlier model loaded the kernels (nothing reads the hint; a block layer's packing
+    loads them, and this never builds them for a model without one)."""
     p = next(iter(model.parameters()), None)
     if p is None or p.device.type != "cpu":
         return None
     _models[model] = step_bytes(model)
-    if any(getattr(m, "kernel_name", None) == "blocks" for m in model.modules()):
-        ops = load_kernels()  # built already: packing used it
-    else:
-        try:  # loaded by an earlier model's packing, or absent: never built for this one
-            ops = torch.ops.trainforge_cpu if torch.ops.trainforge_cpu.set_keep_weights_cached else None
-        except (AttributeError, RuntimeError):
-            ops = None
-    if ops is None:
+    ops = torch.ops.trainforge_cpu
+    if not hasattr(ops, "set_keep_weights_cached"):
         return None
     keep = keep_weights_cached(sum(_models.values()), last_level_cache_bytes())
     ops.set_keep_weights_cached(keep)
