@@ -144,7 +144,7 @@ def test_block_types_load_byte_for_byte(tmp_path, model, qtype, mode):
                                 ("layers.1.attention.wk", "blk.1.attn_k.weight", CFG.n_kv_heads),
                                 ("output", "output.weight", None)):
         ref = _gguf_dequantised(path, theirs)
-        ref = _unpermute(ref, heads) if heads else ref
+        ref = torch.from_numpy(_unpermute(ref.numpy(), heads)) if heads else ref
         torch.testing.assert_close(m.get_submodule(ours).dequantize(), ref, atol=0, rtol=0)
     # The embedding keeps the file's blocks (BlockEmbedding): its rows are gguf-py's decoding of them.
     assert info["embedding"] == mode and m.tok_embeddings.weight.dtype != torch.float32
@@ -165,8 +165,8 @@ def test_unpermute_inverts_llama_cpp_permute():
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)  # 8 heads of head_dim 16
     for n_head, n_kv in ((8, 8), (8, 2)):
         rows = w[: (n_kv * 16)]
-        p = torch.from_numpy(llama_cpp_permute(rows, n_head, n_kv).copy())
-        torch.testing.assert_close(_unpermute(p, n_kv), torch.from_numpy(rows), atol=0, rtol=0)
+        p = llama_cpp_permute(rows, n_head, n_kv).copy()
+        np.testing.assert_array_equal(_unpermute(p, n_kv), rows)
 
 
 def test_mixed_block_types_dequantise_the_minority(tmp_path, model):

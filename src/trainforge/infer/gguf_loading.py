@@ -227,11 +227,13 @@ def model_config_from_gguf(header: GGUFFile, path: Path) -> ModelConfig:
     return cfg
 
 
-def _unpermute(rows: torch.Tensor, n_head: int) -> torch.Tensor:
-    """GGUF's interleaved q/k rows (N, ...) -> rotate-half rows (module docstring)."""
+def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF's interleaved q/k rows (N, ...) -> rotate-half rows (module docstring), a copy. In
+    numpy, as the file's arrays are: torch's reshape / transpose / clone would each map libtorch
+    code that nothing else in a decode process runs (``runner.py``'s docstring)."""
     n = rows.shape[0]
     hd = n // n_head
-    return rows.reshape(n_head, hd // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+    return np.ascontiguousarray(rows.reshape(n_head, hd // 2, 2, *rows.shape[1:]).swapaxes(1, 2)).reshape(rows.shape)
 
 
 def _tensor_bytes(t: FileTensor) -> np.ndarray:
@@ -239,7 +241,7 @@ def _tensor_bytes(t: FileTensor) -> np.ndarray:
     return t.read().reshape(int(t.shape[1]) if len(t.shape) > 1 else 1, -1).view(np.uint8)
 
 
-def _stored_form(t: FileTensor, mode: str) -> dict[str, torch.Tensor]:
+def _stored_form(t: FileTensor, mode: str) -> dict[str, np.ndarray]:
     """A Q8_0 / Q4_0 tensor's blocks split into our stored form: codes and fp16 scales, bytes as they are."""
     block_bytes = 34 if mode == "q8_0" else 18
     b = _tensor_bytes(t)
@@ -249,10 +251,10 @@ def _stored_form(t: FileTensor, mode: str) -> dict[str, torch.Tensor]:
     qs = np.ascontiguousarray(b[..., 2:]).reshape(n, -1)  # (N, K) int8 / (N, K/2) nibbles
     if mode == "q8_0":
         qs = qs.view(np.int8)
-    return {"weight": torch.from_numpy(qs), "scales": torch.from_numpy(d)}
+    return {"weight": qs, "scales": d}
 
 
-def _dequantised(t: FileTensor, path: Path) -> torch.Tensor:
+def _dequantised(t: FileTensor, path: Path) -> np.ndarray:
     import gguf
 
     a = t.read()
@@ -266,7 +268,7 @@ def _dequantised(t: FileTensor, path: Path) -> torch.Tensor:
     shape = tuple(int(s) for s in reversed(t.shape))  # ggml lists dims innermost first
     # Both are our own arrays already (the read buffer, a decoded array): no copy, which would
     # double the embedding's share of the load's peak memory.
-    return torch.from_numpy(a.astype(np.float32, copy=False).reshape(shape))
+    return a.astype(np.float32, copy=False).reshape(shape)
 
 
 def _majority_mode(tensors: list) -> str | None:
@@ -310,22 +312,22 @@ def read_gguf(tensors: list[FileTensor], cfg: ModelConfig, path: Path
         heads = rope_heads.get(g.split(".")[-2]) if g.startswith("blk.") else None
         if mode is not None and _BLOCK_TYPES.get(kind) == mode:
             stored = _stored_form(t, mode)
-            sd.update({f"{ours}.{s}": (_unpermute(v, heads) if heads else v) for s, v in stored.items()})
+            sd.update({f"{ours}.{s}": torch.from_numpy(_unpermute(v, heads) if heads else v) for s, v in stored.items()})
             info["layers"].append(ours)
             continue
         w = _dequantised(t, path)
-        sd[f"{ours}.weight"] = _unpermute(w, heads) if heads else w
+        sd[f"{ours}.weight"] = torch.from_numpy(_unpermute(w, heads) if heads else w)
         if mode is not None:
             info["skipped"][ours] = f"GGUF {kind} in a {mode} file: loaded as float"
     emb = tensors["token_embd.weight"]
     emb_mode = _BLOCK_TYPES.get(emb.tensor_type.name)
     if mode is not None and emb_mode is not None and not cfg.tie_embeddings:
         # Kept in blocks: the tied case stays float, as the output projection reads it whole.
-        sd.update({f"tok_embeddings.{s}": v for s, v in _stored_form(emb, emb_mode).items()})
+        sd.update({f"tok_embeddings.{s}": torch.from_numpy(v) for s, v in _stored_form(emb, emb_mode).items()})
         info["embedding"] = emb_mode
         del others["token_embd.weight"]
     for g, ours in others.items():
-        sd[ours] = _dequantised(tensors[g], path)
+        sd[ours] = torch.from_numpy(_dequantised(tensors[g], path))
     return sd, (info if mode else None)
 
 

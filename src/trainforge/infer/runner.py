@@ -5,7 +5,14 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
 
 - ``prefill(tokens, slots)``: one sequence's prompt, T tokens at once:
   ``model(tokens, positions=0..T-1, cache)`` with the cache set to store keys/values at
-  ``slots`` (the prompt attends to itself). Allocates freely (once per request).
+  ``slots`` (the prompt attends to itself). Allocates freely (once per request). A prompt of
+  at most ``FAST_PREFILL_TOKENS`` runs instead as T one-token rows of the fast decode step
+  (row j: token j at position j, attending to the prompt's slots up to its own), as
+  ``verify`` does, in a workspace of its own that projects only the last row: the plain
+  forward's Python dispatch cost a 1-token prompt as much as ~5 decode steps, and its ATen ops
+  (sdpa, rope's cat, the norm's reductions, ...) are used nowhere else in a CPU decode
+  process, whose peak RSS each raised by ~0.3-1 MiB of libtorch code pages mapped on first
+  use (4.1 MiB on the 90m q4_0 model: BENCHMARKS.md, issue 24).
 - ``decode(B, S)``: one token for each of B sequences of different lengths. Inputs are
   buffers the engine fills: ``tokens``, ``positions`` and the cache's ``slots``, ``gather``,
   ``bias`` (each row's first S slots and its mask). The step is the model's
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -44,6 +52,8 @@ from trainforge.model.llama import Transformer
 class ModelRunner:
     """Forward passes of ``model`` over ``pool`` for up to ``max_rows`` sequences of up to
     ``max_context`` tokens each. Does not modify the model."""
+
+    FAST_PREFILL_TOKENS = 16  # prompts up to this long prefill through the fast step (module docstring)
 
     def __init__(self, model: Transformer, pool: KVPool, max_rows: int, max_context: int, lookahead: int = 0):
         cfg = model.cfg
@@ -79,7 +89,16 @@ class ModelRunner:
             self._vcache = PagedCache(pool.k, pool.v, n, self.context_slots)
             self._vtokens = torch.zeros(n, dtype=torch.long, device=self.device)
             self._vpositions = torch.zeros(n, dtype=torch.long, device=self.device)
-            self._verifier = FastDecoder(model, self._vcache, self._vtokens, self._vpositions, kernels)
+            shared = (self.decoder.rope_cos, self.decoder.rope_sin) if isinstance(self.decoder, FastDecoder) else None
+            self._verifier = FastDecoder(model, self._vcache, self._vtokens, self._vpositions, kernels, rope=shared)
+        self._prefiller: FastDecoder | None = None  # short prompts (module docstring)
+        if self.hourglass is None and isinstance(self.decoder, FastDecoder):
+            n = min(self.FAST_PREFILL_TOKENS, max_context)
+            self._pcache = PagedCache(pool.k, pool.v, n, -(-n // pool.block_size) * pool.block_size)
+            self._ptokens = torch.zeros(n, dtype=torch.long, device=self.device)
+            self._ppositions = torch.arange(n, device=self.device)  # row j is the prompt's position j
+            self._prefiller = FastDecoder(model, self._pcache, self._ptokens, self._ppositions, kernels,
+                                          last_logits_only=True, rope=(self.decoder.rope_cos, self.decoder.rope_sin))
         self._compiled = None
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
@@ -91,6 +110,10 @@ class ModelRunner:
             c = self._vcache
             own += self._verifier.nbytes + sum(t.nbytes for t in (self._vtokens, self._vpositions, c.slots, c.gather,
                                                                    c.bias))
+        if self._prefiller is not None:
+            c = self._pcache
+            own += self._prefiller.nbytes + sum(t.nbytes for t in (self._ptokens, self._ppositions, c.slots, c.gather,
+                                                                    c.bias))
         own += self.hourglass.cache.nbytes if self.hourglass is not None else 0
         return own + (self.decoder.nbytes if self.decoder is not None else 0)
 
@@ -158,6 +181,31 @@ class ModelRunner:
         T = tokens.shape[0]
         if not 0 < T <= self.max_context:
             raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")
+        if self._prefiller is not None and not all_logits and T <= self._pcache.max_rows:
+            return self._fast_prefill(tokens, slots, hidden)
+        return self.prefill_forward(tokens, slots, all_logits, hidden)
+
+    def _fast_prefill(self, tokens: torch.Tensor, slots: torch.Tensor, hidden: bool):
+        """``prefill`` of T <= ``FAST_PREFILL_TOKENS`` tokens as T rows of the fast step; the
+        inputs are written through numpy on CPU (no ATen op: module docstring)."""
+        T, bs, c = tokens.shape[0], self.pool.block_size, self._pcache
+        host = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+        S = -(-T // bs) * bs
+        gather = (host[::bs] // bs * bs)[:, None] + np.arange(bs)  # the prompt's blocks, whole
+        seen = np.arange(S)[None, :] <= np.arange(T)[:, None]  # row j sees positions 0..j
+        _write(self._ptokens, tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy())
+        _write(c.slots, host)
+        _write(c.gather, np.broadcast_to(gather.reshape(1, S), (T, S)).reshape(-1))
+        _write(c.bias, np.where(seen, 0.0, -np.inf).astype(np.float32).reshape(-1))
+        logits = self._prefiller.step(T, S)
+        return (logits, self._prefiller.hidden(T)) if hidden else logits
+
+    @torch.no_grad()
+    def prefill_forward(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False,
+                        hidden: bool = False):
+        """``prefill`` by the model's plain forward: the reference of the fast path, and the path
+        of long prompts and of models without the fast step."""
+        T = tokens.shape[0]
         self.cache.set_prefill(slots)
         positions = torch.arange(T, device=tokens.device)
         rows = None if all_logits else slice(T - 1, T)
@@ -188,6 +236,14 @@ class ModelRunner:
         if self.pool.v is not None:
             self.pool.v[:, :, :bs].zero_()
         return self.compile_s
+
+
+def _write(dst: torch.Tensor, src: np.ndarray) -> None:
+    """dst[:len(src)] = src: through a numpy view on CPU (no ATen op), else one copy."""
+    if dst.device.type == "cpu" and dst.dtype != torch.bfloat16:
+        dst.numpy()[:src.shape[0]] = src
+    else:
+        dst[:src.shape[0]].copy_(torch.from_numpy(np.ascontiguousarray(src)))
 
 
 def count_allocations(fn, *args, **kwargs) -> dict[str, int]:

@@ -109,12 +109,15 @@ class DecodeWorkspace:
     ``context_slots`` cached tokens, allocated once; modules take views of the current
     step shape (``rows`` x ``context``, set by ``FastDecoder``)."""
 
-    def __init__(self, model: Transformer, max_rows: int, context_slots: int, cfg=None, kernels=None):
+    def __init__(self, model: Transformer, max_rows: int, context_slots: int, cfg=None, kernels=None,
+                 logit_rows: int | None = None):
         """``cfg``: the shapes to size for (default the model's; an hourglass stage's config
         for a workspace of its shortened blocks, ``hourglass_decode.py``). ``kernels``: fused
         decode ops handed in from outside (``infer/cpu_kernels/decode_ops.py``: ``rope``,
         ``paged_attention``), which the modules' ``decode_calls`` bind instead of their torch
-        ops; None keeps the torch ops."""
+        ops; None keeps the torch ops. ``logit_rows``: rows of logits kept (default
+        ``max_rows``; 1 for a step that projects only its last row, ``FastDecoder``'s
+        ``last_logits_only``)."""
         self.kernels = kernels
         cfg = cfg or model.cfg
         # The norm's weight, not the embedding's: a quantised embedding's weight is its int codes.
@@ -137,11 +140,14 @@ class DecodeWorkspace:
         self._at = torch.empty(R, H * D, **f)
         self._gu = torch.empty(R * 2 * Fh, **f)
         self._act = torch.empty(R, Fh, **f)
-        self.logits = torch.empty(R, cfg.vocab_size, **f)
+        self.logits = torch.empty(logit_rows or R, cfg.vocab_size, **f)
         self._scalars: dict[float, torch.Tensor] = {}
         self._derived: dict[tuple, torch.Tensor] = {}
         self.split = torch.get_num_threads() if self.device.type == "cpu" else 1
-        widest = max(getattr(m, "out_features", 0) for m in model.modules())
+        # The row-block scratch serves float linears of 2..64 rows: the output's too, unless it
+        # projects one row only.
+        widest = max(getattr(m, "out_features", 0) for m in model.modules()
+                     if not (logit_rows == 1 and m is getattr(model, "output", None)))
         self._split_scratch = torch.empty(min(R, LinearInto.MAX_ROWS) * widest, **f) if self.split > 1 else None
         self.linears: dict[int, LinearInto] = {}  # id(module) -> LinearInto, filled as plans bind them
 
@@ -241,12 +247,22 @@ class FastDecoder:
     MAX_PLANS = 64  # decode shapes whose bound calls are kept
 
     def __init__(self, model: Transformer, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
-                 kernels=None):
-        """``kernels``: see ``DecodeWorkspace``."""
+                 kernels=None, last_logits_only: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """``kernels``: see ``DecodeWorkspace``. ``last_logits_only``: a step projects only its
+        last row and returns logits (1, V) (a prompt run as rows, ``ModelRunner.prefill``).
+        ``rope``: another decoder's folded tables (``rope_cos``, ``rope_sin``), shared instead
+        of folding a copy."""
         self.model, self.cache = model, cache
         self.tokens, self.positions = tokens, positions
-        self.ws = DecodeWorkspace(model, cache.max_rows, cache.context_slots, kernels=kernels)
-        self.rope_cos, self.rope_sin = rope_tables_folded(model.rope_cos, model.rope_sin, self.ws.dtype)
+        self.last_logits_only = last_logits_only
+        self.ws = DecodeWorkspace(model, cache.max_rows, cache.context_slots, kernels=kernels,
+                                  logit_rows=1 if last_logits_only else None)
+        self._own_rope = rope is None
+        # A row's position is below the cache's context slots: the tables stop there (the model's
+        # run to max_seq_len; the folded sine is a copy).
+        n = min(cache.context_slots, model.rope_cos.shape[0])
+        self.rope_cos, self.rope_sin = rope if rope is not None else \
+            rope_tables_folded(model.rope_cos[:n], model.rope_sin[:n], self.ws.dtype)
         self._plans: dict[tuple[int, int | None], list[Callable[[], None]]] = {}  # oldest first
         # The cache's context tensor, written each step (through numpy on CPU: a tensor write costs ~2 us).
         self._context = cache.context.numpy() if cache.context.device.type == "cpu" else cache.context
@@ -268,7 +284,7 @@ class FastDecoder:
 
     @property
     def nbytes(self) -> int:
-        return self.ws.nbytes + self.rope_cos.nbytes + self.rope_sin.nbytes
+        return self.ws.nbytes + (self.rope_cos.nbytes + self.rope_sin.nbytes if self._own_rope else 0)
 
     def plan(self, rows: int, context: int) -> list[Callable[[], None]]:
         """The bound calls of a step of ``rows`` rows over ``context`` slots, kept per shape: under
@@ -298,16 +314,18 @@ class FastDecoder:
         for name, block in model.layers.items():
             calls += block.decode_calls(ws, x, self.cache.layer(int(name)))
         calls += model.norm.decode_calls(ws, x, h)
-        calls.append(ws.linear(model.output).bind(h, ws.logits[:B]))
+        last = B - 1 if self.last_logits_only else 0
+        calls.append(ws.linear(model.output).bind(h[last:], ws.logits[:B - last]))
         return calls
 
     def step(self, rows: int, context: int) -> torch.Tensor:
-        """One decode step; returns logits (B, V), a view of the workspace."""
+        """One decode step; returns logits (B, V), or (1, V) with ``last_logits_only``, a view
+        of the workspace."""
         calls = self.plan(rows, context)
         self._context[0] = context  # read by calls bound for every S
         for call in calls:
             call()
-        return self.ws.logits[:rows]
+        return self.ws.logits[:1 if self.last_logits_only else rows]
 
     def hidden(self, rows: int) -> torch.Tensor:
         """The last step's final residual stream (B, dim): the last block's output before the
