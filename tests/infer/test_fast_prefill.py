@@ -23,10 +23,22 @@ def _runner(fuse: bool, bs: int = 4) -> tuple[ModelRunner, KVPool]:
     return ModelRunner(model, pool, 2, 96), pool
 
 
+@pytest.fixture
+def threads(request):
+    """Intra-op threads while the runner is built: at 2 its float linears run as row blocks
+    (``LinearInto``), the last-row output projection as a (split, 1, N/split) bmm."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("fuse", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("T", [1, 3, 9, 16])
-def test_a_short_prompt_prefills_through_the_fast_step_as_the_forward_does(fuse, T, monkeypatch):
+def test_a_short_prompt_prefills_through_the_fast_step_as_the_forward_does(fuse, T, threads, monkeypatch):
     runner, pool = _runner(fuse)
+    assert runner._prefiller.ws.split == threads
     prompt = torch.randint(0, runner.cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
     pool.add(0, T)
     pool.add(1, T)
