@@ -318,6 +318,18 @@ def _freeze_long_lived() -> None:
     gc.freeze()
 
 
+def _inference():
+    """The context ``generate`` and ``serve`` load the model and build the engine in (its steps run
+    in the same mode, ``Engine.step``): torch's inference mode. Besides skipping autograd's
+    bookkeeping, ops then bypass the Autograd and ADInplaceOrView dispatch kernels, whose libtorch
+    code pages each distinct op would otherwise map into the process: the 90m q4_0 GGUF's
+    generate peaked 2.0 MiB lower (BENCHMARKS.md, issue 24). The model's tensors become inference
+    tensors, which nothing outside inference mode may modify in place: the engine never does."""
+    import torch
+
+    return torch.inference_mode()
+
+
 def _engine_config(a, **kw):
     from trainforge.infer.engine import EngineConfig
 
@@ -325,7 +337,6 @@ def _engine_config(a, **kw):
 
 
 def _generate(argv: list[str]) -> int:
-    from trainforge.infer.engine import Engine
     from trainforge.infer.sampling import SamplingParams
 
     p = ArgumentParser(prog="trainforge generate", description="Generate from a checkpoint with the "
@@ -358,6 +369,13 @@ def _generate(argv: list[str]) -> int:
     # The engine's pool (below) holds one context; a text prompt has at most one token per byte.
     prompt_len = len(ids) if ids is not None else len(a.prompt.encode())
     ahead = a.num_speculative_tokens if spec else 0
+    with _inference():
+        return _generate_with(a, params, ids, spec, prompt_len, ahead)
+
+
+def _generate_with(a, params, ids: list[int] | None, spec, prompt_len: int, ahead: int) -> int:
+    from trainforge.infer.engine import Engine
+
     loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-(min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
                                                            + ahead) // 16) + 1) * 16)
     # Text in or out (a text prompt, printed text, stop strings) needs the tokenizer; ids in and
@@ -516,16 +534,18 @@ def _serve(argv: list[str]) -> int:
         bs = max(a.block_size, 1)
         return (a.n_blocks or a.max_batch_size * -(-((a.max_context or cfg.max_seq_len) + ahead) // bs) + 1) * bs
 
-    loaded = _load_for_engine(a, kv_slots)
-    if loaded.tokenizer is None:
-        raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json; the server needs one")
-    try:
-        engine = Engine(loaded.model, _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue,
-                                                     block_size=a.block_size, n_blocks=a.n_blocks,
-                                                     max_context=a.max_context),
-                        tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids, drafter=_load_drafter(a, spec, loaded))
-    except ValueError as e:
-        raise TrainforgeError(str(e)) from None
+    with _inference():
+        loaded = _load_for_engine(a, kv_slots)
+        if loaded.tokenizer is None:
+            raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json; the server needs one")
+        try:
+            engine = Engine(loaded.model, _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue,
+                                                         block_size=a.block_size, n_blocks=a.n_blocks,
+                                                         max_context=a.max_context),
+                            tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids,
+                            drafter=_load_drafter(a, spec, loaded))
+        except ValueError as e:
+            raise TrainforgeError(str(e)) from None
     _freeze_long_lived()
     serve(engine, loaded.tokenizer, ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
                                                  model_name=a.model_name or loaded.name,

@@ -248,7 +248,7 @@ class Engine:
 
     # -- the step (one thread) --------------------------------------------------------------
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd dispatch at all (the CLI's load runs in it too: ``cli._inference``)
     def step(self) -> None:
         """One scheduler iteration: reap aborts, admit, one decode step, sync if due."""
         self._reap()
