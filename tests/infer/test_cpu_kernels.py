@@ -238,3 +238,72 @@ def test_a_cut_short_build_is_not_loaded(tmp_path):
     assert not build._load_built(lib)  # absent: cpp_extension.load builds it
     lib.write_bytes(b"\x7fELF cut short")
     assert not build._load_built(lib)  # does not load: left to cpp_extension.load
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 40])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_int4_groups_run_on_the_q4_kernel_with_a_zero_per_group(ops, monkeypatch, isa, m, group_size):
+    """quantize.int4's asymmetric groups ((q - 8 - z) * s) on the C++ kernel: the same integers
+    as its own dequantisation times the int8 activations (fp32 summation order only), on every
+    instruction path, 37 rows (a padded group of 8), every row-tile size."""
+    from trainforge.infer.quantize.int4 import dequantize_int4, quantize_int4
+
+    if not ops.supports(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    monkeypatch.setenv("TRAINFORGE_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(m * 1000 + group_size)
+    k = 512
+    w = torch.randn(37, k, generator=gen) + 0.5  # off-centre groups: zero points away from 8
+    x = torch.randn(m, k, generator=gen)
+    packed, scales, zeros = quantize_int4(w, group_size)
+    assert zeros.abs().max() > 0
+    pw, ps, pz = formats.pack_int4_x8(packed, scales, zeros)
+    out = ops.int4_linear(x, pw, ps, pz, group_size, 37)
+    exact = formats.quantize_activations(x) @ dequantize_int4(packed, scales, zeros).T
+    assert out.shape == (m, 37)
+    assert _rel(out, exact) < 1e-5
+    assert _rel(out, x @ w.T) < 0.15
+    into = torch.full((m, 37), float("nan"))
+    ops.int4_linear_into(x, pw, ps, pz, group_size, into)
+    assert torch.equal(into, out)
+
+
+def test_int4_codes_keep_their_values_in_q4_0_blocks():
+    from trainforge.infer.quantize.int4 import quantize_int4, unpack_int4
+
+    packed, _, _ = quantize_int4(torch.randn(3, 64), 32)
+    codes = formats.int4_codes_as_q4_0(packed)
+    q = unpack_int4(packed)
+    block = codes[:, 32 // 2:].int()  # the second 32-value block
+    assert torch.equal(block & 15, q[:, 32:48]) and torch.equal(block >> 4, q[:, 48:64])
+    with pytest.raises(ValueError, match="int8 zero points"):
+        formats.pack_int4_x8(packed, torch.ones(3, 2), torch.zeros(3, 2))  # a pre-2026-12 fp32 zero
+
+
+def test_int4_linear_takes_the_block_kernel_and_binds_its_out_form(ops):
+    from trainforge.infer.quantize.int4 import Int4Linear
+
+    w = torch.randn(40, 256)
+    mod = Int4Linear.quantize(w, group_size=64)
+    want = formats.quantize_activations(x := torch.randn(3, 256)) @ mod.dequantize().T
+    assert mod.pack() == "blocks"  # the CPU default (common.PREFERENCE)
+    torch.testing.assert_close(mod(x), want, atol=1e-4, rtol=1e-4)
+    out = torch.full((3, 40), float("nan"))
+    call = mod.bind_into(x, out)
+    assert call.func is ops.int4_linear_into.default  # the decode step calls the op with no Python frame
+    call()
+    assert torch.equal(out, mod(x))
+    legacy = Int4Linear.from_stored({"weight": torch.zeros(16, 32, dtype=torch.uint8), "scales": torch.ones(16, 1),
+                                     "zeros": torch.zeros(16, 1)}, 64, 16, group_size=64)
+    assert "fp32 zero" in legacy.supports("blocks")
+    assert legacy.pack() == "int4pack_cpu"  # the next kernel in the CPU's order, not the slow reference
+
+
+def test_int4_op_has_shape_functions_for_compile(ops):
+    from trainforge.infer.quantize.int4 import quantize_int4
+
+    pw, ps, pz = formats.pack_int4_x8(*quantize_int4(torch.randn(45, 64), 32))
+    x, checks = torch.randn(3, 64), ("test_schema", "test_faketensor")
+    torch.library.opcheck(ops.int4_linear, (x, pw, ps, pz, 32, 45), test_utils=checks)
+    torch.library.opcheck(ops.int4_linear_into, (x, pw, ps, pz, 32, torch.empty(3, 45)), test_utils=checks)

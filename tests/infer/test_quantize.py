@@ -26,7 +26,8 @@ from trainforge.infer.quantize.common import kernel_works
 from trainforge.infer.sampling import SamplingParams
 
 # Relative error of y = x W^T against the same product with the dequantised weight.
-KERNEL_RTOL = {"fbgemm": 0.03, "int8pack": 1e-5, "int4pack_cpu": 0.01, "reference": 1e-6}
+# fbgemm and blocks quantise the activations to int8 (per row / per 32-value block).
+KERNEL_RTOL = {"fbgemm": 0.03, "int8pack": 1e-5, "int4pack_cpu": 0.01, "blocks": 0.02, "reference": 1e-6}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,7 +62,7 @@ def test_codes_are_within_half_a_step_and_every_kernel_matches_the_reference(cls
 
 def test_kernel_choice_per_device():
     assert choose_kernel("int8", "cpu") == "fbgemm"
-    assert choose_kernel("int4", "cpu") == "int4pack_cpu"
+    assert choose_kernel("int4", "cpu") == "blocks"  # the C++ kernel (int4.py's docstring), where it builds
     timings = measure_kernels("int8", "cpu", n=256, k=256, rounds=1, calls=2)
     assert {"fp32", "fbgemm"} <= set(timings) and all(t > 0 for t in timings.values())
     m = Int4Linear.quantize(torch.randn(40, 64), group_size=32)  # 40 outputs: not a multiple of 16

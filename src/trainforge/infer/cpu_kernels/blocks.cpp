@@ -88,14 +88,19 @@ constexpr int MT = 4;      // activation rows per tile
 
 struct Tile {  // one group x up to MT activation rows
   const uint8_t* w;   // the group's blocks: nb * 8 * bytes_per_block
-  const at::Half* s;  // the group's scales: nb * 8
+  const at::Half* s;  // the group's scales: nb * 8 (q8_0 / q4_0)
   int64_t nb, K;
   const int8_t* xq;   // MT rows of K codes
   const float* xd;    // MT rows of nb activation scales
-  const int32_t* xc;  // MT rows of nb offsets (q4_0)
+  const int32_t* xc;  // MT rows of nb offsets (8 * code sum: q4_0, int4)
   float* out;         // out[i * ldo + j] for lane j < lanes
   int64_t ldo, lanes;
   bool keep;          // prefetch hint: keep the weights cached (T0) or stream them (NTA)
+  // int4 (asymmetric groups of gb blocks): per group, the 8 rows' fp32 scales and zero codes
+  // z' in 0..15 side by side; a weight is (q - z') * scale (formats.pack_int4_x8).
+  const float* gs = nullptr;
+  const uint8_t* gz = nullptr;
+  int64_t gb = 1;
 };
 
 // The weights are read once per step. Where they outlast the last-level cache (residency.py
@@ -163,7 +168,29 @@ void q4_tile_scalar(const Tile& t) {
     }
 }
 
-// The two tile kernels of one instruction path. Q8_STEP(s, aw, sx) adds the 4-byte dots of
+// int4: q4_0's dot with the group's zero code z' (per row) in place of 8, and its fp32 scale.
+template <int T>
+void q4z_tile_scalar(const Tile& t) {
+  for (int64_t j = 0; j < t.lanes; ++j)
+    for (int i = 0; i < T; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < t.nb; ++b) {
+        const uint8_t* wb = t.w + b * XR * QK / 2;
+        const int8_t* xb = t.xq + i * t.K + b * QK;
+        const int64_t g = b / t.gb;
+        int32_t s = -(int32_t)t.gz[g * XR + j] * (t.xc[i * t.nb + b] / 8);
+        for (int c = 0; c < QK / 8; ++c)
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t byte = wb[32 * c + 4 * j + k];
+            s += (int32_t)(byte & 0xF) * xb[4 * c + k] + (int32_t)(byte >> 4) * xb[16 + 4 * c + k];
+          }
+        acc += (float)s * (t.gs[g * XR + j] * t.xd[i * t.nb + b]);
+      }
+      t.out[i * t.ldo + j] = acc;
+    }
+}
+
+// The tile kernels of one instruction path. Q8_STEP(s, aw, sx) adds the 4-byte dots of
 // |w| and (x with w's sign) to the int32 lanes s (maddubs is unsigned x signed; the pair sums
 // stay below 2*127*127, so they never saturate). Q4_STEP(s, lo, hi, xl, xh) adds the low and
 // high nibble codes' dots; Q4_SUM(s) turns its accumulator into int32 lanes. Codes are 0..15,
@@ -219,6 +246,36 @@ void q4_tile_scalar(const Tile& t) {
       }                                                                                                 \
     }                                                                                                   \
     store_tile<T>(t, acc);                                                                              \
+  }                                                                                                     \
+  template <int T>                                                                                      \
+  TARGET void q4z_tile_##SUFFIX(const Tile& t) {                                                        \
+    const __m256i m4 = _mm256_set1_epi8(0x0F);                                                          \
+    __m256 acc[T];                                                                                      \
+    for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();                                           \
+    for (int64_t b = 0; b < t.nb; ++b) {                                                                \
+      const uint8_t* wb = t.w + b * XR * QK / 2;                                                        \
+      prefetch_ahead(wb, XR * QK / 2, t.keep);                                                          \
+      __m256i s[T];                                                                                     \
+      for (int i = 0; i < T; ++i) s[i] = _mm256_setzero_si256();                                        \
+      for (int c = 0; c < QK / 8; ++c) {                                                                \
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * c));                            \
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4); \
+        for (int i = 0; i < T; ++i) {                                                                   \
+          const int8_t* xb = t.xq + i * t.K + b * QK + 4 * c;                                           \
+          Q4_STEP(s[i], lo, hi, _mm256_set1_epi32(load_i32(xb)), _mm256_set1_epi32(load_i32(xb + 16))); \
+        }                                                                                               \
+      }                                                                                                 \
+      const int64_t g = b / t.gb;                                                                       \
+      const __m256 sw = _mm256_loadu_ps(t.gs + g * XR);                                                 \
+      const __m256i zw = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(t.gz + g * XR)));       \
+      for (int i = 0; i < T; ++i) {                                                                     \
+        const __m256i off = _mm256_mullo_epi32(zw, _mm256_set1_epi32(t.xc[i * t.nb + b] / 8));          \
+        const __m256i dot = _mm256_sub_epi32(Q4_SUM(s[i]), off);                                        \
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),                                               \
+                                 _mm256_mul_ps(sw, _mm256_set1_ps(t.xd[i * t.nb + b])), acc[i]);        \
+      }                                                                                                 \
+    }                                                                                                   \
+    store_tile<T>(t, acc);                                                                              \
   }
 
 template <int T>
@@ -253,7 +310,7 @@ using TileFn = void (*)(const Tile&);
 using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*);
 
 struct Path {
-  TileFn q8[MT], q4[MT];
+  TileFn q8[MT], q4[MT], q4z[MT];
   QuantizeFn quantize;
 };
 
@@ -261,6 +318,7 @@ struct Path {
   Path {                                                                                   \
     {q8_tile_##SUFFIX<1>, q8_tile_##SUFFIX<2>, q8_tile_##SUFFIX<3>, q8_tile_##SUFFIX<4>},  \
         {q4_tile_##SUFFIX<1>, q4_tile_##SUFFIX<2>, q4_tile_##SUFFIX<3>, q4_tile_##SUFFIX<4>}, \
+        {q4z_tile_##SUFFIX<1>, q4z_tile_##SUFFIX<2>, q4z_tile_##SUFFIX<3>, q4z_tile_##SUFFIX<4>}, \
         QUANTIZE                                                                           \
   }
 
@@ -272,17 +330,29 @@ const Path& chosen_path() {
 }
 
 // ---- op bodies ----------------------------------------------------------------------------
-// x (M, K) fp32; w (G, nb * 8 * bytes_per_block) packed; s (G, nb * 8) fp16; out (M, n), n <= 8G.
+// x (M, K) fp32; w (G, nb * 8 * bytes_per_block) packed; out (M, n), n <= 8G. q8_0 / q4_0: s
+// (G, nb * 8) fp16. int4 (z given): s (G, ng * 8) fp32 and z (G, ng * 8) uint8 per group of
+// group_size values (formats.pack_int4_x8).
 void x8_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& s_in, at::Tensor& out,
-                    int64_t bytes_per_block, bool q4) {
+                    int64_t bytes_per_block, bool q4, const at::Tensor* z_in = nullptr, int64_t group_size = QK) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
-  TORCH_CHECK(s_in.scalar_type() == at::kHalf && s_in.dim() == 2, "scales must be fp16 (N/8, K/32 * 8)");
+  TORCH_CHECK(s_in.scalar_type() == (z_in ? at::kFloat : at::kHalf) && s_in.dim() == 2,
+              z_in ? "int4 scales must be fp32 (N/8, K/group_size * 8)" : "scales must be fp16 (N/8, K/32 * 8)");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(), "out must be contiguous fp32 (M, N)");
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), sc = s_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), G = w.size(0), n = out.size(1), nb = K / QK;
   TORCH_CHECK(K % QK == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == nb * XR * bytes_per_block && sc.size(0) == G && sc.size(1) == nb * XR,
-              "packed weight shapes do not match K=", K, " (pack them with formats.pack_x8)");
+  TORCH_CHECK(group_size % QK == 0 && K % group_size == 0, "group_size must be a multiple of 32 dividing K=", K,
+              ", got ", group_size);
+  const int64_t ng = K / group_size, scales_per_group = z_in ? ng * XR : nb * XR;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == nb * XR * bytes_per_block && sc.size(0) == G &&
+                  sc.size(1) == scales_per_group,
+              "packed weight shapes do not match K=", K, " (pack them with formats.pack_x8 / pack_int4_x8)");
+  at::Tensor zq;
+  if (z_in) {
+    zq = z_in->contiguous();
+    TORCH_CHECK(zq.scalar_type() == at::kByte && zq.sizes() == sc.sizes(), "int4 zero codes must be uint8 like the scales");
+  }
   TORCH_CHECK(out.size(0) == M && n <= G * XR && n > (G - 1) * XR, "out is (", out.size(0), ", ", n,
               "), the weight holds ", G * XR, " rows (padded to 8) for M=", M);
   const Path& path = chosen_path();
@@ -303,9 +373,11 @@ void x8_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
       path.quantize(xp + m * K, K, xqp + m * K, xdp + m * nb, q4 ? xcp + m * nb : nullptr);
   });
   const uint8_t* wp = (const uint8_t*)w.data_ptr();
-  const at::Half* sp = sc.data_ptr<at::Half>();
+  const at::Half* sp = z_in ? nullptr : sc.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
-  const TileFn* tiles = q4 ? path.q4 : path.q8;
+  const TileFn* tiles = z_in ? path.q4z : q4 ? path.q4 : path.q8;
+  const float* gsp = z_in ? sc.data_ptr<float>() : nullptr;
+  const uint8_t* gzp = z_in ? zq.data_ptr<uint8_t>() : nullptr;
   const int64_t group_bytes = nb * XR * bytes_per_block;
   const bool keep = keep_weights_cached.load(std::memory_order_relaxed);
   // Groups across threads; each group's weights (a few KiB) stay in L1 for every row tile.
@@ -313,8 +385,9 @@ void x8_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, const at::Te
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t m = 0; m < M; m += MT) {
         const int64_t rows = std::min<int64_t>(MT, M - m);
-        const Tile t{wp + g * group_bytes, sp + g * nb * XR, nb, K, xqp + m * K, xdp + m * nb, xcp + m * nb,
-                     op + m * n + g * XR, n, std::min<int64_t>(XR, n - g * XR), keep};
+        const Tile t{wp + g * group_bytes, sp ? sp + g * nb * XR : nullptr, nb, K, xqp + m * K, xdp + m * nb,
+                     xcp + m * nb, op + m * n + g * XR, n, std::min<int64_t>(XR, n - g * XR), keep,
+                     gsp ? gsp + g * ng * XR : nullptr, gzp ? gzp + g * ng * XR : nullptr, group_size / QK};
         tiles[rows - 1](t);
       }
   });
@@ -345,6 +418,19 @@ void q8_0_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor
 void q4_0_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, at::Tensor out) {
   TORCH_CHECK(w.scalar_type() == at::kByte, "q4_0 packed weight must be uint8");
   x8_linear_into(x, w, s, out, QK / 2, true);
+}
+
+void int4_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& z,
+                      int64_t group_size, at::Tensor out) {
+  TORCH_CHECK(w.scalar_type() == at::kByte, "int4 packed weight must be uint8");
+  x8_linear_into(x, w, s, out, QK / 2, true, &z, group_size);
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s, const at::Tensor& z,
+                       int64_t group_size, int64_t n) {
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  int4_linear_into(x, w, s, z, group_size, out);
+  return out;
 }
 
 // ---- fp32 GEMV / small-M GEMM ---------------------------------------------------------------
@@ -519,6 +605,9 @@ TORCH_LIBRARY(trainforge_cpu, m) {
   m.def("q4_0_linear(Tensor x, Tensor w, Tensor s, int n) -> Tensor");
   m.def("q8_0_linear_into(Tensor x, Tensor w, Tensor s, Tensor(a!) out) -> ()");
   m.def("q4_0_linear_into(Tensor x, Tensor w, Tensor s, Tensor(a!) out) -> ()");
+  // int4 groups: w as q4_0's, s / z the groups' fp32 scales and zero codes (formats.pack_int4_x8).
+  m.def("int4_linear(Tensor x, Tensor w, Tensor s, Tensor z, int group_size, int n) -> Tensor");
+  m.def("int4_linear_into(Tensor x, Tensor w, Tensor s, Tensor z, int group_size, Tensor(a!) out) -> ()");
   m.def("f32_linear(Tensor x, Tensor w) -> Tensor");
   m.def("f32_linear_into(Tensor x, Tensor w, Tensor(a!) out) -> ()");
   m.def("block_gather_into(Tensor w, Tensor s, Tensor tokens, Tensor(a!) out) -> ()");
@@ -534,6 +623,8 @@ TORCH_LIBRARY_IMPL(trainforge_cpu, CPU, m) {
   m.impl("q4_0_linear", &q4_0_linear);
   m.impl("q8_0_linear_into", &q8_0_linear_into);
   m.impl("q4_0_linear_into", &q4_0_linear_into);
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_linear_into", &int4_linear_into);
   m.impl("f32_linear", &f32_linear);
   m.impl("f32_linear_into", &f32_linear_into);
   m.impl("block_gather_into", &block_gather_into);

@@ -77,14 +77,50 @@ def pack_x8(qs: torch.Tensor, d: torch.Tensor, empty=torch.empty) -> tuple[torch
     rows' block in turn (32 bytes), so one vector load gives a 32-bit lane per row
     (blocks.cpp explains why); the 8 rows' scales of a block lie side by side. Bytes are
     moved, never re-quantised: a GGUF file's blocks keep their values exactly."""
-    n, nb = d.shape
-    bpb = qs.shape[1] // nb
+    nb = d.shape[1]
+    return _interleave(qs, nb, empty), _lanes(d, empty)
+
+
+def _padded(t: torch.Tensor) -> torch.Tensor:
+    n = t.shape[0]
     g = -(-n // GROUP)
-    if g * GROUP != n:
-        qs = torch.cat([qs, qs.new_zeros(g * GROUP - n, qs.shape[1])])
-        d = torch.cat([d, d.new_zeros(g * GROUP - n, nb)])
+    return t if g * GROUP == n else torch.cat([t, t.new_zeros(g * GROUP - n, t.shape[1])])
+
+
+def _interleave(qs: torch.Tensor, nb: int, empty) -> torch.Tensor:
+    """Codes (N, nb * bytes_per_block) -> (G, nb * 8 * bytes_per_block) in 4-byte chunks per row (pack_x8)."""
+    qs = _padded(qs)
+    g, bpb = qs.shape[0] // GROUP, qs.shape[1] // nb
     w = empty((g, nb * GROUP * bpb), dtype=qs.dtype)
     w.view(g, nb, bpb // 4, GROUP, 4).copy_(qs.reshape(g, GROUP, nb, bpb // 4, 4).permute(0, 2, 3, 1, 4))
-    s = empty((g, nb * GROUP), dtype=d.dtype)
-    s.view(g, nb, GROUP).copy_(d.reshape(g, GROUP, nb).permute(0, 2, 1))
-    return w, s
+    return w
+
+
+def _lanes(t: torch.Tensor, empty) -> torch.Tensor:
+    """Per-row values (N, C) -> (G, C * 8): for each column, the 8 rows of a group side by side."""
+    t = _padded(t)
+    g, c = t.shape[0] // GROUP, t.shape[1]
+    out = empty((g, c * GROUP), dtype=t.dtype)
+    out.view(g, c, GROUP).copy_(t.reshape(g, GROUP, c).permute(0, 2, 1))
+    return out
+
+
+def int4_codes_as_q4_0(packed: torch.Tensor) -> torch.Tensor:
+    """``quantize.int4``'s nibbles (N, K/2: element 2i in byte i's high nibble, 2i + 1 in its low
+    one) -> Q4_0's (byte j of a 32-value block: element j low, j + 16 high). Codes unchanged."""
+    n = packed.shape[0]
+    q = torch.stack((packed >> 4, packed & 15), dim=-1).reshape(n, -1, BLOCK)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(n, -1)
+
+
+def pack_int4_x8(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, empty=torch.empty
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' layout of ``quantize.int4`` weights (codes q, fp32 scale s and int8 zero point
+    z per group; a weight is ((q - 8) - z) * s): the codes as ``pack_x8``'s Q4_0 blocks, and per
+    group the 8 rows' scales (fp32) and zero codes z' = 8 + z (uint8, 0..15) side by side, so the
+    kernel computes (q - z') * s with Q4_0's integer dots. -> (w, s (G, K/g * 8), z (G, K/g * 8))."""
+    if zeros.dtype != torch.int8:
+        raise ValueError("pack_int4_x8 takes int8 zero points (a pre-2026-12 fp32 zero has no integer code)")
+    codes = int4_codes_as_q4_0(packed)
+    w = _interleave(codes, codes.shape[1] // (BLOCK // 2), empty)
+    return w, _lanes(scales.float(), empty), _lanes((zeros.to(torch.int16) + 8).to(torch.uint8), empty)

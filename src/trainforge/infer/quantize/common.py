@@ -32,7 +32,7 @@ from trainforge.json_cache import read_json_cache, write_json_cache
 PREFERENCE: dict[tuple[str, str], tuple[str, ...]] = {
     ("int8", "cpu"): ("fbgemm", "int8pack", "reference"),
     ("int8", "cuda"): ("torchao", "int8pack", "reference"),
-    ("int4", "cpu"): ("int4pack_cpu", "reference"),
+    ("int4", "cpu"): ("blocks", "int4pack_cpu", "reference"),
     ("int4", "cuda"): ("torchao", "int4pack_cuda", "reference"),
     ("q8_0", "cpu"): ("blocks", "dequant", "reference"),
     ("q8_0", "cuda"): ("dequant", "reference"),
@@ -132,6 +132,10 @@ class QuantLinear(nn.Module):
         device = next(iter(self.buffers())).device
         if name in ("auto", "measure"):
             name = choose_kernel(self.MODE, device, measure=name == "measure", **self._kernel_kwargs())
+            if self.supports(name) is not None:  # the device's kernel does not take this layer: the next one that does
+                cls, kw = type(self), self._kernel_kwargs()
+                name = next((k for k in _candidates(self.MODE, device) if k == "reference" or (
+                    self.supports(k) is None and kernel_works(cls, k, device, **kw))), "reference")
         if self.supports(name) is not None:
             name = "reference"
         # Bytes a forward pass reads: the codes and their scales (the kernel forms are the same size).

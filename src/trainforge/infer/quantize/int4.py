@@ -17,6 +17,14 @@ loading: ``dequantize_int4`` and the kernels read the zeros by dtype.
 
 Kernels (``common.PREFERENCE`` holds the order per device):
 
+- ``blocks`` (CPU): the C++ op ``torch.ops.trainforge_cpu.int4_linear`` (``cpu_kernels/``), Q4_0's
+  integer kernel with a per-group zero: the codes are moved into Q4_0's interleaved blocks and
+  a group's weight is (q - z') * s with z' = 8 + z (``formats.pack_int4_x8``), so each 32-value
+  block's dot is sum(q * x_q) - z' * sum(x_q) in int32 on activations quantised to int8 per
+  block, AVX-512 VNNI / AVX2 / scalar by the CPU's features. Needs int8 zero points (not a
+  pre-2026-12 fp32 zero) and a group size that is a multiple of 32. Its ``_into`` form is what
+  the decode step binds. It replaced ``int4pack_cpu`` as the CPU default: see the measurement
+  below.
 - ``int4pack_cpu`` (CPU): ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the tile layout of
   ``_convert_weight_to_int4pack_for_cpu``. Activations go in as bfloat16: the kernel has a fast
   path only for bf16 (fp32 activations took ~100 ms for 4096 x 4096, ~10x fp32 linear). Needs
@@ -35,15 +43,27 @@ AMD EPYC (Zen 4) KVM guest, 2 threads, torch 2.13.0+cpu, 2026-11-30, machine oth
     int4pack_cpu (fp32 x)       ~100 ms   (measured once, on a loaded machine: no fast path)
 
 and in a whole model (the 90M one of ``bench/inference.py``, batch-1 decode through the
-engine): fp32 64 tok/s, int4 245 tok/s. So the CPU default is ``int4pack_cpu``. Unmeasured
-on CUDA here (no GPU on this machine).
+engine): fp32 64 tok/s, int4 245 tok/s. Unmeasured on CUDA here (no GPU on this machine).
+
+``blocks`` against ``int4pack_cpu``, same measurement, group 128, an Emerald Rapids Xeon (KVM, 2
+vCPUs), 2 threads, 2026-12-07, 7 rounds: AVX-512 0.81 vs 0.75 ms; with both held to AVX2
+(``TRAINFORGE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2``) 0.87 vs 1.53 ms. In the 90m model's decode
+(``bench/inference.py``, x the plain fp32 loop): ``int4pack_cpu`` 5.06x with AVX-512 and 2.74x
+with AVX2, ``blocks`` 4.96x and 4.73x (BENCHMARKS.md, issue 24). So the CPU default is ``blocks``,
+then ``int4pack_cpu`` for a layer it does not take.
 """
 
 from __future__ import annotations
 
 import torch
 
+import functools
+from typing import Callable
+
+from trainforge.infer.cpu_kernels import load_kernels
+from trainforge.infer.cpu_kernels.formats import pack_int4_x8
 from trainforge.infer.quantize.common import Kernel, QuantLinear, torchao_available, torchao_linear
+from trainforge.infer.weight_arena import empty_weight
 
 CPU_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -95,6 +115,7 @@ class Int4Linear(QuantLinear):
                  device=None):
         super().__init__(in_features, out_features, kernel)
         self.group_size = group_size
+        self._into = None  # the blocks kernel's out= form (bind_into)
         groups = in_features // group_size
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
@@ -121,6 +142,15 @@ class Int4Linear(QuantLinear):
         return torch.stack((self.scales, zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
 
     def supports(self, name: str) -> str | None:
+        if name == "blocks":
+            if self.weight.device.type != "cpu":
+                return "the block kernels run on CPU only"
+            if self.zeros.dtype != torch.int8:
+                return "a pre-2026-12 fp32 zero point has no integer zero code"
+            if self.group_size % 32 or self.in_features % self.group_size:
+                return f"group_size {self.group_size} is not a multiple of 32 dividing in_features"
+            if load_kernels() is None:  # warns once, with the reason
+                return "the C++ block kernels are unavailable"
         if name == "int4pack_cpu":
             if self.weight.device.type != "cpu":
                 return "int4pack_cpu runs on CPU only"
@@ -132,8 +162,23 @@ class Int4Linear(QuantLinear):
             return "int4pack_cuda wants out_features % 8 == 0 and in_features % 128 == 0"
         return None
 
+    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+        if self._impl is None:
+            self.pack()
+        if self._into is not None and out.is_contiguous() and x.dtype == torch.float32:
+            op, w, s, z, gs = self._into  # the C++ op itself, bound (as _BlockLinear's)
+            return functools.partial(op, x, w, s, z, gs, out)
+        return super().bind_into(x, out)
+
     def build_kernel(self, name: str) -> Kernel:
         gs = self.group_size
+        self._into = None
+        if name == "blocks":
+            ops = load_kernels()
+            w, s, z = pack_int4_x8(self.weight, self.scales, self.zeros, empty=empty_weight)
+            n = self.out_features
+            self._into = (ops.int4_linear_into.default, w, s, z, gs)
+            return lambda x: ops.int4_linear(x.float().contiguous(), w, s, z, gs, n)
         if name == "int4pack_cpu":
             w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight), 2)
             sz = self._scales_and_zeros(torch.bfloat16)
@@ -153,4 +198,5 @@ class Int4Linear(QuantLinear):
             return lambda x: lin(x.to(torch.bfloat16))
         if name == "reference":
             return self.reference_forward
-        raise ValueError(f"int4 kernel {name!r}: use one of int4pack_cpu, int4pack_cuda, torchao, reference, auto")
+        raise ValueError(f"int4 kernel {name!r}: use one of blocks, int4pack_cpu, int4pack_cuda, torchao, reference, "
+                         "auto")
