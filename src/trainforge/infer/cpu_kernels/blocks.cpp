@@ -148,7 +148,9 @@ void q8_tile_scalar(const Tile& t) {
     }
 }
 
-template <int T>
+// Z: int4 groups (Tile's gs / gz): q4_0's dot with the group's zero code z' (per row) in place of
+// 8, and the group's fp32 scale in place of the block's fp16 one.
+template <int T, bool Z>
 void q4_tile_scalar(const Tile& t) {
   for (int64_t j = 0; j < t.lanes; ++j)
     for (int i = 0; i < T; ++i) {
@@ -156,35 +158,16 @@ void q4_tile_scalar(const Tile& t) {
       for (int64_t b = 0; b < t.nb; ++b) {
         const uint8_t* wb = t.w + b * XR * QK / 2;
         const int8_t* xb = t.xq + i * t.K + b * QK;
-        int32_t s = -t.xc[i * t.nb + b];
-        for (int c = 0; c < QK / 8; ++c)
-          for (int k = 0; k < 4; ++k) {
-            const uint8_t byte = wb[32 * c + 4 * j + k];
-            s += (int32_t)(byte & 0xF) * xb[4 * c + k] + (int32_t)(byte >> 4) * xb[16 + 4 * c + k];
-          }
-        acc += (float)s * ((float)t.s[b * XR + j] * t.xd[i * t.nb + b]);
-      }
-      t.out[i * t.ldo + j] = acc;
-    }
-}
-
-// int4: q4_0's dot with the group's zero code z' (per row) in place of 8, and its fp32 scale.
-template <int T>
-void q4z_tile_scalar(const Tile& t) {
-  for (int64_t j = 0; j < t.lanes; ++j)
-    for (int i = 0; i < T; ++i) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < t.nb; ++b) {
-        const uint8_t* wb = t.w + b * XR * QK / 2;
-        const int8_t* xb = t.xq + i * t.K + b * QK;
         const int64_t g = b / t.gb;
-        int32_t s = -(int32_t)t.gz[g * XR + j] * (t.xc[i * t.nb + b] / 8);
+        const int32_t xc = t.xc[i * t.nb + b];
+        int32_t s = Z ? -(int32_t)t.gz[g * XR + j] * (xc / 8) : -xc;
         for (int c = 0; c < QK / 8; ++c)
           for (int k = 0; k < 4; ++k) {
             const uint8_t byte = wb[32 * c + 4 * j + k];
             s += (int32_t)(byte & 0xF) * xb[4 * c + k] + (int32_t)(byte >> 4) * xb[16 + 4 * c + k];
           }
-        acc += (float)s * (t.gs[g * XR + j] * t.xd[i * t.nb + b]);
+        const float dw = Z ? t.gs[g * XR + j] : (float)t.s[b * XR + j];
+        acc += (float)s * (dw * t.xd[i * t.nb + b]);
       }
       t.out[i * t.ldo + j] = acc;
     }
@@ -194,7 +177,8 @@ void q4z_tile_scalar(const Tile& t) {
 // |w| and (x with w's sign) to the int32 lanes s (maddubs is unsigned x signed; the pair sums
 // stay below 2*127*127, so they never saturate). Q4_STEP(s, lo, hi, xl, xh) adds the low and
 // high nibble codes' dots; Q4_SUM(s) turns its accumulator into int32 lanes. Codes are 0..15,
-// the -8 applied once per block as 8 * (the activation block's code sum).
+// the -8 applied once per block as 8 * (the activation block's code sum); with Z (int4 groups)
+// the row's zero code z' replaces the 8 and the group's fp32 scale the block's fp16 one.
 #define X8_TILES(TARGET, SUFFIX, Q8_STEP, Q4_STEP, Q4_SUM)                                              \
   template <int T>                                                                                      \
   TARGET void q8_tile_##SUFFIX(const Tile& t) {                                                         \
@@ -220,7 +204,7 @@ void q4z_tile_scalar(const Tile& t) {
     }                                                                                                   \
     store_tile<T>(t, acc);                                                                              \
   }                                                                                                     \
-  template <int T>                                                                                      \
+  template <int T, bool Z>                                                                              \
   TARGET void q4_tile_##SUFFIX(const Tile& t) {                                                         \
     const __m256i m4 = _mm256_set1_epi8(0x0F);                                                          \
     __m256 acc[T];                                                                                      \
@@ -238,41 +222,17 @@ void q4z_tile_scalar(const Tile& t) {
           Q4_STEP(s[i], lo, hi, _mm256_set1_epi32(load_i32(xb)), _mm256_set1_epi32(load_i32(xb + 16))); \
         }                                                                                               \
       }                                                                                                 \
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t.s + b * XR)));               \
-      for (int i = 0; i < T; ++i) {                                                                     \
-        const __m256i dot = _mm256_sub_epi32(Q4_SUM(s[i]), _mm256_set1_epi32(t.xc[i * t.nb + b]));      \
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),                                               \
-                                 _mm256_mul_ps(dw, _mm256_set1_ps(t.xd[i * t.nb + b])), acc[i]);        \
-      }                                                                                                 \
-    }                                                                                                   \
-    store_tile<T>(t, acc);                                                                              \
-  }                                                                                                     \
-  template <int T>                                                                                      \
-  TARGET void q4z_tile_##SUFFIX(const Tile& t) {                                                        \
-    const __m256i m4 = _mm256_set1_epi8(0x0F);                                                          \
-    __m256 acc[T];                                                                                      \
-    for (int i = 0; i < T; ++i) acc[i] = _mm256_setzero_ps();                                           \
-    for (int64_t b = 0; b < t.nb; ++b) {                                                                \
-      const uint8_t* wb = t.w + b * XR * QK / 2;                                                        \
-      prefetch_ahead(wb, XR * QK / 2, t.keep);                                                          \
-      __m256i s[T];                                                                                     \
-      for (int i = 0; i < T; ++i) s[i] = _mm256_setzero_si256();                                        \
-      for (int c = 0; c < QK / 8; ++c) {                                                                \
-        const __m256i v = _mm256_loadu_si256((const __m256i*)(wb + 32 * c));                            \
-        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4); \
-        for (int i = 0; i < T; ++i) {                                                                   \
-          const int8_t* xb = t.xq + i * t.K + b * QK + 4 * c;                                           \
-          Q4_STEP(s[i], lo, hi, _mm256_set1_epi32(load_i32(xb)), _mm256_set1_epi32(load_i32(xb + 16))); \
-        }                                                                                               \
-      }                                                                                                 \
       const int64_t g = b / t.gb;                                                                       \
-      const __m256 sw = _mm256_loadu_ps(t.gs + g * XR);                                                 \
-      const __m256i zw = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(t.gz + g * XR)));       \
+      const __m256 dw = Z ? _mm256_loadu_ps(t.gs + g * XR)                                              \
+                          : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(t.s + b * XR)));           \
+      const __m256i zw = Z ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(t.gz + g * XR)))     \
+                           : _mm256_setzero_si256();                                                    \
       for (int i = 0; i < T; ++i) {                                                                     \
-        const __m256i off = _mm256_mullo_epi32(zw, _mm256_set1_epi32(t.xc[i * t.nb + b] / 8));          \
+        const int32_t xc = t.xc[i * t.nb + b];                                                          \
+        const __m256i off = Z ? _mm256_mullo_epi32(zw, _mm256_set1_epi32(xc / 8)) : _mm256_set1_epi32(xc); \
         const __m256i dot = _mm256_sub_epi32(Q4_SUM(s[i]), off);                                        \
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),                                               \
-                                 _mm256_mul_ps(sw, _mm256_set1_ps(t.xd[i * t.nb + b])), acc[i]);        \
+                                 _mm256_mul_ps(dw, _mm256_set1_ps(t.xd[i * t.nb + b])), acc[i]);        \
       }                                                                                                 \
     }                                                                                                   \
     store_tile<T>(t, acc);                                                                              \
@@ -317,8 +277,10 @@ struct Path {
 #define PATH(SUFFIX, QUANTIZE)                                                             \
   Path {                                                                                   \
     {q8_tile_##SUFFIX<1>, q8_tile_##SUFFIX<2>, q8_tile_##SUFFIX<3>, q8_tile_##SUFFIX<4>},  \
-        {q4_tile_##SUFFIX<1>, q4_tile_##SUFFIX<2>, q4_tile_##SUFFIX<3>, q4_tile_##SUFFIX<4>}, \
-        {q4z_tile_##SUFFIX<1>, q4z_tile_##SUFFIX<2>, q4z_tile_##SUFFIX<3>, q4z_tile_##SUFFIX<4>}, \
+        {q4_tile_##SUFFIX<1, false>, q4_tile_##SUFFIX<2, false>, q4_tile_##SUFFIX<3, false>,      \
+         q4_tile_##SUFFIX<4, false>},                                                             \
+        {q4_tile_##SUFFIX<1, true>, q4_tile_##SUFFIX<2, true>, q4_tile_##SUFFIX<3, true>,         \
+         q4_tile_##SUFFIX<4, true>},                                                              \
         QUANTIZE                                                                           \
   }
 
