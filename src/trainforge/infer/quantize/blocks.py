@@ -24,9 +24,6 @@ Kernels (``common.PREFERENCE``):
 
 from __future__ import annotations
 
-import functools
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +32,15 @@ from trainforge.infer.cpu_kernels.formats import (BLOCK, dequantize_q4_0, dequan
                                                   quantize_q4_0, quantize_q8_0)
 from trainforge.infer.quantize.common import Kernel, QuantLinear
 from trainforge.infer.weight_arena import empty_weight
+
+
+def blocks_unavailable(device: torch.device) -> str | None:
+    """Why the C++ block kernels cannot run a layer on ``device``, or None."""
+    if device.type != "cpu":
+        return "the block kernels run on CPU only"
+    if load_kernels() is None:  # warns once, with the reason
+        return "the C++ block kernels are unavailable"
+    return None
 
 
 class _BlockLinear(QuantLinear):
@@ -48,7 +54,6 @@ class _BlockLinear(QuantLinear):
 
     def __init__(self, in_features: int, out_features: int, kernel: str = "auto", device=None):
         super().__init__(in_features, out_features, kernel)
-        self._into = None  # the kernel's out= form, when it has one
         if in_features % BLOCK:
             raise ValueError(f"{self.MODE}: in_features {in_features} is not a multiple of {BLOCK}")
         self.register_buffer("weight", torch.empty(out_features, in_features // self.CODES_PER_BYTE,
@@ -85,22 +90,8 @@ class _BlockLinear(QuantLinear):
     def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self.bind_into(x, out)()
 
-    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
-        if self._impl is None:
-            self.pack()
-        if self._into is not None and out.is_contiguous() and x.dtype == torch.float32:
-            # The C++ op itself, bound: it writes out, and a decode step calls it with no Python frame between.
-            op, w, s = self._into
-            return functools.partial(op, x, w, s, out)
-        return super().bind_into(x, out)
-
     def supports(self, name: str) -> str | None:
-        if name == "blocks":
-            if self.weight.device.type != "cpu":
-                return "the block kernels run on CPU only"
-            if load_kernels() is None:  # warns once, with the reason
-                return "the C++ block kernels are unavailable"
-        return None
+        return blocks_unavailable(self.weight.device) if name == "blocks" else None
 
     def build_kernel(self, name: str) -> Kernel:
         if name == "blocks":

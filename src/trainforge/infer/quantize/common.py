@@ -65,6 +65,9 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.kernel = kernel
         self._impl: Kernel | None = None
+        # A kernel with an out= form (the C++ block ops) sets (op, *its weight arguments): the
+        # decode step then binds op(x, *args, out) with no Python frame between (``bind_into``).
+        self._into: tuple | None = None
         self.kernel_name: str | None = None  # the kernel actually used, after pack()
         self.weight_bytes = 0  # set by pack()
 
@@ -163,6 +166,11 @@ class QuantLinear(nn.Module):
 
     def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
         """A no-argument call writing this layer of ``x`` into ``out`` (the decode step's form)."""
+        if self._impl is None:
+            self.pack()
+        if self._into is not None and out.is_contiguous() and x.dtype == torch.float32:
+            op, *args = self._into
+            return functools.partial(op, x, *args, out)
         return functools.partial(self.forward_into, x, out)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:

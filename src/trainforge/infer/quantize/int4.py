@@ -57,11 +57,9 @@ from __future__ import annotations
 
 import torch
 
-import functools
-from typing import Callable
-
 from trainforge.infer.cpu_kernels import load_kernels
 from trainforge.infer.cpu_kernels.formats import pack_int4_x8
+from trainforge.infer.quantize.blocks import blocks_unavailable
 from trainforge.infer.quantize.common import Kernel, QuantLinear, torchao_available, torchao_linear
 from trainforge.infer.weight_arena import empty_weight
 
@@ -115,7 +113,6 @@ class Int4Linear(QuantLinear):
                  device=None):
         super().__init__(in_features, out_features, kernel)
         self.group_size = group_size
-        self._into = None  # the blocks kernel's out= form (bind_into)
         groups = in_features // group_size
         self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
@@ -143,14 +140,11 @@ class Int4Linear(QuantLinear):
 
     def supports(self, name: str) -> str | None:
         if name == "blocks":
-            if self.weight.device.type != "cpu":
-                return "the block kernels run on CPU only"
             if self.zeros.dtype != torch.int8:
                 return "a pre-2026-12 fp32 zero point has no integer zero code"
             if self.group_size % 32 or self.in_features % self.group_size:
                 return f"group_size {self.group_size} is not a multiple of 32 dividing in_features"
-            if load_kernels() is None:  # warns once, with the reason
-                return "the C++ block kernels are unavailable"
+            return blocks_unavailable(self.weight.device)
         if name == "int4pack_cpu":
             if self.weight.device.type != "cpu":
                 return "int4pack_cpu runs on CPU only"
@@ -161,14 +155,6 @@ class Int4Linear(QuantLinear):
         if name == "int4pack_cuda" and (self.out_features % 8 or self.in_features % 128):
             return "int4pack_cuda wants out_features % 8 == 0 and in_features % 128 == 0"
         return None
-
-    def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
-        if self._impl is None:
-            self.pack()
-        if self._into is not None and out.is_contiguous() and x.dtype == torch.float32:
-            op, w, s, z, gs = self._into  # the C++ op itself, bound (as _BlockLinear's)
-            return functools.partial(op, x, w, s, z, gs, out)
-        return super().bind_into(x, out)
 
     def build_kernel(self, name: str) -> Kernel:
         gs = self.group_size
