@@ -86,34 +86,34 @@ class ModelRunner:
         self._verifier: FastDecoder | None = None  # the fast verification step (module docstring)
         if lookahead and self.decoder is not None:
             n = max_rows * (lookahead + 1)
-            self._vcache = PagedCache(pool.k, pool.v, n, self.context_slots)
-            self._vtokens = torch.zeros(n, dtype=torch.long, device=self.device)
-            self._vpositions = torch.zeros(n, dtype=torch.long, device=self.device)
-            shared = (self.decoder.rope_cos, self.decoder.rope_sin) if isinstance(self.decoder, FastDecoder) else None
-            self._verifier = FastDecoder(model, self._vcache, self._vtokens, self._vpositions, kernels, rope=shared)
+            self._verifier = self._one_token_rows(n, self.context_slots, torch.zeros(n, dtype=torch.long,
+                                                                                     device=self.device), kernels)
         self._prefiller: FastDecoder | None = None  # short prompts (module docstring)
         if self.hourglass is None and isinstance(self.decoder, FastDecoder):
             n = min(self.FAST_PREFILL_TOKENS, max_context)
-            self._pcache = PagedCache(pool.k, pool.v, n, -(-n // pool.block_size) * pool.block_size)
-            self._ptokens = torch.zeros(n, dtype=torch.long, device=self.device)
-            self._ppositions = torch.arange(n, device=self.device)  # row j is the prompt's position j
-            self._prefiller = FastDecoder(model, self._pcache, self._ptokens, self._ppositions, kernels,
-                                          last_logits_only=True, rope=(self.decoder.rope_cos, self.decoder.rope_sin))
+            # Row j is the prompt's position j.
+            self._prefiller = self._one_token_rows(n, -(-n // pool.block_size) * pool.block_size,
+                                                   torch.arange(n, device=self.device), kernels, last_logits_only=True)
         self._compiled = None
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
 
+    def _one_token_rows(self, rows: int, context_slots: int, positions: torch.Tensor, kernels,
+                        **kw) -> FastDecoder:
+        """A fast step of its own over ``rows`` one-token rows (verification, short prompts): its
+        own cache metadata and tokens over the same pool, the decoder's rope tables shared."""
+        cache = PagedCache(self.pool.k, self.pool.v, rows, context_slots)
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+        rope = (self.decoder.rope_cos, self.decoder.rope_sin) if isinstance(self.decoder, FastDecoder) else None
+        return FastDecoder(self.model, cache, tokens, positions, kernels, rope=rope, **kw)
+
     @property
     def workspace_bytes(self) -> int:
         own = sum(t.nbytes for t in (self.tokens, self.positions, self.slots, self.gather, self.bias))
-        if self._verifier is not None:
-            c = self._vcache
-            own += self._verifier.nbytes + sum(t.nbytes for t in (self._vtokens, self._vpositions, c.slots, c.gather,
-                                                                   c.bias))
-        if self._prefiller is not None:
-            c = self._pcache
-            own += self._prefiller.nbytes + sum(t.nbytes for t in (self._ptokens, self._ppositions, c.slots, c.gather,
-                                                                    c.bias))
+        for step in (self._verifier, self._prefiller):
+            if step is not None:
+                c = step.cache
+                own += step.nbytes + sum(t.nbytes for t in (step.tokens, step.positions, c.slots, c.gather, c.bias))
         own += self.hourglass.cache.nbytes if self.hourglass is not None else 0
         return own + (self.decoder.nbytes if self.decoder is not None else 0)
 
@@ -147,11 +147,11 @@ class ModelRunner:
         if self._verifier is None:
             return self.verify_forward(tokens, positions, S, hidden)
         B, T = tokens.shape
-        n, c = B * T, self._vcache
+        n, c = B * T, self._verifier.cache
         if n > c.max_rows:
             raise ValueError(f"verify of {B} x {T} tokens exceeds the runner's {c.max_rows} rows (lookahead)")
-        self._vtokens[:n].copy_(tokens.reshape(-1))
-        self._vpositions[:n].copy_(positions.reshape(-1))
+        self._verifier.tokens[:n].copy_(tokens.reshape(-1))
+        self._verifier.positions[:n].copy_(positions.reshape(-1))
         c.slots[:n].copy_(self.slots[:n])  # row-major, as the rows below
         c.gather[:n * S].view(B, T, S).copy_(self.gather[:B * S].view(B, 1, S).expand(B, T, S))
         bias = self.bias[:B * S].view(B, 1, S)
@@ -181,19 +181,19 @@ class ModelRunner:
         T = tokens.shape[0]
         if not 0 < T <= self.max_context:
             raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")
-        if self._prefiller is not None and not all_logits and T <= self._pcache.max_rows:
+        if self._prefiller is not None and not all_logits and T <= self._prefiller.cache.max_rows:
             return self._fast_prefill(tokens, slots, hidden)
         return self.prefill_forward(tokens, slots, all_logits, hidden)
 
     def _fast_prefill(self, tokens: torch.Tensor, slots: torch.Tensor, hidden: bool):
         """``prefill`` of T <= ``FAST_PREFILL_TOKENS`` tokens as T rows of the fast step; the
         inputs are written through numpy on CPU (no ATen op: module docstring)."""
-        T, bs, c = tokens.shape[0], self.pool.block_size, self._pcache
-        host = slots.numpy() if slots.device.type == "cpu" else slots.cpu().numpy()
+        T, bs, c = tokens.shape[0], self.pool.block_size, self._prefiller.cache
+        host = _host(slots)
         S = -(-T // bs) * bs
         gather = (host[::bs] // bs * bs)[:, None] + np.arange(bs)  # the prompt's blocks, whole
         seen = np.arange(S)[None, :] <= np.arange(T)[:, None]  # row j sees positions 0..j
-        _write(self._ptokens, tokens.numpy() if tokens.device.type == "cpu" else tokens.cpu().numpy())
+        _write(self._prefiller.tokens, _host(tokens))
         _write(c.slots, host)
         _write(c.gather, np.broadcast_to(gather.reshape(1, S), (T, S)).reshape(-1))
         _write(c.bias, np.where(seen, 0.0, -np.inf).astype(np.float32).reshape(-1))
@@ -236,6 +236,10 @@ class ModelRunner:
         if self.pool.v is not None:
             self.pool.v[:, :, :bs].zero_()
         return self.compile_s
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
 def _write(dst: torch.Tensor, src: np.ndarray) -> None:
