@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.cpu_decode_peer import cpu_summary
 from bench.inference import SIZES
 from bench.train_throughput import cpu_counters, others_share
 from trainforge.infer.kv_pool import KVPool
@@ -33,13 +34,6 @@ from trainforge.infer.prepare import prepare_model
 from trainforge.infer.quantize import quantize_model
 from trainforge.infer.runner import ModelRunner
 from trainforge.model import build_model
-
-
-def lscpu_flags() -> str:
-    keep = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "fma", "f16c")
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    return f"{model}; flags {' '.join(f for f in keep if f in flags)}"
 
 
 def measure(model, lengths: list[int], samples: int) -> dict:
@@ -89,7 +83,8 @@ def main() -> None:
         for name, m in (("fp32", base), ("q4_0", q4)):
             results[name] = measure(prepare_model(m), a.lengths, a.samples)
     share = others_share(c0, cpu_counters(), time.perf_counter() - t0)
-    print(f"{lscpu_flags()}; torch {torch.__version__}; {a.threads} threads; other processes used "
+    cpu = cpu_summary()
+    print(f"{cpu['model']}; flags {' '.join(cpu['flags'])}; torch {torch.__version__}; {a.threads} threads; other processes used "
           f"{100 * share:.0f}% of the CPUs meanwhile")
     print("model   T | forward / fast, median (min-max) | fast ms | forward ms | max |logit diff|")
     for name, rows in results.items():
@@ -97,7 +92,7 @@ def main() -> None:
             print(f"{name:5s} {T:3d} | {r['forward_over_fast']:5.2f} ({r['min']:.2f}-{r['max']:.2f})"
                   f"{'':14s} | {r['fast_ms']:7.2f} | {r['forward_ms']:10.2f} | {r['max_abs_logit_diff']:.2e}")
     if a.json:
-        a.json.write_text(json.dumps({"machine": lscpu_flags(), "threads": a.threads, "others_share": share,
+        a.json.write_text(json.dumps({"machine": cpu, "threads": a.threads, "others_share": share,
                                       "results": results}, indent=1) + "\n")
 
 

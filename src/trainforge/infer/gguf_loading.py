@@ -312,7 +312,8 @@ def read_gguf(tensors: list[FileTensor], cfg: ModelConfig, path: Path
         heads = rope_heads.get(g.split(".")[-2]) if g.startswith("blk.") else None
         if mode is not None and _BLOCK_TYPES.get(kind) == mode:
             stored = _stored_form(t, mode)
-            sd.update({f"{ours}.{s}": torch.from_numpy(_unpermute(v, heads) if heads else v) for s, v in stored.items()})
+            sd.update({f"{ours}.{s}": torch.from_numpy(_unpermute(v, heads) if heads else v)
+                       for s, v in stored.items()})
             info["layers"].append(ours)
             continue
         w = _dequantised(t, path)

@@ -82,8 +82,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("trainforge_cpu::int4_linear")(
         lambda x, w, s, z, group_size, n: x.new_empty((x.shape[0], n)))
     torch.library.register_fake("trainforge_cpu::f32_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
-    for name in ("q8_0_linear_into", "q4_0_linear_into", "int4_linear_into", "f32_linear_into", "rope_into", "paged_attention_into",
-                 "rms_norm_into", "silu_mul_into", "block_gather_into"):
+    for name in ("q8_0_linear_into", "q4_0_linear_into", "int4_linear_into", "f32_linear_into", "rope_into",
+                 "paged_attention_into", "rms_norm_into", "silu_mul_into", "block_gather_into"):
         torch.library.register_fake(f"trainforge_cpu::{name}")(into_fake)
 
 
