@@ -23,13 +23,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from trainforge.errors import CheckpointError, TrainforgeError
 from trainforge.model.config import ModelConfig
 from trainforge.model import hf as hf_llama
-from trainforge.model import hf_deepseek, hf_moe
 from trainforge.model.hf import model_config_from_hf
 from trainforge.model.llama import Transformer
 from trainforge.model.rope import model_rope_tables
@@ -70,6 +67,9 @@ def _read_safetensors(files: list[Path], device: torch.device, mapped: bool = Fa
                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """All tensors of ``files`` on ``device`` (pinned staging on CUDA) and the first file's
     metadata. ``mapped`` (CPU): views of the files' pages, read when touched (``map_safetensors``)."""
+    from safetensors import safe_open  # here, not at the top: a GGUF load never maps its library
+    from safetensors.torch import load_file
+
     tensors: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for i, f in enumerate(files):
@@ -268,6 +268,8 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: K
 
 def _has_layer(files: list[Path], layer: Any) -> bool:
     """Whether any of ``files`` holds a tensor of ``model.layers.{layer}`` (names only are read)."""
+    from safetensors import safe_open
+
     prefix = f"model.layers.{layer}."
     for f in files:
         try:
@@ -356,6 +358,8 @@ def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]
         raise CheckpointError(f"{config_file} could not be read: not a JSON config ({error_detail(e)})") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_file} holds {type(hf_config).__name__}, not a JSON object")
+    from trainforge.model import hf_deepseek, hf_moe  # here: only a Hugging Face directory needs them
+
     files = sorted(path.glob("*.safetensors"))
     deepseek, moe = hf_deepseek.is_deepseek_v3(hf_config), hf_moe.is_hf_moe(hf_config)
     try:
@@ -378,6 +382,8 @@ def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]
 def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
              mapped: bool = False, quantize_to: dict[str, Any] | None = None) -> LoadedModel:
     config_file = path / "config.json"
+    from trainforge.model import hf_deepseek, hf_moe
+
     hf_config, cfg, files = hf_model_config(path)
     deepseek, moe = hf_deepseek.is_deepseek_v3(hf_config), hf_moe.is_hf_moe(hf_config)
     if not mapped or kv_slots is not None:

@@ -35,18 +35,20 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from trainforge.infer.cpu_kernels.decode_ops import decode_kernels
-from trainforge.infer.hourglass_pools import HourglassPools
 from trainforge.infer.kv_pool import KVPool
 from trainforge.model.attention_cache import PagedCache
 from trainforge.model.fast_decode import FastDecoder
-from trainforge.model.hourglass_decode import HourglassDecoder
 from trainforge.model.llama import Transformer
+
+if TYPE_CHECKING:
+    from trainforge.infer.hourglass_pools import HourglassPools
 
 
 class ModelRunner:
@@ -70,7 +72,9 @@ class ModelRunner:
         # HourglassCache around it and the shortened depths' pools (hourglass_pools.py).
         self.hourglass: HourglassPools | None = None
         self.model_cache = self.cache
-        if cfg.is_hourglass:
+        if cfg.is_hourglass:  # imported here: a Llama's decode process never maps the hourglass code
+            from trainforge.infer.hourglass_pools import HourglassPools
+
             self.hourglass = HourglassPools(cfg, self.cache, max_rows, max_context, pool.n_blocks, pool.block_size,
                                             pool.k.dtype, self.device)
             self.model_cache = self.hourglass.cache
@@ -81,8 +85,11 @@ class ModelRunner:
         kernels = decode_kernels(model)
         self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions, kernels) \
             if FastDecoder.supports(model) else None
-        if self.hourglass is not None and HourglassDecoder.supports(model):
-            self.decoder = HourglassDecoder(model, self.hourglass.cache, self.tokens, self.positions, kernels)
+        if self.hourglass is not None:
+            from trainforge.model.hourglass_decode import HourglassDecoder
+
+            if HourglassDecoder.supports(model):
+                self.decoder = HourglassDecoder(model, self.hourglass.cache, self.tokens, self.positions, kernels)
         self._verifier: FastDecoder | None = None  # the fast verification step (module docstring)
         if lookahead and self.decoder is not None:
             n = max_rows * (lookahead + 1)

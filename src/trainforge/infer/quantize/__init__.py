@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from trainforge.infer.quantize.block_embedding import BlockEmbedding
@@ -218,6 +217,8 @@ def save_quantized(out_dir: str | Path, sd: dict[str, torch.Tensor], info: dict[
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"--output {out_dir} exists; choose a new directory")
+    from safetensors.torch import save_file  # here: a decode process never writes one
+
     source = source or {}
     with atomic_directory(out_dir) as tmp:
         tensors = dict(sd)
