@@ -57,6 +57,17 @@ def test_trainforge_checkpoint_loads_without_init(trained_run, monkeypatch):
     assert load_model(trained_run, dtype="bfloat16").model.layers["0"].attention.wq.weight.dtype == torch.bfloat16
 
 
+def test_a_load_for_a_kv_pool_keeps_rope_rows_for_the_pool_only(trained_run):
+    """``kv_slots``: no sequence in the caller's pool reaches a later position, so the tables stop
+    there (``_materialise``); the model's outputs on those positions are the full load's."""
+    full = load_model(trained_run).model
+    cut = load_model(trained_run, kv_slots=lambda cfg: 24).model
+    assert full.rope_cos.shape[0] == full.cfg.max_seq_len > 24 and cut.rope_cos.shape[0] == 24
+    x = torch.randint(0, full.cfg.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(cut(x), full(x), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_directory_loads_and_matches_transformers(tmp_path, tied):
     if tied:

@@ -113,7 +113,11 @@ def _no_init():
 
 
 def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 quantization: dict[str, Any] | None, what: str) -> Transformer:
+                 quantization: dict[str, Any] | None, what: str, kv_slots: KVSlots | None = None) -> Transformer:
+    """The model of ``cfg`` holding ``sd``. With the caller's KV pool (``kv_slots``), the rotary
+    tables stop at its size: no sequence in a pool of that many slots reaches a later position,
+    and ``generate``'s pool is its prompt and new tokens (the 90m model's full tables are 1 MiB,
+    issue 24's memory bound)."""
     from trainforge.infer.quantize import BlockEmbedding, swap_quantized_linears
 
     with torch.device("meta"), _no_init():
@@ -141,7 +145,7 @@ def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.de
         raise CheckpointError(f"{what} does not fit the model config ({error_detail(e)})") from None
     if cfg.tie_embeddings and "output.weight" in params:
         model.output.weight = model.tok_embeddings.weight
-    cos, sin = model_rope_tables(cfg, device=device)
+    cos, sin = model_rope_tables(cfg, device=device, positions=kv_slots(cfg) if kv_slots is not None else None)
     model.rope_cos, model.rope_sin = cos, sin
     # Other non-persistent buffers (a MoE router's load counters) are not in the file: zeros,
     # or they would stay on meta and every count would silently go nowhere.
@@ -244,7 +248,7 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
                               f"--resume` on 1 process and let it save, or use a single-process checkpoint)")
     sd, _ = _read_safetensors([weights], device, mapped)
     quantization = meta.get("quantization")
-    model = _materialise(cfg, sd, device, dtype, quantization, str(weights))
+    model = _materialise(cfg, sd, device, dtype, quantization, str(weights), kv_slots)
     tok, eos = None, ()
     tok_file = ck / ckpt.TOKENIZER_FILE
     if tok_file.is_file():
@@ -262,7 +266,8 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: K
     _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
                str(path))
     sd, quantization = gg.read_gguf(header.tensors, cfg, path)
-    model = _materialise(cfg, {k: v.to(device) for k, v in sd.items()}, device, dtype, quantization, str(path))
+    model = _materialise(cfg, {k: v.to(device) for k, v in sd.items()}, device, dtype, quantization, str(path),
+                         kv_slots)
     return LoadedModel(model, None, eos, path.stem, "gguf", quantization, path, build_tok)
 
 
@@ -406,7 +411,7 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     sd.update(stored)  # the quantised layers' stored form replaces their placeholders
-    model = _materialise(cfg, sd, device, dtype, quantization, str(path))
+    model = _materialise(cfg, sd, device, dtype, quantization, str(path), kv_slots)
     tok, eos = None, []
     eos_cfg = hf_config.get("eos_token_id")
     if eos_cfg is not None:
