@@ -38,7 +38,6 @@ def threads(request):
 @pytest.mark.parametrize("T", [1, 3, 9, 16])
 def test_a_short_prompt_prefills_through_the_fast_step_as_the_forward_does(fuse, T, threads, monkeypatch):
     runner, pool = _runner(fuse)
-    assert runner._prefiller.ws.split == threads
     prompt = torch.randint(0, runner.cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
     pool.add(0, T)
     pool.add(1, T)
@@ -49,6 +48,7 @@ def test_a_short_prompt_prefills_through_the_fast_step_as_the_forward_does(fuse,
     monkeypatch.setattr(runner, "prefill_forward", lambda *a, **k: forward.append(a))
     fast_logits, fast_h = runner.prefill(prompt, fast_slots, hidden=True)
     assert forward == []  # the plain forward never ran
+    assert runner._prefiller.ws.split == threads
     torch.testing.assert_close(fast_logits, ref_logits, **TOL)
     torch.testing.assert_close(fast_h, ref_h, **TOL)
     torch.testing.assert_close(runner.prefill(prompt, fast_slots), ref_last, **TOL)
@@ -68,3 +68,19 @@ def test_long_prompts_and_all_logits_keep_the_plain_forward(monkeypatch):
     pool.add(1, 64)
     logits = runner.prefill(torch.arange(2), torch.tensor(pool.append_slots(1, 2)), all_logits=True)
     assert forward == [n + 1, 2] and logits.shape == (2, runner.cfg.vocab_size)
+
+
+def test_the_short_prompt_step_grows_with_the_prompt_and_stays_exact():
+    """The step is built for the first short prompt's length (next power of two) and rebuilt
+    larger for a longer one; every prompt still matches the forward."""
+    runner, pool = _runner(fuse=True)
+    rows = []
+    for i, T in enumerate((1, 2, 9, 3, 16)):
+        prompt = torch.randint(0, runner.cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(i))
+        pool.add(2 * i, T)
+        pool.add(2 * i + 1, T)
+        fast_slots, ref_slots = (torch.tensor(pool.append_slots(2 * i + j, T)) for j in range(2))
+        ref = runner.prefill_forward(prompt, ref_slots).clone()
+        torch.testing.assert_close(runner.prefill(prompt, fast_slots), ref, **TOL)
+        rows.append(runner._prefiller.cache.max_rows)
+    assert rows == [1, 2, 16, 16, 16]

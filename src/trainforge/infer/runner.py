@@ -12,7 +12,8 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   forward's Python dispatch cost a 1-token prompt as much as ~5 decode steps, and its ATen ops
   (sdpa, rope's cat, the norm's reductions, ...) are used nowhere else in a CPU decode
   process, whose peak RSS each raised by ~0.3-1 MiB of libtorch code pages mapped on first
-  use (4.1 MiB on the 90m q4_0 model: BENCHMARKS.md, issue 24).
+  use (4.1 MiB on the 90m q4_0 model: BENCHMARKS.md, issue 24). That workspace is sized by the
+  first short prompt (the next power of two rows) and grows with a longer one.
 - ``decode(B, S)``: one token for each of B sequences of different lengths. Inputs are
   buffers the engine fills: ``tokens``, ``positions`` and the cache's ``slots``, ``gather``,
   ``bias`` (each row's first S slots and its mask). The step is the model's
@@ -95,12 +96,12 @@ class ModelRunner:
             n = max_rows * (lookahead + 1)
             self._verifier = self._one_token_rows(n, self.context_slots, torch.zeros(n, dtype=torch.long,
                                                                                      device=self.device), kernels)
-        self._prefiller: FastDecoder | None = None  # short prompts (module docstring)
-        if self.hourglass is None and isinstance(self.decoder, FastDecoder):
-            n = min(self.FAST_PREFILL_TOKENS, max_context)
-            # Row j is the prompt's position j.
-            self._prefiller = self._one_token_rows(n, -(-n // pool.block_size) * pool.block_size,
-                                                   torch.arange(n, device=self.device), kernels, last_logits_only=True)
+        # Short prompts (module docstring): up to ``_prefill_rows`` tokens; the step is built by
+        # the first one (``_prompt_step``).
+        self._prefiller: FastDecoder | None = None
+        self._prefill_rows = min(self.FAST_PREFILL_TOKENS, max_context) \
+            if self.hourglass is None and isinstance(self.decoder, FastDecoder) else 0
+        self._kernels = kernels
         self._compiled = None
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
@@ -188,24 +189,39 @@ class ModelRunner:
         T = tokens.shape[0]
         if not 0 < T <= self.max_context:
             raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")
-        if self._prefiller is not None and not all_logits and T <= self._prefiller.cache.max_rows:
+        if T <= self._prefill_rows and not all_logits:
             return self._fast_prefill(tokens, slots, hidden)
         return self.prefill_forward(tokens, slots, all_logits, hidden)
 
     def _fast_prefill(self, tokens: torch.Tensor, slots: torch.Tensor, hidden: bool):
         """``prefill`` of T <= ``FAST_PREFILL_TOKENS`` tokens as T rows of the fast step; the
         inputs are written through numpy on CPU (no ATen op: module docstring)."""
-        T, bs, c = tokens.shape[0], self.pool.block_size, self._prefiller.cache
+        T, bs = tokens.shape[0], self.pool.block_size
+        step = self._prompt_step(T)
+        c = step.cache
         host = _host(slots)
         S = -(-T // bs) * bs
         gather = (host[::bs] // bs * bs)[:, None] + np.arange(bs)  # the prompt's blocks, whole
         seen = np.arange(S)[None, :] <= np.arange(T)[:, None]  # row j sees positions 0..j
-        _write(self._prefiller.tokens, _host(tokens))
+        _write(step.tokens, _host(tokens))
         _write(c.slots, host)
         _write(c.gather, np.broadcast_to(gather.reshape(1, S), (T, S)).reshape(-1))
         _write(c.bias, np.where(seen, 0.0, -np.inf).astype(np.float32).reshape(-1))
-        logits = self._prefiller.step(T, S)
-        return (logits, self._prefiller.hidden(T)) if hidden else logits
+        logits = step.step(T, S)
+        return (logits, step.hidden(T)) if hidden else logits
+
+    def _prompt_step(self, T: int) -> FastDecoder:
+        """The short-prompt step for T tokens, built for the next power of two rows (at most
+        ``_prefill_rows``) by the first prompt, rebuilt larger by a longer one: ``generate`` of a
+        1-token prompt then holds a 1-row workspace, not a 16-row one (1.7 MiB of the 90m model's
+        2 MiB; issue 24's memory bound). Row j is the prompt's position j."""
+        if self._prefiller is None or self._prefiller.cache.max_rows < T:
+            n = min(self._prefill_rows, 1 << (T - 1).bit_length())
+            self._prefiller = None  # the smaller step's workspace is freed before the larger one is made
+            self._prefiller = self._one_token_rows(n, -(-n // self.pool.block_size) * self.pool.block_size,
+                                                   torch.arange(n, device=self.device), self._kernels,
+                                                   last_logits_only=True)
+        return self._prefiller
 
     @torch.no_grad()
     def prefill_forward(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False,
