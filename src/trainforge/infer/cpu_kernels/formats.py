@@ -4,6 +4,7 @@ Blocks are 32 values along K with one fp16 scale each, so GGUF tensors map onto 
 layouts later without re-quantising.
 """
 
+import numpy as np
 import torch
 
 BLOCK = 32
@@ -84,7 +85,18 @@ def pack_x8(qs: torch.Tensor, d: torch.Tensor, empty=torch.empty) -> tuple[torch
 def _padded(t: torch.Tensor) -> torch.Tensor:
     n = t.shape[0]
     g = -(-n // GROUP)
-    return t if g * GROUP == n else torch.cat([t, t.new_zeros(g * GROUP - n, t.shape[1])])
+    if g * GROUP == n:
+        return t
+    if _host(t):
+        return torch.from_numpy(np.concatenate([t.numpy(), np.zeros((g * GROUP - n, t.shape[1]), t.numpy().dtype)]))
+    return torch.cat([t, t.new_zeros(g * GROUP - n, t.shape[1])])
+
+
+def _host(*ts: torch.Tensor) -> bool:
+    """Whether numpy can move these tensors' bytes (CPU, a numpy dtype): packing then runs no ATen
+    op. A decode process runs no other permuted copy or cat, and torch's would map ~2 MiB of
+    libtorch code into it (the 90m q4_0 GGUF; issue 24's memory bound, BENCHMARKS.md)."""
+    return all(t.device.type == "cpu" and t.dtype != torch.bfloat16 for t in ts)
 
 
 def _interleave(qs: torch.Tensor, nb: int, empty) -> torch.Tensor:
@@ -92,7 +104,11 @@ def _interleave(qs: torch.Tensor, nb: int, empty) -> torch.Tensor:
     qs = _padded(qs)
     g, bpb = qs.shape[0] // GROUP, qs.shape[1] // nb
     w = empty((g, nb * GROUP * bpb), dtype=qs.dtype)
-    w.view(g, nb, bpb // 4, GROUP, 4).copy_(qs.reshape(g, GROUP, nb, bpb // 4, 4).permute(0, 2, 3, 1, 4))
+    if _host(qs, w):
+        w.numpy().reshape(g, nb, bpb // 4, GROUP, 4)[...] = \
+            qs.numpy().reshape(g, GROUP, nb, bpb // 4, 4).transpose(0, 2, 3, 1, 4)
+    else:
+        w.view(g, nb, bpb // 4, GROUP, 4).copy_(qs.reshape(g, GROUP, nb, bpb // 4, 4).permute(0, 2, 3, 1, 4))
     return w
 
 
@@ -101,7 +117,10 @@ def _lanes(t: torch.Tensor, empty) -> torch.Tensor:
     t = _padded(t)
     g, c = t.shape[0] // GROUP, t.shape[1]
     out = empty((g, c * GROUP), dtype=t.dtype)
-    out.view(g, c, GROUP).copy_(t.reshape(g, GROUP, c).permute(0, 2, 1))
+    if _host(t, out):
+        out.numpy().reshape(g, c, GROUP)[...] = t.numpy().reshape(g, GROUP, c).transpose(0, 2, 1)
+    else:
+        out.view(g, c, GROUP).copy_(t.reshape(g, GROUP, c).permute(0, 2, 1))
     return out
 
 
