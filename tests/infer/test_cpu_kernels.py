@@ -117,10 +117,12 @@ def test_failed_build_warns_once_and_returns_none(monkeypatch):
 @pytest.mark.parametrize("m", [1, 3, 8, 9])  # 9: above the GEMV limit, the at::matmul path
 # (130, 32): more than one 64-row chunk, so split across threads when there are two.
 @pytest.mark.parametrize("n,k", [(37, 64), (8, 100), (5, 7), (130, 32)])  # row, K tails
-def test_f32_linear_matches_f_linear(ops, monkeypatch, isa, m, n, k):
+@pytest.mark.parametrize("prefetch", ["0", "1"])  # both forms of the M = 1 loops (isa.h, stream_prefetch)
+def test_f32_linear_matches_f_linear(ops, monkeypatch, isa, m, n, k, prefetch):
     if not ops.supports(isa):
         pytest.skip(f"this CPU lacks {isa}")
     monkeypatch.setenv("TRAINFORGE_CPU_ISA", isa)
+    monkeypatch.setenv("TRAINFORGE_CPU_PREFETCH", prefetch)
     gen = torch.Generator().manual_seed(m * 100 + n + k)
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(m, k, generator=gen)

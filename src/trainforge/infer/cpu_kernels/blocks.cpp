@@ -20,6 +20,7 @@ namespace {
 
 using trainforge_cpu::chosen_isa;
 using trainforge_cpu::supports;
+using trainforge_cpu::stream_prefetch;
 
 constexpr int64_t QK = 32;
 
@@ -410,9 +411,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // or tied there: eight accumulators alone (x1.02), two rows at once (x1.03), prefetcht0 at
 // +256 / +512 B (x1.02-1.08), prefetchnta (x0.81-0.84); +4 to +16 KiB T0 / T1 / T2 all gave
 // x1.25-1.31. The AVX-512 loop prefetches the same way (x1.44 / x1.32 in that probe; decode of
-// the 90m f32 file x1.10 at T=1 and x1.13 at T=2, paired over 4 interleaved rounds). Both were
-// measured on that Xeon only: on Zen 4 a prefetch of the next rows lost (above), this in-row
-// one has not been tried there.
+// the 90m f32 file x1.10 at T=1 and x1.13 at T=2, paired over 4 interleaved rounds). On Zen 4
+// (2-vCPU KVM) it lost: decode of that file at one thread went x1.11-1.34 faster without it
+// (AVX-512: 4 pairs, 1.11-1.34; AVX2 path: 6 pairs, 1.16-1.34; at two threads 0.76-1.51, noise).
+// So the loops come in both forms and ``stream_prefetch()`` (isa.h) picks: Intel prefetches.
 constexpr int64_t F32_MAX_M = 8;  // above this a blocked GEMM (at::matmul) reuses weights better
 constexpr int64_t F32_MT = 4;     // activation rows per pass over a weight row (a row stays in L1)
 
@@ -475,17 +477,24 @@ constexpr int64_t F32_PF = 2048;  // floats ahead in the row stream (8 KiB) for 
     }                                                                                          \
   }
 
-T2 void f32_rows_avx2(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
-                      int64_t n0, int64_t n1, float* out) {
-  F32_ROWS_BODY(__m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, hsum256,
-                F32_PF_AVX2)
-}
+#define F32_NO_PF(p) ((void)0)
 
-T512 void f32_rows_avx512(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
-                          int64_t n0, int64_t n1, float* out) {
-  F32_ROWS_BODY(__m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps,
-                _mm512_reduce_add_ps, F32_PF_AVX512)
-}
+#define F32_ROWS(NAME, TARGET, PF)                                                              \
+  TARGET void NAME##_avx2(const float* w, const float* x, int64_t M, int64_t K, int64_t N,     \
+                          int64_t n0, int64_t n1, float* out) {                                 \
+    F32_ROWS_BODY(__m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, \
+                  hsum256, PF)                                                                  \
+  }
+#define F32_ROWS512(NAME, PF)                                                                   \
+  T512 void NAME##_avx512(const float* w, const float* x, int64_t M, int64_t K, int64_t N,     \
+                          int64_t n0, int64_t n1, float* out) {                                 \
+    F32_ROWS_BODY(__m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps, \
+                  _mm512_reduce_add_ps, PF)                                                     \
+  }
+F32_ROWS(f32_rows, T2, F32_PF_AVX2)
+F32_ROWS(f32_rows_nopf, T2, F32_NO_PF)
+F32_ROWS512(f32_rows, F32_PF_AVX512)
+F32_ROWS512(f32_rows_nopf, F32_NO_PF)
 
 void f32_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, at::Tensor out) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be fp32 (M, K)");
@@ -500,7 +509,10 @@ void f32_linear_into(const at::Tensor& x_in, const at::Tensor& w_in, at::Tensor 
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const std::string isa = chosen_isa();
-  auto rows = isa == "avx512" ? f32_rows_avx512 : isa == "avx2" ? f32_rows_avx2 : f32_rows_scalar;
+  const bool pf = stream_prefetch();
+  auto rows = isa == "avx512" ? (pf ? f32_rows_avx512 : f32_rows_nopf_avx512)
+              : isa == "avx2" ? (pf ? f32_rows_avx2 : f32_rows_nopf_avx2)
+                              : f32_rows_scalar;
   const float *wp = w.data_ptr<float>(), *xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // Grain of 64 rows (>= 48 KiB of weights at K=192) keeps per-thread work well above the
