@@ -11,7 +11,10 @@ and name, so a tied output stays tied.
 A prompt's product (more rows than the row-block path takes) runs on oneDNN's fp32 GEMM where
 the CPU has AVX-512, reading the same weight (no packed copy): 1.07-1.31x MKL's at 512 rows of
 the 90m model's shapes on Zen 4 at 1 and 2 threads (``bench/cpu_kernels.py``, prompt GEMM) (MKL does not take its AVX-512 kernels on
-AMD CPUs). Elsewhere MKL's, as before: oneDNN was not measured there.
+AMD CPUs). On an AMD CPU held to AVX2 too (Zen 4 with ATen, oneDNN and MKL held to AVX2, as
+``bench/cpu_decode_peer.py --isa avx2`` runs a Zen 3): the 90m f32 512-token prefill, 8 paired
+in-process runs each, went x1.05-1.07 faster (medians of two probes at 1 and 2 threads; spread 0.95-1.24). Elsewhere (an Intel
+CPU without AVX-512) MKL's, as before: oneDNN was not measured there.
 """
 
 from __future__ import annotations
@@ -32,7 +35,17 @@ GEMV_ROWS = 8  # F32_MAX_M in blocks.cpp: the op's own GEMV limit
 def onednn_prompt_gemm() -> bool:
     """Whether prompts' fp32 products take oneDNN's GEMM (module docstring): a fixed choice per
     CPU, so a prompt's logits do not depend on a timing."""
-    return torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return torch.backends.mkldnn.is_available() and (capability == "AVX512" or capability == "AVX2" and _amd_cpu())
+
+
+def _amd_cpu() -> bool:
+    """Whether /proc/cpuinfo names an AMD CPU (False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return next((line for line in f if line.startswith("vendor_id")), "").rstrip().endswith("AuthenticAMD")
+    except OSError:
+        return False
 
 
 def to_weight_arena(p: torch.Tensor) -> None:
