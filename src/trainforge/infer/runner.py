@@ -219,7 +219,7 @@ class ModelRunner:
             n = min(self._prefill_rows, 1 << (T - 1).bit_length())
             self._prefiller = None  # the smaller step's workspace is freed before the larger one is made
             self._prefiller = self._one_token_rows(n, -(-n // self.pool.block_size) * self.pool.block_size,
-                                                   torch.arange(n, device=self.device), self._kernels,
+                                                   torch.from_numpy(np.arange(n)).to(self.device), self._kernels,
                                                    last_logits_only=True)
         return self._prefiller
 

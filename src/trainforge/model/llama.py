@@ -45,9 +45,16 @@ add_ = torch.ops.aten.add_.Tensor
 
 def rope_tables_folded(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables ``RopeInto`` reads: rotate-half's sign folded into the sine, so that
-    rotate_half(x) * sin == [x2, x1] * sin' term by term (negation is exact)."""
+    rotate_half(x) * sin == [x2, x1] * sin' term by term (negation is exact). Float32 CPU
+    tables are folded in numpy: a decode process runs no other clone or negation of ATen, whose
+    code each would map into it (issue 24's memory bound)."""
+    half = sin.shape[1] // 2
+    if sin.device.type == "cpu" and sin.dtype == dtype == torch.float32:
+        folded = sin.numpy().copy()
+        folded[:, :half] *= -1
+        return cos, torch.from_numpy(folded)
     sin = sin.to(dtype).clone()
-    sin[:, :sin.shape[1] // 2].neg_()
+    sin[:, :half].neg_()
     return cos.to(dtype), sin
 
 
