@@ -332,3 +332,30 @@ def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, model):
         f.truncate(last.data_offset + last.n_bytes // 2)
     with pytest.raises(CheckpointError, match=rf"late.gguf: tensor {last.name} needs .* truncated"):
         gg.read_gguf(tensors, cfg, path)
+
+
+def test_a_load_imports_only_the_reader_and_gguf_stays_whole_for_later_users(tmp_path, model):
+    """In a fresh process (nothing imported gguf yet) a load imports gguf's reader, constants and
+    quants, not its writer, tensor-name tables or yaml (``gguf_loading._gguf``); a later
+    ``import gguf`` then still sees the whole package."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = write_gguf(tmp_path / "q.gguf", model, linear_type=Q.Q4_0, embd_type=Q.Q4_0)
+    code = textwrap.dedent(f"""
+        import sys
+        from trainforge.infer.loading import load_model
+        loaded = load_model({str(path)!r})
+        assert loaded.quantization["mode"] == "q4_0"
+        heavy = sorted(m for m in sys.modules if m in ("yaml", "gguf.gguf_writer", "gguf.tensor_mapping",
+                                                       "gguf.vocab", "gguf.metadata"))
+        assert heavy == [], heavy
+        import gguf
+        from gguf import GGUFWriter, TensorNameMap
+        assert gguf.GGMLQuantizationType.Q4_0 is gguf.constants.GGMLQuantizationType.Q4_0
+        assert "yaml" in sys.modules and GGUFWriter.__module__ == "gguf.gguf_writer"
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

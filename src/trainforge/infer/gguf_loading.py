@@ -112,9 +112,8 @@ def _header_bytes(path: Path) -> bytes:
 
 
 def _metadata(reader) -> dict[str, Any]:
-    import gguf
-
-    string, array = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
+    constants = _gguf().constants
+    string, array = constants.GGUFValueType.STRING, constants.GGUFValueType.ARRAY
     return {key: StringArray.of(f) if f.types[:1] == [array] and f.types[-1] == string else f.contents()
             for key, f in reader.fields.items()}
 
@@ -157,14 +156,48 @@ def file_tensors(reader, path: Path) -> list[FileTensor]:
                        t.data.dtype, tuple(t.data.shape), path) for t in reader.tensors]
 
 
+def _gguf():
+    """The ``gguf`` package with the modules a load uses imported: its reader (``gguf_reader``),
+    ``constants`` and ``quants``. Where nothing imported gguf yet, its ``__init__`` is deferred:
+    it also imports the writer, every architecture's tensor-name tables, the vocab helpers and,
+    for model-card metadata, yaml, 1.6 MiB of a decode process that no load uses (issue 24's
+    memory bound; BENCHMARKS.md). The package is then a module of its own whose first read of
+    any other name (``gguf.GGUFWriter``, ``from gguf import ...``) runs that ``__init__`` in it
+    (PEP 562 ``__getattr__``), so later users see the whole package."""
+    import importlib
+    import importlib.util
+    import sys
+
+    pkg = sys.modules.get("gguf")
+    if pkg is None:
+        spec = importlib.util.find_spec("gguf")
+        if spec is None or spec.loader is None:
+            raise ImportError("gguf")
+        pkg = importlib.util.module_from_spec(spec)
+
+        def complete(name: str):
+            del pkg.__getattr__  # once: the package's own names from here on
+            exec(spec.loader.get_code("gguf"), vars(pkg))
+            try:
+                return vars(pkg)[name]
+            except KeyError:
+                raise AttributeError(f"module 'gguf' has no attribute {name!r}") from None
+
+        pkg.__getattr__ = complete
+        sys.modules["gguf"] = pkg
+    for sub in ("constants", "quants", "gguf_reader"):
+        importlib.import_module(f"gguf.{sub}")
+    return pkg
+
+
 def _reader(path: Path):
     try:
-        import gguf
+        gguf = _gguf()
     except ImportError:
         raise CheckpointError(f"{path}: reading GGUF files needs the gguf package: pip install 'trainforge[gguf]'") \
             from None
     try:
-        return gguf.GGUFReader(str(path), "r")
+        return gguf.gguf_reader.GGUFReader(str(path), "r")
     except Exception as e:  # ValueError on a bad magic / truncated data, struct errors, OSError
         raise CheckpointError(f"{path} could not be read as a GGUF file: truncated, damaged or not GGUF "
                               f"({error_detail(e)})") from None
@@ -255,8 +288,7 @@ def _stored_form(t: FileTensor, mode: str) -> dict[str, np.ndarray]:
 
 
 def _dequantised(t: FileTensor, path: Path) -> np.ndarray:
-    import gguf
-
+    gguf = _gguf()
     a = t.read()
     if t.tensor_type.name != "F32":  # F16, BF16, a block type; for the two _FLOAT_ANY_TYPE tensors, any type gguf-py decodes
         try:  # gguf-py decodes the K-quants in numpy (it has no encoder for them)
