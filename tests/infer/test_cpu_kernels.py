@@ -210,6 +210,7 @@ def test_gemv_linear_matches_f_linear_on_every_row_count_path(ops, monkeypatch, 
     if onednn and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setattr(cpu_linear, "onednn_prompt_gemm", lambda: onednn)
+    monkeypatch.setattr(cpu_linear, "onednn_small_gemm", lambda: onednn)  # 9-64 rows: oneDNN or the bmm
     gen = torch.Generator().manual_seed(rows)
     lin = torch.nn.Linear(96, 130, bias=False)
     lin.weight = torch.nn.Parameter(torch.randn(130, 96, generator=gen), requires_grad=False)
@@ -220,6 +221,10 @@ def test_gemv_linear_matches_f_linear_on_every_row_count_path(ops, monkeypatch, 
         got = gemv(x)
     assert got.shape == want.shape
     assert _rel(got, want) < 1e-5  # fp32 summation order only
+    if rows <= 64:  # the decode step's bound form of the same rows (f32_linear_into, or oneDNN + a copy)
+        out = torch.full((rows, 130), float("nan"))
+        gemv.bind_into(x[0], out)()
+        assert _rel(out, want[0]) < 1e-5
 
 
 def test_a_cached_build_loads_without_cpp_extension(ops):

@@ -15,6 +15,13 @@ AMD CPUs). On an AMD CPU held to AVX2 too (Zen 4 with ATen, oneDNN and MKL held 
 ``bench/cpu_decode_peer.py --isa avx2`` runs a Zen 3): the 90m f32 512-token prefill, 8 paired
 in-process runs each, went x1.05-1.07 faster (medians of two probes at 1 and 2 threads; spread 0.95-1.24). Elsewhere (an Intel
 CPU without AVX-512) MKL's, as before: oneDNN was not measured there.
+
+On AMD CPUs the products of 9-64 rows (a batched decode step, a short prompt) take oneDNN too, in
+place of the row-block ``bmm`` and of the MKL ``mm`` that ``f32_linear`` hands them to
+(``onednn_small_gemm``). The 90m model's five linear shapes at 2 threads on Zen 4: 9 rows 3.6 ms
+against MKL's 10.3 and the bmm's 5.8, 32 rows 7.9 against 16.1 and 13.9; held to AVX2, 3.5
+against 7.4 and 3.7, 12.4 against 18.6 and 13.6 (medians of 15). Intel CPUs keep MKL / the bmm
+(not measured against oneDNN there).
 """
 
 from __future__ import annotations
@@ -37,6 +44,21 @@ def onednn_prompt_gemm() -> bool:
     CPU, so a prompt's logits do not depend on a timing."""
     capability = torch.backends.cpu.get_cpu_capability()
     return torch.backends.mkldnn.is_available() and (capability == "AVX512" or capability == "AVX2" and _amd_cpu())
+
+
+@functools.cache
+def onednn_small_gemm() -> bool:
+    """Whether products of ``GEMV_ROWS`` + 1 to ``LinearInto.MAX_ROWS`` fp32 rows take oneDNN's
+    GEMM too (module docstring): where prompts do, on an AMD CPU."""
+    return onednn_prompt_gemm() and _amd_cpu()
+
+
+def _onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+
+def _onednn_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_onednn(x, w))  # oneDNN's op has no out= form: one copy of a few hundred KiB
 
 
 def _amd_cpu() -> bool:
@@ -73,11 +95,13 @@ class GemvLinear(RowBlockLinear):
         m = x.numel() // k
         if m <= GEMV_ROWS:
             return self._op(x.reshape(m, k), self.weight).view(*x.shape[:-1], self.out_features)
-        if m > LinearInto.MAX_ROWS and onednn_prompt_gemm():
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(m, k), self.weight, None, "none", [], "")
-            return y.view(*x.shape[:-1], self.out_features)
+        if onednn_prompt_gemm() if m > LinearInto.MAX_ROWS else onednn_small_gemm():
+            return _onednn(x.reshape(m, k), self.weight).view(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
     def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
-        """out = x W^T for these very tensors: the op itself, no Python frame between (decode step)."""
+        """out = x W^T for these very tensors: the op itself, no Python frame between (decode step);
+        a step of more than ``GEMV_ROWS`` rows on oneDNN where it takes them (module docstring)."""
+        if x.shape[0] > GEMV_ROWS and onednn_small_gemm():
+            return functools.partial(_onednn_into, x, self.weight, out)
         return functools.partial(self._op_into, x, self.weight, out)
