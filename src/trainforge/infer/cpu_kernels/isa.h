@@ -38,7 +38,7 @@ inline std::string chosen_isa() {
 // Whether the fp32 GEMV's M = 1 loops prefetch their own weight stream ahead (blocks.cpp, "fp32
 // GEMV"): TRAINFORGE_CPU_PREFETCH=1 / 0 forces it (read per call, for tests and A/B runs); by
 // default on Intel CPUs only. Decode of the 90m f32 file at one thread, paired runs: x1.10 with it
-// on a Xeon (Emerald Rapids), x1.11-1.34 without it on Zen 4 (x1.24-1.34 on its AVX2 path).
+// on a Xeon (Emerald Rapids), x1.11-1.34 without it on Zen 4 (x1.16-1.42 on its AVX2 path).
 inline bool stream_prefetch() {
   const char* env = std::getenv("TRAINFORGE_CPU_PREFETCH");
   if (env != nullptr && env[0] != '\0') {
