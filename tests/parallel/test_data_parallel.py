@@ -27,6 +27,12 @@ COMMON = ["--model.flavor", "debug", "--training.seq_len", "32", "--training.ste
           "--training.threads", "1"]
 LOSS_RTOL = 1e-4
 WEIGHT_ATOL = 1e-5
+# Tensor parallelism sums in another order (sharded matmuls, sequence- and loss-parallel
+# reductions), and 6 Adam steps carry that rounding into the weights: on a Zen 4 the worst
+# element after step 6 was 5.0e-6 with torch-computed rope tables and 1.04e-5 with the
+# correctly rounded ones (the same layer, ``layers.1.feed_forward.w2``), where the data-parallel
+# layouts stay at 3e-8. A sharding or reduction bug moves weights by orders of magnitude more.
+TP_WEIGHT_ATOL = 3e-5
 
 
 def train_cmd(nproc: int, run_dir, data, *extra: str) -> list[str]:
@@ -76,12 +82,12 @@ def assert_same_losses(run_dir, ref_dir, steps=range(1, 7)) -> set[int]:
     return set(got_v)
 
 
-def assert_same_training(run_dir, ref_dir, steps=range(1, 7)):
+def assert_same_training(run_dir, ref_dir, steps=range(1, 7), atol: float = WEIGHT_ATOL):
     assert assert_same_losses(run_dir, ref_dir, steps) >= {3, 6}
     a = weights(run_dir / "checkpoints" / "step_0000006")
     b = weights(ref_dir / "checkpoints" / "step_0000006")
     for k in b:
-        torch.testing.assert_close(a[k], b[k], atol=WEIGHT_ATOL, rtol=0, msg=k)
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
 
 
 # (nproc, layout) of each data-parallel parity case.
@@ -210,7 +216,7 @@ def test_tensor_parallel_training_matches_single_process(runs, reference, case):
     """TP through the trainer (sequence + loss parallel), alone and under FSDP2."""
     root, done = runs
     assert done[case].returncode == 0
-    assert_same_training(root / case, reference)
+    assert_same_training(root / case, reference, atol=TP_WEIGHT_ATOL)
 
 
 @pytest.mark.slow
