@@ -61,6 +61,7 @@ def _onednn_into(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(_onednn(x, w))  # oneDNN's op has no out= form: one copy of a few hundred KiB
 
 
+@functools.cache
 def _amd_cpu() -> bool:
     """Whether /proc/cpuinfo names an AMD CPU (False where it cannot be read)."""
     try:

@@ -99,6 +99,13 @@ def _host(*ts: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype != torch.bfloat16 for t in ts)
 
 
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` along rows, through numpy where ``_host`` allows (fusing stored forms)."""
+    if _host(*parts):
+        return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
+    return torch.cat(parts, dim=0)
+
+
 def _interleave(qs: torch.Tensor, nb: int, empty) -> torch.Tensor:
     """Codes (N, nb * bytes_per_block) -> (G, nb * 8 * bytes_per_block) in 4-byte chunks per row (pack_x8)."""
     qs = _padded(qs)

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
+from trainforge.infer.cpu_kernels.formats import cat_rows
 from trainforge.json_cache import read_json_cache, write_json_cache
 
 # Kernel preference per (mode, device type), fastest first, from the measurements in the
@@ -98,7 +98,7 @@ class QuantLinear(nn.Module):
         """One layer computing the concatenated outputs of ``mods`` (same input), stored form."""
         first = mods[0]
         parts = [m.stored() for m in mods]
-        tensors = {name: _cat([p[name] for p in parts]) for name in cls.STORED}
+        tensors = {name: cat_rows([p[name] for p in parts]) for name in cls.STORED}
         return cls.from_stored(tensors, first.in_features, sum(m.out_features for m in mods),
                                **first._init_kwargs())
 
@@ -183,15 +183,6 @@ class QuantLinear(nn.Module):
 
 
 # -- kernel choice ----------------------------------------------------------------------------
-
-def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)`` along rows; through numpy for CPU tensors of a numpy dtype, so fusing a
-    decode process's stored forms maps no libtorch code it would not otherwise run
-    (``cpu_kernels/formats.py``'s ``_host`` says why)."""
-    if all(p.device.type == "cpu" and p.dtype != torch.bfloat16 for p in parts):
-        return torch.from_numpy(np.concatenate([p.numpy() for p in parts]))
-    return torch.cat(parts, dim=0)
-
 
 def torchao_available() -> bool:
     import importlib
