@@ -23,6 +23,12 @@ takes for prompts on AVX-512 CPUs. And the decode step of a random 90m model (fp
 prepared as the engine prepares it, batch 1 over 80 context slots): its bound calls run one by
 one from Python vs the same calls as one C++ call program (``infer/cpu_kernels/call_program.py``).
 
+Then the small GEMM of a batched decode step (fp32, M = 9, 16, 32, 64): every linear of the 90m
+model (12 layers of qkv 1280 x 768, wo 768 x 768, gate-up 4096 x 768, down 768 x 2048, and the
+8192 x 768 output: 330 MiB, streamed from memory as a step streams it), oneDNN's
+``mkldnn._linear_pointwise`` (the path before) vs ``trainforge_cpu.f32_gemm_into``
+(``cpu_kernels/small_gemm.cpp``), the path ``GemvLinear`` takes for 9-64 rows on AMD CPUs.
+
 The baselines come from the engine's own kernels (``Int8Linear`` / ``Int4Linear``
 ``build_kernel``). Each sample times baseline then ours back to back (order alternated per
 sample); the ratio baseline / ours (> 1: ours faster) is paired within the sample and
@@ -44,6 +50,7 @@ from trainforge.infer.cpu_kernels import build, formats
 from trainforge.infer.quantize.int4 import Int4Linear
 from trainforge.infer.quantize.int8 import Int8Linear
 
+SECTIONS = ["ops", "stream", "prompt_gemm", "step", "small_gemm"]
 SHAPES = [(768, 768), (256, 768), (2048, 768), (768, 2048), (8192, 768), (4096, 4096)]
 
 
@@ -109,6 +116,25 @@ def prompt_gemm_pairs(m: int = 512):
             (lambda x=x, w=w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
 
 
+def small_gemm_pairs(ops, ms=(9, 16, 32, 64)):
+    """(M, oneDNN, small GEMM) over all the 90m model's linears at M rows (module docstring)."""
+    shapes = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(8192, 768)]
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
+    for m in ms:
+        xs = {k: torch.randn(m, k, generator=gen) for k in (768, 2048)}
+        outs = [torch.empty(m, n) for n, _ in shapes]
+
+        def onednn(xs=xs):
+            for w in ws:
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], w, None, "none", [], "")
+
+        def ours(xs=xs, outs=outs):
+            for w, o in zip(ws, outs):
+                ops.f32_gemm_into(xs[w.shape[1]], w, o)
+        yield m, onednn, ours
+
+
 def step_pairs(context: int = 80):
     """(mode, Python loop, C++ program) over one decode step of a random 90m model (module docstring)."""
     from bench.inference import SIZES
@@ -162,6 +188,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer samples (~1 min)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--m", type=int, nargs="+", default=[1, 512])
+    p.add_argument("--sections", nargs="+", choices=SECTIONS, default=SECTIONS, help="which comparisons to run")
     args = p.parse_args()
     ops = build.load_kernels()
     if ops is None:
@@ -171,7 +198,7 @@ def main() -> None:
     print(f"ours: isa {ops.isa()}; ratio = baseline ms / ours ms (> 1: ours faster), "
           "median [p10-p90] over paired samples")
     print(f"{'thr':>3} {'M':>4} {'shape (N,K)':>12} {'pair':>5} {'base ms':>8} {'ratio':>6} {'p10-p90':>11}")
-    for threads in args.threads:
+    for threads in args.threads if "ops" in args.sections else []:
         torch.set_num_threads(threads)
         for m in args.m:
             for n, k in SHAPES:
@@ -182,7 +209,7 @@ def main() -> None:
                           f"{p10:5.2f}-{p90:<5.2f}", flush=True)
     print(f"\nweight stream, M = 1, 32 x (2048, 768) fp32 = 192 MiB per pass: align = 16-byte / 64-byte "
           "aligned, thp = 4 KiB pages / huge-page arena; GB/s of ours")
-    for threads in args.threads:
+    for threads in args.threads if "stream" in args.sections else []:
         torch.set_num_threads(threads)
         for name, base, ours in stream_pairs(ops):
             with locked("/tmp/cpu.lock"):
@@ -190,7 +217,7 @@ def main() -> None:
             print(f"{threads:>3} {name:>5} base {ms:7.2f} ms  ratio {med:5.2f} {p10:5.2f}-{p90:<5.2f}  "
                   f"ours {32 * 2048 * 768 * 4 / (ms / med * 1e-3) / 1e9:5.1f} GB/s", flush=True)
     print("\nprompt GEMM, fp32, M = 512: base = F.linear (MKL), ours = oneDNN on the same weight")
-    for threads in args.threads:
+    for threads in args.threads if "prompt_gemm" in args.sections else []:
         torch.set_num_threads(threads)
         for shape, base, ours in prompt_gemm_pairs():
             with locked("/tmp/cpu.lock"):
@@ -198,12 +225,19 @@ def main() -> None:
             print(f"{threads:>3} {str(shape):>12} base {ms:7.3f} ms  ratio {med:5.2f} {p10:5.2f}-{p90:<5.2f}", flush=True)
     print("\ndecode step, random 90m model, batch 1, 80 slots: base = the bound calls from Python, ours = one "
           "C++ call program")
-    for threads in args.threads:
+    for threads in args.threads if "step" in args.sections else []:
         torch.set_num_threads(threads)
         for name, base, ours in step_pairs():
             with torch.no_grad(), locked("/tmp/cpu.lock"):
                 ms, med, p10, p90 = measure(base, ours, samples, budget)
             print(f"{threads:>3} {name:>24} base {ms:7.3f} ms  ratio {med:5.2f} {p10:5.2f}-{p90:<5.2f}", flush=True)
+    print("\nsmall GEMM, fp32, all 90m linears (330 MiB): base = oneDNN, ours = f32_gemm_into")
+    for threads in args.threads if "small_gemm" in args.sections else []:
+        torch.set_num_threads(threads)
+        for m, base, ours in small_gemm_pairs(ops):
+            with locked("/tmp/cpu.lock"):
+                ms, med, p10, p90 = measure(base, ours, samples // 3, budget * 3)
+            print(f"{threads:>3} M={m:>3} base {ms:7.2f} ms  ratio {med:5.2f} {p10:5.2f}-{p90:<5.2f}", flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 

@@ -135,6 +135,29 @@ def test_f32_linear_matches_f_linear(ops, monkeypatch, isa, m, n, k, prefetch):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 3, 4, 9, 32, 63])  # whole 4-row tiles and 1-3 rows left
+# Weight rows that fill no whole tile (6 on AVX-512, 3 on AVX2), K tails, and 200 x 768: more
+# than one thread's share (grain of 8 tiles) with the next tile's prefetch running.
+@pytest.mark.parametrize("n,k", [(37, 64), (8, 100), (5, 7), (200, 768)])
+def test_small_gemm_matches_f_linear(ops, monkeypatch, isa, m, n, k):
+    """The batched decode step's fp32 GEMM (small_gemm.cpp) against F.linear, into strided rows
+    as the decode workspace hands it (the activations and the output are views of wider rows)."""
+    if not ops.supports(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    monkeypatch.setenv("TRAINFORGE_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k + 5, generator=gen)[:, 2:k + 2]
+    out = torch.full((m, n + 3), float("nan"))
+    ops.f32_gemm_into(x, w, out[:, 1:n + 1])
+    want = torch.nn.functional.linear(x, w)
+    # Only the fp32 summation order differs: 1e-5 relative plus 1e-5 * sqrt(K) absolute (the
+    # products are N(0, 1), their sums' spread sqrt(K)).
+    assert torch.allclose(out[:, 1:n + 1], want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+    assert out[:, 0].isnan().all() and out[:, n + 1:].isnan().all()  # nothing outside the view written
+
+
+@pytest.mark.parametrize("isa", ISAS)
 # D 64 / 128: the grouped kernel's 4-vector output chunks (two of them at 128); 24: a multiple of 8
 # only (the AVX2 group kernel on an AVX-512 path); 12: the per-head kernel. G = H / Hkv 1 or 3.
 @pytest.mark.parametrize("D", [12, 24, 64, 128])
@@ -202,15 +225,16 @@ def test_gemv_linear_moves_a_mapped_weight_to_the_arena_and_keeps_it_tied(ops):
     assert _rel(gemv(torch.ones(1, 48)), want) < 1e-5
 
 
-@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "mkl"])
-@pytest.mark.parametrize("rows", [1, 8, 9, 64, 65, 300])  # GEMV, row-block bmm, prompt GEMM (oneDNN or MKL)
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn+small_gemm", "mkl+bmm"])
+# GEMV; small GEMM (9-48) and oneDNN (49-64), or the bmm; prompt GEMM (oneDNN or MKL)
+@pytest.mark.parametrize("rows", [1, 8, 9, 48, 49, 64, 65, 300])
 def test_gemv_linear_matches_f_linear_on_every_row_count_path(ops, monkeypatch, rows, onednn):
     from trainforge.infer import cpu_linear
 
     if onednn and not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setattr(cpu_linear, "onednn_prompt_gemm", lambda: onednn)
-    monkeypatch.setattr(cpu_linear, "onednn_small_gemm", lambda: onednn)  # 9-64 rows: oneDNN or the bmm
+    monkeypatch.setattr(cpu_linear, "amd_small_rows", lambda: onednn)  # 9-64 rows: small GEMM + oneDNN, or the bmm
     gen = torch.Generator().manual_seed(rows)
     lin = torch.nn.Linear(96, 130, bias=False)
     lin.weight = torch.nn.Parameter(torch.randn(130, 96, generator=gen), requires_grad=False)
@@ -221,7 +245,7 @@ def test_gemv_linear_matches_f_linear_on_every_row_count_path(ops, monkeypatch, 
         got = gemv(x)
     assert got.shape == want.shape
     assert _rel(got, want) < 1e-5  # fp32 summation order only
-    if rows <= 64:  # the decode step's bound form of the same rows (f32_linear_into, or oneDNN + a copy)
+    if rows <= 64:  # the decode step's bound form of the same rows (f32_linear_into, f32_gemm_into, oneDNN)
         out = torch.full((rows, 130), float("nan"))
         gemv.bind_into(x[0], out)()
         assert _rel(out, want[0]) < 1e-5

@@ -16,12 +16,15 @@ AMD CPUs). On an AMD CPU held to AVX2 too (Zen 4 with ATen, oneDNN and MKL held 
 in-process runs each, went x1.05-1.07 faster (medians of two probes at 1 and 2 threads; spread 0.95-1.24). Elsewhere (an Intel
 CPU without AVX-512) MKL's, as before: oneDNN was not measured there.
 
-On AMD CPUs the products of 9-64 rows (a batched decode step, a short prompt) take oneDNN too, in
-place of the row-block ``bmm`` and of the MKL ``mm`` that ``f32_linear`` hands them to
-(``onednn_small_gemm``). The 90m model's five linear shapes at 2 threads on Zen 4: 9 rows 3.6 ms
-against MKL's 10.3 and the bmm's 5.8, 32 rows 7.9 against 16.1 and 13.9; held to AVX2, 3.5
-against 7.4 and 3.7, 12.4 against 18.6 and 13.6 (medians of 15). Intel CPUs keep MKL / the bmm
-(not measured against oneDNN there).
+On AMD CPUs the products of 9-64 rows (a batched decode step, a short prompt) leave the row-block
+``bmm`` and the MKL ``mm`` that ``f32_linear`` hands them to (``amd_small_rows``); oneDNN had beaten
+both (the 90m model's five linear shapes at 2 threads on Zen 4: 32 rows 7.9 ms against MKL's 16.1
+and the bmm's 13.9). Up to ``SMALL_GEMM_ROWS`` (48) rows they run the C++ small GEMM
+(``trainforge_cpu.f32_gemm_into``, cpu_kernels/small_gemm.cpp: register tiles in the weights' own
+layout, the next tile's weights prefetched), 49-64 rows oneDNN. All the 90m model's linears at 2
+threads on Zen 4 (``bench/cpu_kernels.py --sections small_gemm``, paired medians), small GEMM
+against oneDNN: 9 rows x1.24, 16 x1.26, 24 x1.36, 32 x1.27, 48 x1.16, 64 x1.06; held to AVX2 x1.29,
+x1.21, x1.09, x1.06, x1.00, x0.96. Intel CPUs keep MKL / the bmm (not measured against either).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from trainforge.infer.weight_arena import place_weight
 from trainforge.model.fast_decode import LinearInto, RowBlockLinear
 
 GEMV_ROWS = 8  # F32_MAX_M in blocks.cpp: the op's own GEMV limit
+SMALL_GEMM_ROWS = 48  # past this oneDNN caught up with the small GEMM (module docstring)
 
 
 @functools.cache
@@ -47,9 +51,10 @@ def onednn_prompt_gemm() -> bool:
 
 
 @functools.cache
-def onednn_small_gemm() -> bool:
-    """Whether products of ``GEMV_ROWS`` + 1 to ``LinearInto.MAX_ROWS`` fp32 rows take oneDNN's
-    GEMM too (module docstring): where prompts do, on an AMD CPU."""
+def amd_small_rows() -> bool:
+    """Whether products of ``GEMV_ROWS`` + 1 to ``LinearInto.MAX_ROWS`` fp32 rows run the C++ small
+    GEMM (to ``SMALL_GEMM_ROWS``) and oneDNN (above; module docstring): on an AMD CPU, where they
+    were measured."""
     return onednn_prompt_gemm() and _amd_cpu()
 
 
@@ -86,6 +91,7 @@ class GemvLinear(RowBlockLinear):
         new = super().of(linear)
         to_weight_arena(new.weight)
         new._op, new._op_into = ops.f32_linear.default, ops.f32_linear_into.default
+        new._gemm_into = ops.f32_gemm_into.default
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,13 +102,20 @@ class GemvLinear(RowBlockLinear):
         m = x.numel() // k
         if m <= GEMV_ROWS:
             return self._op(x.reshape(m, k), self.weight).view(*x.shape[:-1], self.out_features)
-        if onednn_prompt_gemm() if m > LinearInto.MAX_ROWS else onednn_small_gemm():
+        if m <= SMALL_GEMM_ROWS and amd_small_rows():
+            out = x.new_empty(m, self.out_features)
+            self._gemm_into(x.reshape(m, k), self.weight, out)
+            return out.view(*x.shape[:-1], self.out_features)
+        if onednn_prompt_gemm() if m > LinearInto.MAX_ROWS else amd_small_rows():
             return _onednn(x.reshape(m, k), self.weight).view(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
     def bind_into(self, x: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
         """out = x W^T for these very tensors: the op itself, no Python frame between (decode step);
-        a step of more than ``GEMV_ROWS`` rows on oneDNN where it takes them (module docstring)."""
-        if x.shape[0] > GEMV_ROWS and onednn_small_gemm():
+        a step of more than ``GEMV_ROWS`` rows on the small GEMM or oneDNN where they take it (module
+        docstring)."""
+        if x.shape[0] > GEMV_ROWS and amd_small_rows():
+            if x.shape[0] <= SMALL_GEMM_ROWS:
+                return functools.partial(self._gemm_into, x, self.weight, out)
             return functools.partial(_onednn_into, x, self.weight, out)
         return functools.partial(self._op_into, x, self.weight, out)

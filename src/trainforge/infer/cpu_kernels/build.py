@@ -1,4 +1,4 @@
-"""Build the kernel sources (blocks.cpp, attention.cpp, norm_act.cpp, program.cpp) with torch.utils.cpp_extension on first use, cached per source + torch.
+"""Build the kernel sources (blocks.cpp, small_gemm.cpp, attention.cpp, norm_act.cpp, program.cpp) with torch.utils.cpp_extension on first use, cached per source + torch.
 
 When there is no compiler, the build fails or TRAINFORGE_CPU_ISA names a path this CPU
 lacks, `load_kernels()` returns None and warns once: the engine then keeps today's kernels.
@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "blocks.cpp", _DIR / "attention.cpp", _DIR / "norm_act.cpp", _DIR / "program.cpp"]
+_SOURCES = [_DIR / "blocks.cpp", _DIR / "small_gemm.cpp", _DIR / "attention.cpp", _DIR / "norm_act.cpp",
+            _DIR / "program.cpp"]
 _HEADERS = [_DIR / "isa.h", _DIR / "vec_math.h"]
 _NAME = "trainforge_cpu_kernels"  # the library cpp_extension.load builds: <cache_dir>/<_NAME>.so
 
@@ -82,7 +83,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("trainforge_cpu::int4_linear")(
         lambda x, w, s, z, group_size, n: x.new_empty((x.shape[0], n)))
     torch.library.register_fake("trainforge_cpu::f32_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
-    for name in ("q8_0_linear_into", "q4_0_linear_into", "int4_linear_into", "f32_linear_into", "rope_into",
+    for name in ("q8_0_linear_into", "q4_0_linear_into", "int4_linear_into", "f32_linear_into", "f32_gemm_into", "rope_into",
                  "paged_attention_into", "rms_norm_into", "silu_mul_into", "block_gather_into"):
         torch.library.register_fake(f"trainforge_cpu::{name}")(into_fake)
 
