@@ -10,7 +10,13 @@ each ``step``:
 
 1. drops aborted requests (their blocks go back to the pool);
 2. admits waiting requests while a batch row is free and the pool can reserve blocks for
-   the request's whole budget (prompt + max_new_tokens): prefill, first token;
+   the request's whole budget (prompt + max_new_tokens), then prefills them and samples
+   each one's first token. Prompts admitted together prefill in one forward per pack of up
+   to ``max_prefill_tokens`` tokens (``ModelRunner.prefill_packed``: the matrix products
+   run on hundreds of rows, not tens; 32 prompts of 8-48 tokens on the 90m model at 2 threads
+   on Zen 4 prefilled x1.65 faster than one by one, x1.70 held to AVX2, paired medians of 8);
+   with a drafter, for hourglass and latent-attention models, or for a lone request, each
+   prompt prefills alone (``ModelRunner.prefill``);
 3. runs one decode step for every running request together, sampling the next tokens
    straight into the runner's input buffer (no host round trip);
 4. every ``sync_interval_steps`` steps (1 on CPU, where reading a token costs nothing;
@@ -74,9 +80,10 @@ class EngineConfig:
     compile: bool = False  # torch.compile the decode step (slow to start on CPU)
     sync_interval_steps: int = 0  # decode steps between host reads of tokens; 0 = 1 on CPU, 8 on CUDA
     num_speculative_tokens: int = 4  # drafts per row per step when the engine has a drafter
+    max_prefill_tokens: int = 512  # prompt tokens prefilled together in one forward (a longer prompt: alone)
 
     def validate(self) -> None:
-        for name in ("max_batch_size", "block_size", "max_queue"):
+        for name in ("max_batch_size", "block_size", "max_queue", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
         for name in ("n_blocks", "max_context", "sync_interval_steps"):
@@ -151,6 +158,9 @@ class Engine:
         self.pool = KVPool.for_model(cfg, n_blocks, bs, emb.dtype, self.device)
         self.runner = ModelRunner(model, self.pool, R, self.max_context, lookahead=self.lookahead)
         self.hourglass = self.runner.hourglass  # an hourglass model's shortened depths (hourglass_pools.py)
+        # Packed prefill (step 2) needs one paged cache of per-head keys/values: a drafter prefills
+        # its own state per prompt, and hourglass and latent caches prefill one prompt at a time.
+        self._packs_prompts = drafter is None and self.hourglass is None and not self.runner.cache.latent
         self.sampler = BatchSampler(R, cfg.vocab_size, self.device)
         self.sync_interval = config.sync_interval_steps or (1 if self.device.type == "cpu" else 8)
         if drafter is not None:
@@ -273,16 +283,32 @@ class Engine:
                 self._remove_row(row)
 
     def _admit(self) -> None:
-        bs = self.pool.block_size
-        while len(self._rows) < self.config.max_batch_size:
+        """Step 2 (module docstring): take waiting requests into free rows, prefill them, sample
+        their first tokens."""
+        if not self._packs_prompts:
+            while taken := self._take(1):
+                self._prefill_alone(*taken[0])
+            return
+        # Rows of requests that end on their first token are free again after the packs: take again.
+        while taken := self._take(self.config.max_batch_size):
+            if len(taken) == 1:
+                self._prefill_alone(*taken[0])
+            else:
+                self._prefill_packs(taken)
+
+    def _take(self, limit: int) -> list[tuple[Request, list[int]]]:
+        """Move up to ``limit`` waiting requests, FIFO, into new rows while a row is free and the
+        pool can reserve each one's budget; returns them with their prompts' slots."""
+        taken: list[tuple[Request, list[int]]] = []
+        while len(taken) < limit and len(self._rows) < self.config.max_batch_size:
             with self._lock:
                 if not self._waiting:
-                    return
+                    break
                 req = self._waiting[0]
                 total = len(req.prompt_ids) + req.params.max_new_tokens + self.lookahead
                 if not self.pool.can_reserve(total) or (self.hourglass is not None
                                                          and not self.hourglass.can_reserve(total)):
-                    return  # FIFO: the head waits for blocks, nothing overtakes it
+                    break  # FIFO: the head waits for blocks, nothing overtakes it
                 self._waiting.popleft()
                 row = len(self._rows)  # under the lock: load() never misses a request in between
                 req.row = row
@@ -293,30 +319,81 @@ class Engine:
             if self.hourglass is not None:
                 self.hourglass.add(req.id, row, total, T)
             self.counters["peak_batch"] = max(self.counters["peak_batch"], len(self._rows))
+            taken.append((req, slots))
+        return taken
+
+    def _prefill_alone(self, req: Request, slots: list[int]) -> None:
+        """Prefill one request's prompt (``runner.prefill``: the fast step for a short one) and
+        sample its first token; its row leaves at once if that ends it."""
+        row = req.row
+        t0 = time.perf_counter()
+        tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+        slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+        hidden = None
+        if self.drafter is not None and self.drafter.wants_hidden:
+            logits, hidden = self.runner.prefill(tokens, slots, hidden=True)
+        else:
+            logits = self.runner.prefill(tokens, slots)
+        if self.drafter is not None:
+            self.drafter.prefill(tokens, slots, row, hidden)
+        self.sampler.set_row(row, req.params, req.prompt_ids)
+        lp = self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
+        first = int(self.runner.tokens[row])  # one host read per request, not per token
+        self.counters["prefill_s"] += time.perf_counter() - t0
+        self._start_row(req, first, None if lp is None else lp.to_host([req.params.logprobs]))
+        if req.finish_reason is not None:
+            self._remove_row(row)
+
+    def _prefill_packs(self, taken: list[tuple[Request, list[int]]]) -> None:
+        """Prefill ``taken`` (new requests in consecutive rows, FIFO order) in packs of at most
+        ``max_prefill_tokens`` prompt tokens, one forward each (a longer prompt alone), and sample
+        each pack's first tokens together. Requests that end on their first token leave only
+        after the last pack: removing a row moves the last row into it, which may not be
+        prefilled yet."""
+        packs: list[list[tuple[Request, list[int]]]] = [[]]
+        pack_tokens = 0
+        for item in taken:
+            T = len(item[0].prompt_ids)
+            if packs[-1] and pack_tokens + T > self.config.max_prefill_tokens:
+                packs.append([])
+                pack_tokens = 0
+            packs[-1].append(item)
+            pack_tokens += T
+        for pack in packs:
             t0 = time.perf_counter()
-            tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
-            slots = torch.tensor(slots, dtype=torch.long, device=self.device)
-            hidden = None
-            if self.drafter is not None and self.drafter.wants_hidden:
-                logits, hidden = self.runner.prefill(tokens, slots, hidden=True)
+            reqs = [req for req, _ in pack]
+            row0, n = reqs[0].row, len(reqs)
+            assert [r.row for r in reqs] == list(range(row0, row0 + n)), "a pack's rows are consecutive"
+            tokens = torch.tensor([t for r in reqs for t in r.prompt_ids], dtype=torch.long, device=self.device)
+            slots = torch.tensor([s for _, sl in pack for s in sl], dtype=torch.long, device=self.device)
+            if n == 1:
+                logits = self.runner.prefill(tokens, slots)  # the fast step for a short prompt
             else:
-                logits = self.runner.prefill(tokens, slots)
-            if self.drafter is not None:
-                self.drafter.prefill(tokens, slots, row, hidden)
-            self.sampler.set_row(row, req.params, req.prompt_ids)
-            lp = self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
-            first = int(self.runner.tokens[row])  # one host read per request, not per token
+                logits = self.runner.prefill_packed(tokens, slots, [len(r.prompt_ids) for r in reqs])
+            for r in reqs:
+                self.sampler.set_row(r.row, r.params, r.prompt_ids)
+            out = self.runner.tokens[row0:row0 + n]
+            lp = self.sampler.sample(logits, row0, out)
+            firsts = out.tolist()  # one host read per pack
             self.counters["prefill_s"] += time.perf_counter() - t0
-            self.counters["prompt_tokens"] += T
-            req._sampled = 1
-            self._pos[row] = T
-            table = self.pool.table(req.id)
-            for j, blk in enumerate(table):
-                self._index_rows[row, j * bs:(j + 1) * bs] = blk * bs + np.arange(bs)
-            self._bias_rows[row, :T] = 0.0
-            self._append(req, [first], None if lp is None else lp.to_host([req.params.logprobs]))
-            if req.finish_reason is not None:
-                self._remove_row(row)
+            lps = None if lp is None else lp.to_host([r.params.logprobs for r in reqs])
+            for i, r in enumerate(reqs):
+                self._start_row(r, firsts[i], None if lps is None or lps[i] is None else [lps[i]])
+        for row in sorted((req.row for req, _ in taken if req.finish_reason is not None), reverse=True):
+            self._remove_row(row)
+
+    def _start_row(self, req: Request, first: int, logprobs: list | None) -> None:
+        """A prefilled request's row: counters, position and context of its prompt; then its
+        first token, which may end it (the caller removes the row)."""
+        row, T, bs = req.row, len(req.prompt_ids), self.pool.block_size
+        self.counters["prompt_tokens"] += T
+        req._sampled = 1
+        self._pos[row] = T
+        table = self.pool.table(req.id)
+        for j, blk in enumerate(table):
+            self._index_rows[row, j * bs:(j + 1) * bs] = blk * bs + np.arange(bs)
+        self._bias_rows[row, :T] = 0.0
+        self._append(req, [first], logprobs)
 
     def _decode_step(self) -> None:
         if self.drafter is not None:

@@ -14,6 +14,12 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   process, whose peak RSS each raised by ~0.3-1 MiB of libtorch code pages mapped on first
   use (4.1 MiB on the 90m q4_0 model: BENCHMARKS.md, issue 24). That workspace is sized by the
   first short prompt (the next power of two rows) and grows with a longer one.
+- ``prefill_packed(tokens, slots, lengths)``: several prompts in one forward, concatenated
+  into one row of sum(T_i) tokens, prompt i at positions 0..T_i-1 and attending to itself
+  only (``PagedCache.set_packed_prefill``); returns each prompt's last logits. The matrix
+  products then run on hundreds of rows rather than tens, and the Python dispatch of one
+  forward is paid once (the engine's step 2 has the figures). Not for hourglass or
+  latent-attention models (their caches prefill one prompt at a time).
 - ``decode(B, S)``: one token for each of B sequences of different lengths. Inputs are
   buffers the engine fills: ``tokens``, ``positions`` and the cache's ``slots``, ``gather``,
   ``bias`` (each row's first S slots and its mask). The step is the model's
@@ -222,6 +228,25 @@ class ModelRunner:
                                                    torch.from_numpy(np.arange(n)).to(self.device), self._kernels,
                                                    last_logits_only=True)
         return self._prefiller
+
+    @torch.no_grad()
+    def prefill_packed(self, tokens: torch.Tensor, slots: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """tokens, slots: (sum T_i,) n new sequences' prompts concatenated, prompt i of
+        ``lengths[i]`` tokens. Writes their keys and values into the pool; returns logits
+        (n, V), row i prompt i's last position (``prefill`` of each prompt alone, to float
+        rounding)."""
+        if self.hourglass is not None or self.cache.latent:
+            raise ValueError("prefill_packed: an hourglass or latent-attention (MLA) model prefills one prompt at a "
+                             "time (prefill)")
+        for T in lengths:
+            if not 0 < T <= self.max_context:
+                raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")
+        if not lengths or tokens.shape[0] != sum(lengths):
+            raise ValueError(f"prefill_packed: {tokens.shape[0]} tokens for prompts of lengths {lengths}")
+        self.cache.set_packed_prefill(slots, lengths)
+        positions = torch.from_numpy(np.concatenate([np.arange(T) for T in lengths])).to(self.device)
+        last = torch.from_numpy(np.cumsum(lengths) - 1).to(self.device)
+        return self.model(tokens[None], positions, self.model_cache, output_rows=last)[0]
 
     @torch.no_grad()
     def prefill_forward(self, tokens: torch.Tensor, slots: torch.Tensor, all_logits: bool = False,

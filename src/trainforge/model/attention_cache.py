@@ -15,9 +15,10 @@ where keys and values live and which of them a query sees.
   step's metadata into the cache's buffers: ``slots`` (where each row's new token goes),
   ``gather`` (each row's first S slots, its page table padded with the padding block) and
   ``bias`` (0 up to the row's length, -inf past it), then calls ``set_decode(B, S)``; a
-  prompt goes in with ``set_prefill(slots)``. Speculative decoding's verification forward
-  (T new tokens per row: the last accepted token and T - 1 drafts) goes in with
-  ``set_verify(B, T, S)``: ``slots`` then holds B * T slots, row-major, and ``bias`` is 0 over
+  prompt goes in with ``set_prefill(slots)``, several prompts packed into one row of tokens
+  with ``set_packed_prefill(slots, lengths)`` (each attends to itself only). Speculative
+  decoding's verification forward (T new tokens per row: the last accepted token and T - 1
+  drafts) goes in with ``set_verify(B, T, S)``: ``slots`` then holds B * T slots, row-major, and ``bias`` is 0 over
   each row's context *including* its T new tokens, which are the row's last T valid slots.
 
 ``PagedCache.decode_calls`` is the allocation-free form of its ``attend`` for one token per
@@ -222,6 +223,8 @@ class PagedCache(AttentionCache):
         # so one bound fast step serves every S (fast_decode.FastDecoder.plan sets it).
         self.context = torch.zeros(1, dtype=torch.long, **dev)
         self._prefill_slots: torch.Tensor | None = None
+        # A packed prefill's prompt lengths, a host list: the segment bounds need no device read.
+        self._packed_lengths: list[int] | None = None
         self._shape = (0, 0)  # (B, S) of the decode step
         self._verify_tokens = 0  # T of a verification forward; 0 = one decode token per row
 
@@ -232,12 +235,21 @@ class PagedCache(AttentionCache):
 
     def set_prefill(self, slots: torch.Tensor) -> None:
         """The next forward is one sequence's prompt (positions 0..T-1) stored at ``slots`` (T,)."""
-        self._prefill_slots = slots
+        self._prefill_slots, self._packed_lengths = slots, None
+
+    def set_packed_prefill(self, slots: torch.Tensor, lengths: list[int]) -> None:
+        """The next forward is several sequences' prompts packed into one row of sum(T_i)
+        tokens, prompt i's T_i = ``lengths[i]`` tokens after the ones before it (positions
+        0..T_i-1), stored at ``slots`` (sum T_i,). Each prompt attends to itself only."""
+        if sum(lengths) != slots.shape[0]:
+            raise ValueError(f"packed prefill of {sum(lengths)} tokens (lengths {lengths}) given "
+                             f"{slots.shape[0]} slots")
+        self._prefill_slots, self._packed_lengths = slots, list(lengths)
 
     def set_decode(self, rows: int, context: int) -> None:
         """The next forward is one token for each of ``rows`` sequences; ``gather`` / ``bias``
         hold ``context`` slots per row and ``slots`` each row's new slot."""
-        self._prefill_slots, self._shape, self._verify_tokens = None, (rows, context), 0
+        self._prefill_slots, self._packed_lengths, self._shape, self._verify_tokens = None, None, (rows, context), 0
 
     def set_verify(self, rows: int, tokens_per_row: int, context: int) -> None:
         """The next forward is ``tokens_per_row`` (T) consecutive tokens for each of ``rows``
@@ -248,7 +260,8 @@ class PagedCache(AttentionCache):
         if rows * tokens_per_row > self.slots.numel():
             raise ValueError(f"verify of {rows} x {tokens_per_row} tokens exceeds the cache's "
                              f"{self.slots.numel()} slots (max_tokens_per_row)")
-        self._prefill_slots, self._shape, self._verify_tokens = None, (rows, context), tokens_per_row
+        self._prefill_slots, self._packed_lengths = None, None
+        self._shape, self._verify_tokens = (rows, context), tokens_per_row
 
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
@@ -259,6 +272,8 @@ class PagedCache(AttentionCache):
         if self._prefill_slots is not None:  # the prompt attends to itself only
             kp.index_copy_(1, self._prefill_slots, k[0])
             vp.index_copy_(1, self._prefill_slots, v[0])
+            if self._packed_lengths is not None:
+                return self._attend_packed(q, k, v, gqa, scale)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
         B, S = self._shape
         Hkv, D = k.shape[1], k.shape[3]
@@ -271,6 +286,20 @@ class PagedCache(AttentionCache):
         vg = vp.index_select(1, gather).view(Hkv, B, S, D).transpose(0, 1)
         mask = self.bias[:B * S].view(B, 1, 1, S)
         return F.scaled_dot_product_attention(q, kg, vg, attn_mask=mask, enable_gqa=gqa, scale=scale)
+
+    def _attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool,
+                       scale: float | None) -> torch.Tensor:
+        """Causal attention within each packed prompt: q (1, H, sum T, D), k / v (1, H_kv, sum T,
+        D) -> (1, H, sum T, D). One SDPA per prompt, as its own prefill runs it: a block-diagonal
+        mask over the whole pack would score every prompt against every other (~30x the work
+        for 32 short prompts) only to mask it away."""
+        out, a = [], 0
+        for T in self._packed_lengths:
+            b = a + T
+            out.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                      enable_gqa=gqa, scale=scale))
+            a = b
+        return torch.cat(out, dim=2)
 
     def _attend_verify(self, kp: torch.Tensor, vp: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        B: int, S: int, gqa: bool, scale: float | None) -> torch.Tensor:
@@ -303,6 +332,8 @@ class PagedCache(AttentionCache):
         if not self.latent:
             raise RuntimeError("attend_latent on a cache of per-head keys and values (build it without v)")
         pool = self.k[index, 0]  # (slots, r + rope)
+        if self._packed_lengths is not None:
+            raise RuntimeError("packed prefill on a latent (MLA) cache: prefill each prompt alone (set_prefill)")
         T = c_kv.shape[1]
         new = torch.cat((c_kv, k_pe), dim=-1)  # (B, T, r + rope)
         q = torch.cat((q_latent, q_pe), dim=-1)  # (B, H, T, r + rope)

@@ -228,7 +228,7 @@ class Transformer(nn.Module):
             self.hourglass.reset_rope()
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: AttentionCache | None = None, output_rows: slice | None = None,
+                cache: AttentionCache | None = None, output_rows: slice | torch.Tensor | None = None,
                 mtp: bool = False, return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """tokens: (B, T) int64 -> logits (B, T, vocab).
 
@@ -236,8 +236,9 @@ class Transformer(nn.Module):
         sequence. Inference passes ``positions`` (T,) shared by the rows or (B, T) per row
         (rotary tables are indexed by them) and an ``AttentionCache`` (attention_cache.py)
         that stores each layer's keys/values and supplies the context to attend to; its
-        owner sets the step's metadata (slots, lengths) before the call. ``output_rows``
-        keeps only those positions before the final norm (prefill needs the last one).
+        owner sets the step's metadata (slots, lengths) before the call. ``output_rows``, a
+        slice or a LongTensor of indices, keeps only those positions before the final norm
+        (prefill needs the last one; a packed prefill each prompt's last).
 
         ``mtp=True`` (training only: no positions, cache or output_rows) also runs the
         multi-token prediction modules and returns ``(logits, [logits_1, ..., logits_D])``,
