@@ -516,6 +516,9 @@ def _serve(argv: list[str]) -> int:
     p.add_argument("--block_size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--n_blocks", type=int, default=0, help="KV pool size in blocks; 0 = max_batch_size full contexts")
     p.add_argument("--max_context", type=int, default=0, help="tokens per sequence; 0 = the model's max_seq_len")
+    p.add_argument("--max_prefill_tokens", type=int, default=512,
+                   help="prompt tokens of requests admitted together that prefill in one forward (a longer "
+                        "prompt prefills alone)")
     p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--no_access_log", action="store_true",
                    help="do not log a line per request (method, path, status, ms, tokens)")
@@ -530,6 +533,12 @@ def _serve(argv: list[str]) -> int:
                               "pip install 'trainforge[infer]'") from None
     spec = _speculative_args(a)
     ahead = a.num_speculative_tokens if spec else 0
+    config = _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue, block_size=a.block_size,
+                            n_blocks=a.n_blocks, max_context=a.max_context, max_prefill_tokens=a.max_prefill_tokens)
+    try:
+        config.validate()  # before any weight is read: a bad flag costs no load
+    except ValueError as e:
+        raise TrainforgeError(f"--{e}") from None
 
     def kv_slots(cfg) -> int:  # EngineConfig's defaults: max_batch_size full contexts (+ the padding block)
         bs = max(a.block_size, 1)
@@ -540,9 +549,7 @@ def _serve(argv: list[str]) -> int:
         if loaded.tokenizer is None:
             raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json; the server needs one")
         try:
-            engine = Engine(loaded.model, _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue,
-                                                         block_size=a.block_size, n_blocks=a.n_blocks,
-                                                         max_context=a.max_context),
+            engine = Engine(loaded.model, config,
                             tokenizer=loaded.tokenizer, eos_ids=loaded.eos_ids,
                             drafter=_load_drafter(a, spec, loaded))
         except ValueError as e:

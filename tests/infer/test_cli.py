@@ -54,3 +54,13 @@ def test_serve_binds_localhost_and_answers(trained_run):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
+
+
+def test_serve_refuses_a_bad_engine_flag_before_loading(tmp_path):
+    """An impossible engine setting is refused naming the flag, before any checkpoint is read (the
+    checkpoint here does not even exist)."""
+    r = subprocess.run([sys.executable, "-m", "trainforge", "serve", "--checkpoint", str(tmp_path / "absent"),
+                        "--port", "0", "--max_prefill_tokens", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--max_prefill_tokens=0: must be >= 1" in r.stderr, r.stderr
+    assert "absent" not in r.stderr  # the config was checked first
