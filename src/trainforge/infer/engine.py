@@ -14,7 +14,8 @@ each ``step``:
    each one's first token. Prompts admitted together prefill in one forward per pack of up
    to ``max_prefill_tokens`` tokens (``ModelRunner.prefill_packed``: the matrix products
    run on hundreds of rows, not tens; 32 prompts of 8-48 tokens on the 90m model at 2 threads
-   on Zen 4 prefilled x1.65 faster than one by one, x1.70 held to AVX2, paired medians of 8);
+   on Zen 4 prefilled x1.56 faster than one by one, x1.67 held to AVX2, paired medians of 8,
+   ``bench/packed_prefill.py``);
    with a drafter, for hourglass and latent-attention models, or for a lone request, each
    prompt prefills alone (``ModelRunner.prefill``);
 3. runs one decode step for every running request together, sampling the next tokens
