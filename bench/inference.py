@@ -39,8 +39,9 @@ What is measured, per size:
 - **Greedy-token agreement** of int8 / int4 with fp32, teacher-forced: the quantised model
   reads fp32's greedy sequence and we count positions whose argmax matches fp32's. Random
   weights give near-uniform next-token distributions, where small perturbations flip the
-  argmax far more often than in a trained model: a pessimistic proxy (the test suite checks
-  perplexity on a trained model).
+  argmax far more often than in a trained model: a pessimistic proxy, printed but not judged.
+  The 95% target is judged on a trained checkpoint (``--agreement_checkpoint``); the test
+  suite checks perplexity on a trained model.
 - **Continuous batching**: N = 8 and 32 requests (prompts of 8-48 tokens, ``--batch_new_tokens``
   each) through one engine with ``max_batch_size = N``, against the same requests one at a
   time (sequential; at 90m on the first 8 requests, throughput being per token). Generated
@@ -442,16 +443,20 @@ def report(results: dict, machine: dict, trained: dict | None, modes: list[str])
             "fp32 >= 70% of the bandwidth bound": v["fp32"]["bound_share"] >= TARGETS["fp32_share"],
             **{f"{m} >= {TARGETS[f'{m}_vs_plain']:.0f}x plain": v[m]["vs_plain"]["median"] >=
                TARGETS[f"{m}_vs_plain"] for m in modes},
-            "quantised agreement >= 95% (teacher-forced, random weights)":
-                min(v[m]["agreement_teacher_forced"] for m in modes) >= TARGETS["agreement"],
             "fp32 >= 2x HF generate": v["fp32"]["vs_hf"]["median"] >= TARGETS["vs_hf"],
             "batching >= 4x sequential at 32": r["batching"][32]["ratio"]["median"] >= TARGETS["batching_32"],
         }
         for what, ok in checks.items():
             print(f"  {size}: {what}: {'PASS' if ok else 'FAIL'}")
+    # The agreement target is judged on a trained model only: random weights give near-uniform next-token
+    # distributions whose argmax a quantisation error flips (int8 read 68.8% there and 98.8% on the trained
+    # checkpoint, BENCHMARKS.md), so their figure is printed above as a pessimistic proxy, not judged.
     if trained:
         ok = min(trained[m]["teacher_forced"] for m in modes) >= TARGETS["agreement"]
         print(f"  trained checkpoint: quantised agreement >= 95% (teacher-forced): {'PASS' if ok else 'FAIL'}")
+    else:
+        print("  quantised agreement >= 95% (teacher-forced, trained checkpoint): not measured; give "
+              "--agreement_checkpoint (the random-weights figures above are a proxy, not judged)")
 
 
 def main() -> None:
