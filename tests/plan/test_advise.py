@@ -231,14 +231,37 @@ def test_prometheus_scrape_and_bench_json_give_serving_advice(tmp_path):
                       '# TYPE trainforge_inference_running_requests gauge\n'
                       'trainforge_inference_running_requests{rank="0"} 4\n')
     bench = tmp_path / "bench.json"
-    bench.write_text(json.dumps({"machine": {}, "results": {"90m": {"variants": {
-        "fp32": {"decode_tok_s": {"median": 60.0}}, "int8": {"decode_tok_s": {"median": 150.0},
-                                                             "agreement_teacher_forced": 0.98},
-        "int4": {"decode_tok_s": {"median": 200.0}, "agreement_teacher_forced": 0.90}}}}}))
+    bench.write_text(json.dumps({"machine": {}, "results": {"90m": {"variants": _bench_variants(0.70, 0.60)}},
+                                 "trained_agreement": {"int8": {"teacher_forced": 0.98}, "int4": {"teacher_forced": 0.90}}}))
     found = rules(advise(run, [scrape, bench]))
     assert found["serve-batch"].changes == {"--max_batch_size": 8}
-    q = found["serve-quantize"]  # int4 is faster but below the agreement bar
+    q = found["serve-quantize"]  # int4 is faster but below the agreement bar on the trained checkpoint
     assert q.changes == {"--quantize": "int8"} and q.speedup == pytest.approx(2.5)
+    assert "98.0% greedy agreement on a trained checkpoint" in q.cause
+
+
+def _bench_variants(int8_random_agreement: float, int4_random_agreement: float) -> dict:
+    """bench/inference.py's variants: int8 2.5x and int4 3.33x fp32, with agreement on random weights."""
+    return {"fp32": {"decode_tok_s": {"median": 60.0}},
+            "int8": {"decode_tok_s": {"median": 150.0}, "agreement_teacher_forced": int8_random_agreement},
+            "int4": {"decode_tok_s": {"median": 200.0}, "agreement_teacher_forced": int4_random_agreement}}
+
+
+@pytest.mark.parametrize("trained, mode", [
+    (None, "int8"),  # agreement measured on random weights only: a proxy, so int8 with the check named
+    ({"int8": {"teacher_forced": 0.99}, "int4": {"teacher_forced": 0.97}}, "int4"),  # both pass: the faster
+    ({"int8": {"teacher_forced": 0.90}, "int4": {"teacher_forced": 0.80}}, None),  # both below the bar
+])
+def test_quantise_advice_judges_agreement_on_the_trained_checkpoint_only(tmp_path, trained, mode):
+    # Random-weights agreement high for int4 and low for int8: the advice must not follow it.
+    bench = _write(tmp_path / "bench.json", json.dumps({"machine": {}, "results": {"90m": {
+        "variants": _bench_variants(0.69, 0.99)}}, "trained_agreement": trained}))
+    q = rules(advise(make_run(tmp_path), [bench])).get("serve-quantize")
+    if mode is None:
+        assert q is None
+        return
+    assert q.changes == {"--quantize": mode}
+    assert ("--agreement_checkpoint" in q.gain) == (trained is None)
 
 
 @pytest.mark.parametrize("make_args, fragment", [

@@ -182,7 +182,8 @@ class ServeEvidence:
 
     ``engine``: the serving knobs the measurement ran with, where the source says
     (``max_batch_size``...); ``variants``: bench/inference.py's per-variant decode tok/s and
-    greedy agreement with fp32 (``{"int8": {"decode_tok_s": 310.0, "agreement": 0.97}}``)."""
+    greedy agreement with fp32 on a trained checkpoint where measured
+    (``{"int8": {"decode_tok_s": 310.0, "agreement": 0.97}}``)."""
 
     source: str
     kind: str  # "engine-stats", "prometheus", "bench-inference"
@@ -300,19 +301,25 @@ def _from_prometheus(source: str, text: str) -> ServeEvidence:
 
 
 def _from_bench(source: str, d: dict[str, Any]) -> ServeEvidence:
-    """bench/inference.py --json: the first size's variants (decode tok/s median, agreement)."""
+    """bench/inference.py --json: the first size's variants (decode tok/s median) and, where the
+    bench was given ``--agreement_checkpoint``, each quantised mode's greedy agreement on that
+    trained checkpoint. The variants' own agreement was measured on random weights, whose
+    near-uniform logits flip under any perturbation (int8 68.8% there, 98.8% trained): a proxy
+    the bench does not judge, so it is not evidence here either."""
     results = d.get("results") or {}
     if not isinstance(results, dict) or not results:
         raise TrainforgeError(f"--inference {source}: bench/inference.py JSON without results")
     size = next(iter(results.values()))
+    trained = d.get("trained_agreement") if isinstance(d.get("trained_agreement"), dict) else {}
     ev = ServeEvidence(source, "bench-inference")
     for name, v in (size.get("variants") or {}).items():
         tok = v.get("decode_tok_s")
         med = tok.get("median") if isinstance(tok, dict) else tok
         if _num(med):
             row = {"decode_tok_s": float(med)}
-            if _num(v.get("agreement_teacher_forced")):
-                row["agreement"] = float(v["agreement_teacher_forced"])
+            agree = trained.get(name)
+            if isinstance(agree, dict) and _num(agree.get("teacher_forced")):
+                row["agreement"] = float(agree["teacher_forced"])
             ev.variants[name] = row
     for n, b in (size.get("batching") or {}).items():
         r = b.get("ratio") if isinstance(b, dict) else None
