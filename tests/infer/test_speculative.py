@@ -120,7 +120,7 @@ def test_rollback_keeps_each_row_at_its_accepted_length(gqa2):
         engine.step()
         for req in engine._rows:
             n = engine.pool.length(req.id)
-            assert n == engine._pos[req.row] == len(req.prompt_ids) + len(req.output_ids) - 1
+            assert n == engine.layout.pos[req.row] == len(req.prompt_ids) + len(req.output_ids) - 1
             assert len(engine.pool.table(req.id)) == engine.pool.blocks_for(n)
         stats = engine.stats()
         rolled_back |= stats["spec_accepted_tokens"] < stats["spec_drafted_tokens"]

@@ -25,6 +25,9 @@ each ``step``:
    length limits, streams text, and lets finished requests leave (the last row moves into
    the hole, so rows 0..B-1 stay dense).
 
+Where each row's tokens sit in the pool (positions, slots, block index and mask, written on the
+host and pushed to the runner once per step) is kept by ``batch_rows.BatchRows``.
+
 New requests therefore join the running batch at decode-step boundaries and finished ones
 leave at the next sync, which is continuous batching (Orca / vLLM style) with FIFO
 admission and no preemption (reservations make it unnecessary). ``start`` runs ``step`` in
@@ -53,6 +56,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from trainforge.infer.batch_rows import BatchRows
 from trainforge.infer.kv_pool import KVPool
 from trainforge.infer.prepare import describe_model
 from trainforge.infer.request import Request
@@ -91,41 +95,6 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
         check_num_speculative_tokens(self.num_speculative_tokens)
-
-
-class _HostBuffer:
-    """A host array the engine writes and the device tensor the runner reads: the same
-    memory on CPU; on CUDA, two pinned copies used in turn, each pushed with a non-blocking
-    copy (an event guards a copy still in flight when its buffer comes round again). numpy
-    has no bfloat16: a bf16 model's attention mask is written in a float32 host copy (its
-    0 / -inf are exact in both) and copied over on push, on CPU too."""
-
-    def __init__(self, dev: torch.Tensor):
-        self.dev = dev
-        self._staged = dev.dtype == torch.bfloat16
-        if dev.device.type == "cpu":
-            self._hosts = [torch.zeros(dev.shape, dtype=torch.float32) if self._staged else dev]
-        else:
-            host_dtype = torch.float32 if self._staged else dev.dtype
-            self._hosts = [torch.zeros(dev.shape, dtype=host_dtype).pin_memory() for _ in range(2)]
-            self._events = [None, None]
-        self._i = 0
-        self.np = self._hosts[0].numpy()
-
-    def push(self, n: int) -> None:
-        """Send the first ``n`` elements; the engine rewrites them in full before every push."""
-        if len(self._hosts) == 1:
-            if self._staged:
-                self.dev[:n].copy_(self._hosts[0][:n])
-            return
-        self.dev[:n].copy_(self._hosts[self._i][:n], non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._events[self._i] = ev
-        self._i = 1 - self._i
-        if self._events[self._i] is not None:
-            self._events[self._i].synchronize()
-        self.np = self._hosts[self._i].numpy()
 
 
 class Engine:
@@ -167,16 +136,8 @@ class Engine:
         if drafter is not None:
             drafter.build(model, self.pool, R, self.max_context, self.lookahead)
             self.sync_interval = 1  # rows accept different numbers of tokens: read them every step
-        C = self.runner.context_slots
-        # Host-side batch state; rows 0..B-1 are the running requests, in self._rows order.
-        self._pos = np.zeros(R, dtype=np.int64)  # position of each row's input token
-        self._positions = _HostBuffer(self.runner.positions)
-        self._slots = _HostBuffer(self.runner.slots)
-        self._gather = _HostBuffer(self.runner.gather)
-        self._bias = _HostBuffer(self.runner.bias)
-        self._pad_index = np.tile(np.arange(bs, dtype=np.int64), C // bs + 1)[:C]  # the padding block
-        self._index_rows = np.tile(self._pad_index, (R, 1))  # (R, C): slot of each row's token t
-        self._bias_rows = np.full((R, C), -np.inf, dtype=np.float32)  # 0 where row r holds token t
+        # Rows 0..B-1 are the running requests, in self._rows order; their layout in the pool:
+        self.layout = BatchRows(self.runner, self.pool, R)
         self._ring = torch.zeros(self.sync_interval, R, dtype=torch.long, device=self.device)
         self._ring_rows: list[list[Request]] = []
         self._ring_logprobs: list = []  # per ring step: the sampler's Logprobs or None
@@ -386,46 +347,18 @@ class Engine:
     def _start_row(self, req: Request, first: int, logprobs: list | None) -> None:
         """A prefilled request's row: counters, position and context of its prompt; then its
         first token, which may end it (the caller removes the row)."""
-        row, T, bs = req.row, len(req.prompt_ids), self.pool.block_size
+        T = len(req.prompt_ids)
         self.counters["prompt_tokens"] += T
         req._sampled = 1
-        self._pos[row] = T
-        table = self.pool.table(req.id)
-        for j, blk in enumerate(table):
-            self._index_rows[row, j * bs:(j + 1) * bs] = blk * bs + np.arange(bs)
-        self._bias_rows[row, :T] = 0.0
+        self.layout.start(req.row, req.id, T)
         self._append(req, [first], logprobs)
 
     def _decode_step(self) -> None:
         if self.drafter is not None:
             return self._speculative_step()
         B = len(self._rows)
-        bs = self.pool.block_size
-        pos = self._pos
-        longest = 0
-        for r, req in enumerate(self._rows):
-            p = int(pos[r])
-            slot = self.pool.append_slots(req.id, 1)[0]
-            self._slots.np[r] = slot
-            if p % bs == 0:  # the token opens a new block
-                blk = slot // bs
-                self._index_rows[r, p:p + bs] = blk * bs + np.arange(bs)
-            self._bias_rows[r, p] = 0.0
-            longest = max(longest, p + 1)
-        S = -(-longest // bs) * bs
-        rows, cols = B, S
-        if self.runner.static_shape is not None:  # compiled: every row, the whole context
-            rows, cols = self.runner.static_shape
-            self._slots.np[B:rows] = 0  # idle rows write into the padding block...
-            pos[B:rows] = 0
-        self._positions.np[:rows] = pos[:rows]
-        self._gather.np[:rows * cols].reshape(rows, cols)[:] = self._index_rows[:rows, :cols]
-        bias = self._bias.np[:rows * cols].reshape(rows, cols)
-        bias[:] = self._bias_rows[:rows, :cols]
-        bias[B:] = 0.0  # ...and attend to it, so their (ignored) rows stay finite
-        for buf, n in ((self._positions, rows), (self._slots, rows), (self._gather, rows * cols),
-                       (self._bias, rows * cols)):
-            buf.push(n)
+        pos = self.layout.pos
+        S = self.layout.decode_layout([req.id for req in self._rows])
         t0 = time.perf_counter()
         if self.hourglass is not None:  # the shortened depths' rows this step (never compiled)
             self.hourglass.set_decode([req.id for req in self._rows], pos[:B])
@@ -451,26 +384,15 @@ class Engine:
     def _speculative_step(self) -> None:
         """Draft k tokens per row, verify them in one forward, keep each row's accepted
         prefix plus one token, roll the rest back; hand the tokens out (module docstring)."""
-        B, K, bs = len(self._rows), self.lookahead, self.pool.block_size
-        pos = self._pos
-        slots = np.empty((B, K + 1), dtype=np.int64)
-        for r, req in enumerate(self._rows):
-            p = int(pos[r])
-            slots[r] = self.pool.append_slots(req.id, K + 1)  # positions p..p+k
-            for j in range(p // bs, len(self.pool.table(req.id))):  # blocks the new tokens touch
-                self._index_rows[r, j * bs:(j + 1) * bs] = self.pool.table(req.id)[j] * bs + np.arange(bs)
-            self._bias_rows[r, p:p + K + 1] = 0.0
-        S = -(-int(pos[:B].max() + K + 1) // bs) * bs
+        B, K = len(self._rows), self.lookahead
+        pos = self.layout.pos
+        slots, S = self.layout.verify_layout([req.id for req in self._rows], K)
         params, gens = self.sampler.rows(B)
         t0 = time.perf_counter()
-        batch = DraftBatch(self.runner.tokens[:B].clone(), pos[:B].copy(), slots, self._index_rows[:B, :S], params,
+        batch = DraftBatch(self.runner.tokens[:B].clone(), pos[:B].copy(), slots, self.layout.index[:B, :S], params,
                            gens)
         draft, q = self.drafter.propose(batch, K)  # (B, k), (B, k, V)
-        self._slots.np[:B * (K + 1)] = slots.reshape(-1)
-        self._gather.np[:B * S] = self._index_rows[:B, :S].reshape(-1)
-        self._bias.np[:B * S] = self._bias_rows[:B, :S].reshape(-1)
-        for buf, n in ((self._slots, B * (K + 1)), (self._gather, B * S), (self._bias, B * S)):
-            buf.push(n)
+        self.layout.push_verify(slots, S)  # after drafting: a drafter may run on the runner's buffers
         # Past max_seq_len a position is beyond every request's budget; clamp the rotary lookup.
         positions = np.minimum(pos[:B, None] + np.arange(K + 1), self.model.cfg.max_seq_len - 1)
         logits = self.runner.verify(torch.cat([batch.tokens[:, None], draft], 1),
@@ -492,10 +414,7 @@ class Engine:
             a = n_host[r]
             length = int(pos[r]) + a + 1  # the last accepted token and a drafts are kept
             self.pool.truncate(req.id, length)
-            keep = self.pool.blocks_for(length)
-            self._index_rows[r, keep * bs:] = self._pad_index[keep * bs:]
-            self._bias_rows[r, length:] = -np.inf
-            pos[r] = length
+            self.layout.keep(r, length)
             req._sampled += a + 1
             self.spec_stats.add(a)
             self._append(req, out_host[r][:a + 1])  # stops and the length limit cut it short
@@ -527,9 +446,7 @@ class Engine:
             self._rows[row] = moved
             moved.row = row
             self.runner.tokens[row] = self.runner.tokens[last]
-            self._pos[row] = self._pos[last]
-            self._index_rows[row] = self._index_rows[last]
-            self._bias_rows[row] = self._bias_rows[last]
+            self.layout.move(last, row)
             self.sampler.move_row(last, row)
             if self.drafter is not None:
                 self.drafter.move_row(last, row)
@@ -538,8 +455,7 @@ class Engine:
         else:
             self.sampler.clear_row(row)
         self._rows.pop()
-        self._index_rows[last] = self._pad_index
-        self._bias_rows[last] = -np.inf
+        self.layout.clear(last)
         if self.hourglass is not None:
             self.hourglass.clear_row(last)
 
