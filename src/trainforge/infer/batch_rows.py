@@ -92,11 +92,9 @@ class BatchRows:
         longest = 0
         for r, seq_id in enumerate(seq_ids):
             p = int(pos[r])
-            slot = self.pool.append_slots(seq_id, 1)[0]
-            self.slots.np[r] = slot
-            if p % bs == 0:  # the token opens a new block
-                blk = slot // bs
-                self.index[r, p:p + bs] = blk * bs + np.arange(bs)
+            self.slots.np[r] = self.pool.append_slots(seq_id, 1)[0]
+            if p % bs == 0:  # the token opened a new block, the table's last
+                self._map_blocks(r, seq_id, p // bs)
             self.mask[r, p] = 0.0
             longest = max(longest, p + 1)
         S = -(-longest // bs) * bs

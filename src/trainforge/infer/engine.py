@@ -357,11 +357,11 @@ class Engine:
         if self.drafter is not None:
             return self._speculative_step()
         B = len(self._rows)
-        pos = self.layout.pos
-        S = self.layout.decode_layout([req.id for req in self._rows])
+        pos, ids = self.layout.pos, [req.id for req in self._rows]
+        S = self.layout.decode_layout(ids)
         t0 = time.perf_counter()
         if self.hourglass is not None:  # the shortened depths' rows this step (never compiled)
-            self.hourglass.set_decode([req.id for req in self._rows], pos[:B])
+            self.hourglass.set_decode(ids, pos[:B])
         logits = self.runner.decode(B, S)
         tokens = self.runner.tokens[:B]
         lp = self.sampler.sample(logits, 0, tokens)  # the next step's inputs, written in place
