@@ -18,7 +18,16 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
 
-install: $(BIN)/.installed
+# The C++ CPU kernels, built once here (a line says how long it took), so no later command pays
+# for the build; again when their sources change. Without a compiler it prints one line and
+# trainforge runs on the fallback kernels.
+KERNELS := $(wildcard src/trainforge/infer/cpu_kernels/*.cpp src/trainforge/infer/cpu_kernels/*.h) \
+           src/trainforge/infer/cpu_kernels/build.py
+$(BIN)/.kernels: $(BIN)/.installed $(KERNELS)
+	$(BIN)/python -m trainforge.infer.cpu_kernels
+	touch $@
+
+install: $(BIN)/.installed $(BIN)/.kernels
 
 run: install
 	$(BIN)/trainforge train

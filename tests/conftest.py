@@ -12,6 +12,11 @@ import torch
 
 from trainforge.config import load_config
 from trainforge.data.prepare import PrepareOptions, default_data_dir, prepare
+from trainforge.infer.cpu_kernels.build import cache_root
+
+# The C++ kernels `make install` built (a cache keyed by their sources and torch) serve every test
+# process; the TRAINFORGE_CACHE each session sets below would otherwise make each build its own.
+os.environ.setdefault("TRAINFORGE_KERNEL_CACHE", str(cache_root()))
 
 # Under pytest-xdist (`make test` runs the single-process tests on one worker per core) each
 # worker and the processes it starts use one thread: two 2-thread workers on 2 cores collapse.

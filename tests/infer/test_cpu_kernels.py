@@ -1,5 +1,7 @@
 """Parity of the Q8_0 / Q4_0 C++ block kernels with plain PyTorch, on every ISA path."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -104,13 +106,15 @@ def test_unsupported_forced_isa_warns_and_returns_none(ops, monkeypatch):
         assert build.load_kernels() is None
 
 
-def test_failed_build_warns_once_and_returns_none(monkeypatch):
-    monkeypatch.setattr(build, "_build", lambda: "RuntimeError: no compiler")
+def test_failed_build_returns_none_without_a_warning_per_call(monkeypatch):
+    # build() reported the failure (once per cache: tests/faults/test_kernel_build.py); callers
+    # of load_kernels, one per layer, add nothing.
+    monkeypatch.setattr(build, "_build", lambda: "no C++ compiler: c++ is not on PATH")
     build._warn_once.cache_clear()
-    with pytest.warns(RuntimeWarning, match="no compiler.*falls back") as record:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert build.load_kernels() is None
         assert build.load_kernels() is None
-    assert len(record) == 1
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -119,6 +119,27 @@ def test_without_the_cpp_ops_the_layer_falls_back_to_a_float_kernel(monkeypatch)
     assert rel(layer(x), x @ Q4_0Linear.quantize(w).dequantize().t()) < 1e-5
 
 
+@pytest.mark.parametrize("kernel", ["dequant", "reference", "c++ unavailable"])
+def test_the_decode_steps_out_form_runs_on_every_fallback_kernel(monkeypatch, kernel):
+    # The decode step writes each linear through forward_into / bind_into; on a float kernel
+    # (chosen, or the one left where the C++ ops do not build) that form must reach it.
+    if kernel == "c++ unavailable":
+        monkeypatch.setattr(blocks_mod, "load_kernels", lambda: None)
+    w, x = torch.randn(32, 64), torch.randn(3, 64)
+    for cls in (Q8_0Linear, Q4_0Linear):
+        layer = cls.quantize(w, kernel="auto" if kernel == "c++ unavailable" else kernel)
+        want = x @ layer.dequantize().t()
+        out = torch.empty(3, 32)
+        layer.forward_into(x, out)
+        assert rel(out, want) < 1e-5
+        out.zero_()
+        layer.bind_into(x, out)()
+        assert rel(out, want) < 1e-5
+        strided = torch.empty(32, 3).t()  # a non-contiguous out takes the copying form
+        layer.bind_into(x, strided)()
+        assert rel(strided, want) < 1e-5
+
+
 def tf(*args, timeout=240) -> str:
     r = subprocess.run([sys.executable, "-m", "trainforge", *args], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr

@@ -172,7 +172,9 @@ class QuantLinear(nn.Module):
         if self._into is not None and out.is_contiguous() and x.dtype == torch.float32:
             op, *args = self._into
             return functools.partial(op, x, *args, out)
-        return functools.partial(self.forward_into, x, out)
+        # The copying form of this base class, never a subclass's forward_into: a subclass may
+        # define forward_into through bind_into (the block kinds), which would recurse here.
+        return functools.partial(QuantLinear.forward_into, self, x, out)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.dequantize().to(x.dtype).t()

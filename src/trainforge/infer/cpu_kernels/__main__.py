@@ -1,0 +1,24 @@
+"""``python -m trainforge.infer.cpu_kernels``: build the CPU kernels now (``make install`` runs
+it), so no later command pays for the build. Exits 0 without a compiler too: every format
+has a fallback, and ``build`` has said what it costs."""
+
+from __future__ import annotations
+
+import time
+
+from trainforge.infer.cpu_kernels.build import build, cache_dir
+
+
+def main() -> int:
+    t0 = time.monotonic()
+    built = []
+    reason = build(announce=lambda msg: (built.append(msg), print(msg, flush=True)))
+    if reason is None and not built:
+        print(f"CPU kernels up to date in {cache_dir()} ({time.monotonic() - t0:.1f} s to load)")
+    elif reason is not None:
+        print(f"CPU kernels not built ({reason}); trainforge runs on the fallback kernels")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
