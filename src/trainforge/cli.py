@@ -744,27 +744,48 @@ def _advise(argv: list[str]) -> int:
     from trainforge.plan.advise import (ADVISED_FILE, advise, device_memory, hardware_capability, newest_checkpoint,
                                         next_run, prepare_next_run, render, to_json)
     from trainforge.plan.run_evidence import read_run
+    from trainforge.storage.locks import RUN_LOCK_FILE, run_holder
 
     p = ArgumentParser(prog="trainforge advise",
                        description="Ranked suggestions from a run's measurements (step time split, pipeline "
                                    "stages and bubble, comm share, memory, MFU, data wait, profiler) and "
                                    "optional inference measurements, each with its evidence and predicted "
-                                   "gain; writes RUN_DIR/advised.toml (the run's config with the training "
-                                   "changes applied, for `trainforge train --config`).")
+                                   "gain. Prints only: --output writes the advised config (the run's config with "
+                                   "the training changes applied, for `trainforge train --config`), --apply "
+                                   "writes it and starts the next run.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.toml + metrics.jsonl)")
     p.add_argument("--inference", nargs="+", default=[], metavar="FILE",
                    help="inference measurements: `trainforge generate --stats` JSON, a /metrics scrape of "
-                        "`trainforge serve`, or bench/inference.py --json output (serving advice)")
+                        "`trainforge serve`, or bench/inference.py --json output (serving advice; KV pool and "
+                        "batch-row advice needs the server's scrape)")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="write the advised config (TOML) to FILE (default: write nothing)")
     p.add_argument("--apply", action="store_true",
-                   help="start the next run from advised.toml in RUN_DIR-advised: resumed from the newest "
-                        "checkpoint when every change keeps resume exact, else fresh (it says which)")
-    p.add_argument("--json", action="store_true", help="print the advice as JSON instead of a table")
+                   help=f"write the advised config to RUN_DIR/{ADVISED_FILE} (or --output) and start the next run "
+                        "from it in RUN_DIR-advised: resumed from the newest checkpoint when every change keeps "
+                        "resume exact, else fresh (it says which). Refused while RUN_DIR is still training")
+    p.add_argument("--json", action="store_true",
+                   help="print the advice as JSON instead of a table, with every rule checked (pass / fail, "
+                        "threshold, measured value)")
     p.add_argument("--memory_limit_gb", type=float, default=None,
                    help="device memory the peak is compared with (default: the GPU's, or this host's RAM)")
     p.add_argument("--no_hardware_probe", action="store_true",
                    help="skip the precision rule (it reads, or measures once, this CPU's bf16/fp16 probe)")
     a = p.parse_args(argv)
     run_dir = Path(a.run_dir)
+    advised_file = Path(a.output) if a.output else (run_dir / ADVISED_FILE if a.apply else None)
+    if advised_file is not None:
+        # A live run keeps writing its directory and would be resumed from under itself: refuse
+        # before anything is measured or written (the trainer holds RUN_DIR/.train.lock).
+        holder = run_holder(run_dir)
+        inside = advised_file.resolve().is_relative_to(run_dir.resolve())
+        if holder is not None and (a.apply or inside):
+            who = f"pid {holder}" if holder else "a trainer"
+            raise TrainforgeError(
+                f"{run_dir} is still training ({who} holds {run_dir / RUN_LOCK_FILE}): "
+                + ("--apply starts the next run once it has finished or been stopped (SIGTERM saves a checkpoint)"
+                   if a.apply else f"--output {advised_file} would write into it; write outside it or wait "
+                                   "for the run to finish"))
     ev = read_run(run_dir)
     if a.memory_limit_gb is not None:
         if a.memory_limit_gb <= 0:
@@ -774,14 +795,16 @@ def _advise(argv: list[str]) -> int:
         limit, source = device_memory(ev)
     ctx = Context(limit, source, None if a.no_hardware_probe else hardware_capability(ev))
     advice = advise(run_dir, a.inference, ctx, ev)
-    # The Config round trip: advised.toml is what `trainforge train --config` reads back.
+    # The Config round trip: the advised config is what `trainforge train --config` reads back.
     try:
         text = config_to_toml(config_from_dict(advice.advised, f"{run_dir}/config.toml + advice").validate())
     except ConfigError as e:
         raise TrainforgeError(f"the advised config does not validate ({e}); report this with {run_dir}/config.toml "
                               "and drop the suggestion by hand") from None
-    advised_file = run_dir / ADVISED_FILE
-    advised_file.write_text(text, encoding="utf-8")
+    if a.apply and not advice.applied and not a.output:
+        advised_file = None  # nothing to start from: --apply writes nothing either
+    if advised_file is not None:
+        advised_file.write_text(text, encoding="utf-8")
     if a.json:
         print(json.dumps(to_json(advice, advised_file), indent=1, default=str))
     else:
@@ -818,7 +841,7 @@ SUMMARIES = {
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "report": "write an HTML report of one or several runs (overlaid, config diff)",
     "plan": "rank parallel layouts of a model on a cluster by predicted step time",
-    "advise": "ranked suggestions from a run's measurements; writes advised.toml (--apply: next run)",
+    "advise": "ranked suggestions from a run's measurements (--output: advised config; --apply: next run)",
 }
 
 
