@@ -589,14 +589,16 @@ def _plan(argv: list[str]) -> int:
                                    "model of plan/cost_model.py; shapes only, no weights are built).")
     p.add_argument("--model", required=True, choices=sorted(FLAVORS), metavar="FLAVOR", help="model flavor")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu", default=None, help="h100, h200, a100-80g, mi300x, or measured (a probe of this "
-                                                 "machine, where available) (default h100)")
+    p.add_argument("--gpu", default=None, help="h100, h200, h800, a100-80g, mi300x, or measured (a probe of "
+                                                 "this machine, where available) (default h100)")
     p.add_argument("--machine", choices=["measured"], default=None,
                    help="measured: this machine, probed (= --gpu measured; --gpus processes of one thread)")
     p.add_argument("--seq_len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--global_batch", type=int, default=None,
                    help="sequences per optimizer step (default 2 x --gpus)")
-    p.add_argument("--precision", default="bf16-mixed", help="[precision] policy (default bf16-mixed)")
+    p.add_argument("--precision", default="bf16-mixed",
+                   help="[precision] policy (default bf16-mixed), or fp8: bf16-mixed with the blocks' linear GEMMs "
+                        "at the board's FP8 peak (planning only: the trainer has no FP8 policy)")
     p.add_argument("--compression", default="none", help="[compression] codec on dp_replicate (default none)")
     p.add_argument("--compile", action="store_true",
                    help="predict for parallel.compile = true (torch.compile fuses the blocks' elementwise ops; "
@@ -627,6 +629,8 @@ def _plan(argv: list[str]) -> int:
         raise ConfigError(f"--calibrate measures this machine: use it with --gpu measured, not --gpu {a.gpu}")
     if a.calibrate and a.precision != "fp32":
         raise ConfigError(f"--calibrate runs the model in fp32: add --precision fp32 (not {a.precision})")
+    if a.precision == "fp8":
+        _check_fp8(a.gpu, a.output)
     cluster = _plan_cluster(a.gpu, a.gpus)
     batch = a.global_batch if a.global_batch is not None else 2 * a.gpus
     if batch < 1:
@@ -668,6 +672,24 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _check_fp8(gpu: str, output: str | None) -> None:
+    """``--precision fp8`` needs a board with FP8 tensor cores (before any probe is run) and
+    no ``--output`` (the trainer has no FP8 policy to write)."""
+    from trainforge.errors import ConfigError
+    from trainforge.plan.hardware import GPUS, VARIANTS, has_fp8
+
+    spec = GPUS.get(gpu.lower()) or VARIANTS.get(gpu.lower())
+    if gpu == "measured" or (spec is not None and not has_fp8(spec.peak_flops)):
+        with_fp8 = ", ".join(k for k, g in GPUS.items() if has_fp8(g.peak_flops))
+        peaks = ("a CPU probe measures fp32 and bf16" if spec is None
+                 else f"its peaks: {', '.join(sorted(spec.peak_flops))}")
+        raise ConfigError(f"--precision fp8: {gpu} has no FP8 tensor cores ({peaks}); plan it with --precision "
+                          f"bf16-mixed, or fp8 on {with_fp8}")
+    if output:
+        raise ConfigError(f"--output {output} with --precision fp8: the trainer has no FP8 policy to write; plan with "
+                          "--precision bf16-mixed for a config to run")
+
+
 def _plan_cluster(gpu: str, n: int):
     from trainforge.errors import ConfigError
 
@@ -676,7 +698,7 @@ def _plan_cluster(gpu: str, n: int):
             from trainforge.plan.probe import measured_cluster  # the probe of this machine, when it exists
         except ImportError:
             raise ConfigError("--gpu measured: the machine probe (trainforge.plan.probe) is not available in this "
-                              "version; name a GPU from the table (h100, h200, a100-80g, mi300x)") from None
+                              "version; name a GPU from the table (h100, h200, h800, a100-80g, mi300x)") from None
         return measured_cluster(n)
     from trainforge.plan.hardware import cluster
 
