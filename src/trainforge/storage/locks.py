@@ -38,7 +38,10 @@ def hold_run(run_dir: str | Path) -> IO[str] | None:
     another open file already holds it (a second trainer in the same directory): the
     marker is advisory and training goes on."""
     path = Path(run_dir) / RUN_LOCK_FILE
-    fh = open(path, "a+", encoding="utf-8")
+    try:
+        fh = open(path, "a+", encoding="utf-8")
+    except OSError:
+        return None  # advisory: a filesystem that refuses it does not stop training
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
