@@ -145,7 +145,9 @@ def run_cmd(cmd: list[str], lock: str | None, link=None, timeout_s: float = 600)
 
 
 def advise(run_dir: Path, apply: bool = False, lock: str | None = None) -> dict:
-    cmd = [sys.executable, "-m", "trainforge", "advise", str(run_dir), *ADVISE_FLAGS, *(["--apply"] if apply else [])]
+    # --output: advise writes the advised config only when asked; the link case trains from it by hand.
+    cmd = [sys.executable, "-m", "trainforge", "advise", str(run_dir), *ADVISE_FLAGS, "--output",
+           str(run_dir / "advised.toml"), *(["--apply"] if apply else [])]
     with locked(lock if apply else None):
         r = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=900)
     if r.returncode != 0:

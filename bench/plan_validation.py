@@ -2,7 +2,7 @@
 
 Published half (``published_table``): every row of ``trainforge.plan.published`` (Megatron-LM's
 H100 weak-scaling table, torchtitan's Llama 3.1 8B/70B/405B H100 figures, the Llama 3 paper's
-405B table) predicted by ``cost_model.estimate`` at the published layout, in the row's own
+405B table, DeepSeek-V3 on 2048 H800) predicted by ``cost_model.estimate`` at the published layout, in the row's own
 metric (TFLOP/s per GPU or tokens/s per GPU), with the relative error and the median absolute
 error over the target rows (bf16, layouts ``Layout`` can express; target <= 15 %). Then the
 memory check: DeepSpeed's documented ZeRO estimator outputs reproduced, and its ZeRO-3 model-
@@ -40,6 +40,8 @@ def _layout_text(layout) -> str:
         parts.append(f"fsdp{layout.dp_shard}")
     if layout.tp > 1:
         parts.append(f"tp{layout.tp}")
+    if layout.ep > 1:
+        parts.append(f"ep{layout.ep}")
     if layout.pp > 1:
         parts.append(f"pp{layout.pp}x{layout.microbatches}mb {layout.pp_schedule}")
     if layout.grad_accum_steps > 1:
@@ -55,6 +57,7 @@ def _kernel_sources() -> dict[str, str]:
 
     out = {f"hopper {k}": v for k, v in ge.KERNEL_TABLES["hopper"].sources.items()}
     out["h100-96g-500w peak"] = hardware.VARIANTS["h100-96g-500w"].sources["peak_flops"]
+    out["h800 peak"] = hardware.GPUS["h800"].sources["peak_flops"]
     return out
 
 

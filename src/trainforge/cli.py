@@ -589,14 +589,16 @@ def _plan(argv: list[str]) -> int:
                                    "model of plan/cost_model.py; shapes only, no weights are built).")
     p.add_argument("--model", required=True, choices=sorted(FLAVORS), metavar="FLAVOR", help="model flavor")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu", default=None, help="h100, h200, a100-80g, mi300x, or measured (a probe of this "
-                                                 "machine, where available) (default h100)")
+    p.add_argument("--gpu", default=None, help="h100, h200, h800, a100-80g, mi300x, or measured (a probe of "
+                                                 "this machine, where available) (default h100)")
     p.add_argument("--machine", choices=["measured"], default=None,
                    help="measured: this machine, probed (= --gpu measured; --gpus processes of one thread)")
     p.add_argument("--seq_len", type=int, default=4096, help="tokens per sequence (default 4096)")
     p.add_argument("--global_batch", type=int, default=None,
                    help="sequences per optimizer step (default 2 x --gpus)")
-    p.add_argument("--precision", default="bf16-mixed", help="[precision] policy (default bf16-mixed)")
+    p.add_argument("--precision", default="bf16-mixed",
+                   help="[precision] policy (default bf16-mixed), or fp8: bf16-mixed with the blocks' linear GEMMs "
+                        "at the board's FP8 peak (planning only: the trainer has no FP8 policy)")
     p.add_argument("--compression", default="none", help="[compression] codec on dp_replicate (default none)")
     p.add_argument("--compile", action="store_true",
                    help="predict for parallel.compile = true (torch.compile fuses the blocks' elementwise ops; "
@@ -627,6 +629,8 @@ def _plan(argv: list[str]) -> int:
         raise ConfigError(f"--calibrate measures this machine: use it with --gpu measured, not --gpu {a.gpu}")
     if a.calibrate and a.precision != "fp32":
         raise ConfigError(f"--calibrate runs the model in fp32: add --precision fp32 (not {a.precision})")
+    if a.precision == "fp8":
+        _check_fp8(a.gpu, a.output)
     cluster = _plan_cluster(a.gpu, a.gpus)
     batch = a.global_batch if a.global_batch is not None else 2 * a.gpus
     if batch < 1:
@@ -668,6 +672,24 @@ def _plan(argv: list[str]) -> int:
     return 0
 
 
+def _check_fp8(gpu: str, output: str | None) -> None:
+    """``--precision fp8`` needs a board with FP8 tensor cores (before any probe is run) and
+    no ``--output`` (the trainer has no FP8 policy to write)."""
+    from trainforge.errors import ConfigError
+    from trainforge.plan.hardware import GPUS, VARIANTS, has_fp8
+
+    spec = GPUS.get(gpu.lower()) or VARIANTS.get(gpu.lower())
+    if gpu == "measured" or (spec is not None and not has_fp8(spec.peak_flops)):
+        with_fp8 = ", ".join(k for k, g in GPUS.items() if has_fp8(g.peak_flops))
+        peaks = ("a CPU probe measures fp32 and bf16" if spec is None
+                 else f"its peaks: {', '.join(sorted(spec.peak_flops))}")
+        raise ConfigError(f"--precision fp8: {gpu} has no FP8 tensor cores ({peaks}); plan it with --precision "
+                          f"bf16-mixed, or fp8 on {with_fp8}")
+    if output:
+        raise ConfigError(f"--output {output} with --precision fp8: the trainer has no FP8 policy to write; plan with "
+                          "--precision bf16-mixed for a config to run")
+
+
 def _plan_cluster(gpu: str, n: int):
     from trainforge.errors import ConfigError
 
@@ -676,7 +698,7 @@ def _plan_cluster(gpu: str, n: int):
             from trainforge.plan.probe import measured_cluster  # the probe of this machine, when it exists
         except ImportError:
             raise ConfigError("--gpu measured: the machine probe (trainforge.plan.probe) is not available in this "
-                              "version; name a GPU from the table (h100, h200, a100-80g, mi300x)") from None
+                              "version; name a GPU from the table (h100, h200, h800, a100-80g, mi300x)") from None
         return measured_cluster(n)
     from trainforge.plan.hardware import cluster
 
@@ -744,27 +766,48 @@ def _advise(argv: list[str]) -> int:
     from trainforge.plan.advise import (ADVISED_FILE, advise, device_memory, hardware_capability, newest_checkpoint,
                                         next_run, prepare_next_run, render, to_json)
     from trainforge.plan.run_evidence import read_run
+    from trainforge.storage.locks import RUN_LOCK_FILE, run_holder
 
     p = ArgumentParser(prog="trainforge advise",
                        description="Ranked suggestions from a run's measurements (step time split, pipeline "
                                    "stages and bubble, comm share, memory, MFU, data wait, profiler) and "
                                    "optional inference measurements, each with its evidence and predicted "
-                                   "gain; writes RUN_DIR/advised.toml (the run's config with the training "
-                                   "changes applied, for `trainforge train --config`).")
+                                   "gain. Prints only: --output writes the advised config (the run's config with "
+                                   "the training changes applied, for `trainforge train --config`), --apply "
+                                   "writes it and starts the next run.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (config.toml + metrics.jsonl)")
     p.add_argument("--inference", nargs="+", default=[], metavar="FILE",
                    help="inference measurements: `trainforge generate --stats` JSON, a /metrics scrape of "
-                        "`trainforge serve`, or bench/inference.py --json output (serving advice)")
+                        "`trainforge serve`, or bench/inference.py --json output (serving advice; KV pool and "
+                        "batch-row advice needs the server's scrape)")
+    p.add_argument("--output", default=None, metavar="FILE",
+                   help="write the advised config (TOML) to FILE (default: write nothing)")
     p.add_argument("--apply", action="store_true",
-                   help="start the next run from advised.toml in RUN_DIR-advised: resumed from the newest "
-                        "checkpoint when every change keeps resume exact, else fresh (it says which)")
-    p.add_argument("--json", action="store_true", help="print the advice as JSON instead of a table")
+                   help=f"write the advised config to RUN_DIR/{ADVISED_FILE} (or --output) and start the next run "
+                        "from it in RUN_DIR-advised: resumed from the newest checkpoint when every change keeps "
+                        "resume exact, else fresh (it says which). Refused while RUN_DIR is still training")
+    p.add_argument("--json", action="store_true",
+                   help="print the advice as JSON instead of a table, with every rule checked (pass / fail, "
+                        "threshold, measured value)")
     p.add_argument("--memory_limit_gb", type=float, default=None,
                    help="device memory the peak is compared with (default: the GPU's, or this host's RAM)")
     p.add_argument("--no_hardware_probe", action="store_true",
                    help="skip the precision rule (it reads, or measures once, this CPU's bf16/fp16 probe)")
     a = p.parse_args(argv)
     run_dir = Path(a.run_dir)
+    advised_file = Path(a.output) if a.output else (run_dir / ADVISED_FILE if a.apply else None)
+    if advised_file is not None:
+        # A live run keeps writing its directory and would be resumed from under itself: refuse
+        # before anything is measured or written (the trainer holds RUN_DIR/.train.lock).
+        holder = run_holder(run_dir)
+        inside = advised_file.resolve().is_relative_to(run_dir.resolve())
+        if holder is not None and (a.apply or inside):
+            who = f"pid {holder}" if holder else "a trainer"
+            raise TrainforgeError(
+                f"{run_dir} is still training ({who} holds {run_dir / RUN_LOCK_FILE}): "
+                + ("--apply starts the next run once it has finished or been stopped (SIGTERM saves a checkpoint)"
+                   if a.apply else f"--output {advised_file} would write into it; write outside it or wait "
+                                   "for the run to finish"))
     ev = read_run(run_dir)
     if a.memory_limit_gb is not None:
         if a.memory_limit_gb <= 0:
@@ -774,14 +817,16 @@ def _advise(argv: list[str]) -> int:
         limit, source = device_memory(ev)
     ctx = Context(limit, source, None if a.no_hardware_probe else hardware_capability(ev))
     advice = advise(run_dir, a.inference, ctx, ev)
-    # The Config round trip: advised.toml is what `trainforge train --config` reads back.
+    # The Config round trip: the advised config is what `trainforge train --config` reads back.
     try:
         text = config_to_toml(config_from_dict(advice.advised, f"{run_dir}/config.toml + advice").validate())
     except ConfigError as e:
         raise TrainforgeError(f"the advised config does not validate ({e}); report this with {run_dir}/config.toml "
                               "and drop the suggestion by hand") from None
-    advised_file = run_dir / ADVISED_FILE
-    advised_file.write_text(text, encoding="utf-8")
+    if a.apply and not advice.applied and not a.output:
+        advised_file = None  # nothing to start from: --apply writes nothing either
+    if advised_file is not None:
+        advised_file.write_text(text, encoding="utf-8")
     if a.json:
         print(json.dumps(to_json(advice, advised_file), indent=1, default=str))
     else:
@@ -818,7 +863,7 @@ SUMMARIES = {
     "serve": "OpenAI-compatible HTTP server with continuous batching",
     "report": "write an HTML report of one or several runs (overlaid, config diff)",
     "plan": "rank parallel layouts of a model on a cluster by predicted step time",
-    "advise": "ranked suggestions from a run's measurements; writes advised.toml (--apply: next run)",
+    "advise": "ranked suggestions from a run's measurements (--output: advised config; --apply: next run)",
 }
 
 

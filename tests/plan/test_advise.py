@@ -185,12 +185,14 @@ def test_advised_toml_loads_and_differs_exactly_by_the_suggested_keys(tmp_path, 
     run = make_run(tmp_path, {"monitor": {"profile_every": 2}, "training": {"batch_size": 1, "seq_len": 64,
                                                                             "grad_accum_steps": 8}}, mfu=0.01,
                    per_step=_profiled_every_other_step)
-    assert main(["advise", str(run), "--json", "--no_hardware_probe"]) == 0
+    advised = tmp_path / "advised.toml"
+    assert main(["advise", str(run), "--json", "--no_hardware_probe", "--output", str(advised)]) == 0
     out = json.loads(capsys.readouterr().out)
     changes = out["changes"]
     assert set(changes) == {"monitor.profile_every", "training.batch_size", "training.grad_accum_steps"}
+    assert out["advised_config"] == str(advised)
     before = config_to_dict(load_config(run / "config.toml"))
-    after = config_to_dict(load_config(run / "advised.toml"))
+    after = config_to_dict(load_config(advised))
     flat = lambda d, p="": {k2: v2 for k, v in d.items() for k2, v2 in  # noqa: E731
                             (flat(v, f"{p}{k}.").items() if isinstance(v, dict) else [(f"{p}{k}", v)])}
     fb, fa = flat(before), flat(after)
@@ -207,17 +209,22 @@ def test_fixed_point_advising_the_advised_config_again(tmp_path):
 
 
 def test_engine_stats_json_gives_serving_advice(tmp_path, capsys):
+    """A generate --stats line gives engine advice (quantise); its KV pool, sized for its one
+    request, gives none: the pool advice comes from a server's scrape."""
     run = make_run(tmp_path, {"precision": {"policy": "bf16-mixed"}})
-    stats = {"submitted": 40, "rejected": 3, "generated_tokens": 2000, "decode_s": 4.0, "running": 8, "waiting": 12,
-             "peak_batch": 8, "decode_tokens_per_s": 500.0, "quant_kernels": {}, "fusions": {"qkv": 2},
-             "kv_pool": {"blocks_total": 100, "blocks_used": 50, "blocks_peak": 97, "block_utilisation": 0.5}}
+    stats = {"submitted": 1, "rejected": 0, "generated_tokens": 64, "decode_s": 0.2, "running": 0, "waiting": 0,
+             "peak_batch": 1, "decode_tokens_per_s": 320.0, "quant_kernels": {}, "fusions": {"qkv": 2},
+             "kv_pool": {"blocks_total": 5, "blocks_used": 0, "blocks_peak": 5, "block_utilisation": 0.0}}
     f = tmp_path / "stats.json"
     f.write_text("loading model...\n" + json.dumps(stats) + "\n")  # a saved stderr: log lines first
-    assert main(["advise", str(run), "--inference", str(f), "--json", "--no_hardware_probe"]) == 0
+    scrape = _write(tmp_path / "metrics.txt", '# TYPE trainforge_kv_cache_blocks_capacity gauge\n'
+                    'trainforge_kv_cache_blocks_capacity{rank="0"} 100\n'
+                    '# TYPE trainforge_kv_cache_blocks_used gauge\ntrainforge_kv_cache_blocks_used{rank="0"} 97\n')
+    assert main(["advise", str(run), "--inference", str(f), str(scrape), "--json", "--no_hardware_probe"]) == 0
     sug = {s["rule"]: s for s in json.loads(capsys.readouterr().out)["suggestions"]}
     assert sug["serve-kv-pool"]["changes"] == {"--n_blocks": 200} and sug["serve-kv-pool"]["needed"]
     assert sug["serve-quantize"]["changes"] == {"--quantize": "int8"}
-    assert not sug["serve-kv-pool"]["applied"]  # serve flags never go into advised.toml
+    assert not sug["serve-kv-pool"]["applied"]  # serve flags never go into the advised config
 
 
 def test_prometheus_scrape_and_bench_json_give_serving_advice(tmp_path):
@@ -326,7 +333,7 @@ def test_engine_stats_small_pool_unfused_and_poor_speculation(tmp_path):
     f = tmp_path / "stats.json"
     f.write_text(json.dumps(stats))
     found = rules(advise(run, [f]))
-    assert found["serve-kv-smaller"].changes == {"--n_blocks": 200}
+    assert "serve-kv-smaller" not in found  # generate's pool is sized for its request: no pool advice from it
     assert found["serve-fusion"].changes == {"--no_fuse": False}
     assert found["serve-speculative"].evidence[0].value == pytest.approx(1.1)
     assert found["serve-kernel"].changes == {"--quant_kernel": "measure"}
@@ -400,3 +407,35 @@ def test_ddp_is_not_advised_when_the_replicated_model_would_not_fit(tmp_path):
     # 0.8 GiB peak + 20 bytes x 10M parameters > 85% of 1 GiB
     assert "layout-ddp" not in rules(advise(run, ctx=Context(memory_limit_bytes=2**30, link=LINK)))
     assert "layout-ddp" in rules(advise(run, ctx=ROOMY))
+
+
+def test_json_lists_every_rule_checked_with_its_threshold_and_measured_value(tmp_path, capsys):
+    """--json: one entry per rule and evidence file, fired or not: pass / fail, the metric, the
+    measured value and the threshold it was held to (or why the rule did not apply)."""
+    from trainforge.plan.advice_rules import COMM_SHARE_HIGH, MEMORY_HIGH, TRAIN_RULES
+    from trainforge.plan.serve_rules import SERVE_RULES
+
+    run = make_run(tmp_path, {"parallel": {"dp_replicate": 2}}, step_s=1.0, comm_share=0.6, collective_s=0.6,
+                   parallel_degree={"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1})
+    scrape = _write(tmp_path / "metrics.txt", '# TYPE trainforge_kv_cache_blocks_capacity gauge\n'
+                    'trainforge_kv_cache_blocks_capacity{rank="0"} 100\n'
+                    '# TYPE trainforge_kv_cache_blocks_used gauge\ntrainforge_kv_cache_blocks_used{rank="0"} 40\n')
+    assert main(["advise", str(run), "--inference", str(scrape), "--json", "--no_hardware_probe",
+                 "--memory_limit_gb", "16"]) == 0
+    checks = json.loads(capsys.readouterr().out)["checks"]
+    assert len(checks) == len(TRAIN_RULES) + len(SERVE_RULES)
+    by_rule = {c["rule"]: c for c in checks}
+    comp = by_rule["compression"]  # fired: comm_share 0.6 > 0.25
+    assert comp["status"] == "fired" and comp["passed"] is False and comp["suggestion"] == "compression"
+    assert comp["metric"] == "comm_share" and comp["value"] == pytest.approx(0.6)
+    assert comp["threshold"] == COMM_SHARE_HIGH
+    mem = by_rule["memory"]  # passed: 1 GiB of 16
+    assert mem["status"] == "passed" and mem["passed"] is True and mem["threshold"] == MEMORY_HIGH
+    assert mem["value"] == pytest.approx(1 / 16)
+    pool = by_rule["kv-pool-full"]  # the scrape: 40 of 100 blocks in use
+    assert pool["status"] == "passed" and pool["value"] == pytest.approx(0.4) and pool["source"] == str(scrape)
+    assert by_rule["pipeline-bubble"]["status"] == "not applicable" and by_rule["pipeline-bubble"]["why"]
+    for c in checks:
+        assert c["status"] in ("fired", "passed", "no gain", "not measured", "not applicable"), c
+        if c["status"] in ("fired", "passed", "no gain"):
+            assert isinstance(c["value"], float) and isinstance(c["threshold"], float) and c["metric"], c

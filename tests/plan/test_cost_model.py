@@ -109,7 +109,7 @@ def test_every_gpu_number_has_a_source_and_unknown_names_list_the_known_ones():
                    and f.name not in ("name", "sources")]
         assert set(numeric) <= set(spec.sources), spec.name
         assert spec.peak_flops["bf16"] > spec.peak_flops["fp32"]
-    with pytest.raises(ValueError, match="a100-80g, h100, h200, mi300x"):
+    with pytest.raises(ValueError, match="a100-80g, h100, h200, h800, mi300x"):
         cluster("v100", 8)
 
 

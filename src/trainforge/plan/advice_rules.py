@@ -3,13 +3,15 @@ when a measurement crosses its threshold, with that measurement, the threshold a
 predicted gain.
 
     for rule in TRAIN_RULES:
-        s = rule(ev, ctx)      # Suggestion | None
+        s = rule(ev, ctx)      # a Suggestion, or a Check (falsy) saying why not
 
 A rule is a plain function of the evidence; every threshold is a named constant below with
 the reason for its value. A predicted gain is a tokens/s ratio (after / before) from a
 closed form stated in the rule; the formulas live in ``predict.py`` so a cost model can
-replace them (``predict.layout_speedup``). Rules never touch files: ``advise.py`` applies
-the changes and writes ``advised.toml``.
+replace them (``predict.layout_speedup``). Without a suggestion a rule returns a
+``Check`` (``advice_types``): passed, not measured or not applicable, with its threshold and
+the measured value, for ``advise --json``. Rules never touch files: ``advise.py`` applies
+the changes and the CLI writes the advised config.
 
 Hand-written: DeepSpeed's autotuner and vLLM's auto_tune search by trial; no library
 turns one run's measurements into config changes."""
@@ -18,17 +20,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from trainforge.plan import comm_model as cm
 from trainforge.plan import predict
+from trainforge.plan.advice_types import (LARGE_SPEEDUP, Check, Context, Evidence, Suggestion, no_gain,
+                                          not_applicable, not_measured, passed)
 from trainforge.plan.run_evidence import RunEvidence
 
-# A suggestion is "large" when it predicts at least this speedup (or is needed to fit in
-# memory): 10% is beyond the 2-3% run-to-run spread of tokens/s measured on this machine
-# (BENCHMARKS.md "Monitoring overhead": IQR +-2-3%), so a large one is worth a new run.
-LARGE_SPEEDUP = 1.10
 # Below this a speed suggestion is not shown at all: within the noise of one run.
 MIN_SPEEDUP = 1.03
 
@@ -88,67 +87,7 @@ LOWP_FASTER = 0.8
 SKIPPED_STEPS_HIGH = 0.05
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """One measurement behind a suggestion: ``metric`` crossed ``threshold`` (``op``)."""
-
-    metric: str
-    value: float
-    threshold: float
-    op: str = ">"  # ">" (above is bad) or "<"
-    unit: str = ""
-
-    def text(self) -> str:
-        fmt = (lambda v: f"{v:.3g}") if self.unit != "bytes" else (lambda v: f"{v / 2**30:.2f} GiB")
-        return f"{self.metric} = {fmt(self.value)} {self.op} {fmt(self.threshold)}"
-
-
-@dataclass
-class Suggestion:
-    """One piece of advice. ``changes``: ``{"section.key": value}`` for the training config
-    (``scope == "train"``) or ``{"--flag": value}`` for ``trainforge serve`` (``"serve"``).
-    ``speedup``: predicted tokens/s after / before, None when the change is not about speed
-    (memory); ``gain``: how that number was predicted. ``needed``: the run is at risk
-    without it (memory). ``resume_exact``: resuming from the run's checkpoint with the
-    change trains exactly what a fresh run with it would from that step (data pipeline,
-    monitoring): nothing the model's numerics or the optimisation depends on."""
-
-    rule: str
-    title: str
-    cause: str
-    evidence: list[Evidence]
-    changes: dict[str, Any]
-    speedup: float | None
-    gain: str
-    resume_exact: bool = False
-    scope: str = "train"
-    needed: bool = False
-    note: str = ""
-    # False: a hyperparameter change (the global batch) that advise shows but never applies:
-    # the optimisation is the user's to change, with the learning rate retuned.
-    auto: bool = True
-
-    @property
-    def large(self) -> bool:
-        return self.needed or (self.speedup is not None and self.speedup >= LARGE_SPEEDUP)
-
-    def rank_key(self) -> tuple:
-        return (not self.needed, -(self.speedup or 0.0), self.rule)
-
-
-@dataclass
-class Context:
-    """What a rule may know beyond the run: the device memory (bytes) and the hardware
-    probe (``trainforge.precision.hardware.Capability``), both optional."""
-
-    memory_limit_bytes: float | None = None
-    memory_limit_source: str = ""
-    capability: Any = None
-    link: Any = None  # comm_model.Link of this machine's collectives; None = predict.measured_link
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-Rule = Callable[[RunEvidence, Context], "Suggestion | None"]
+Rule = Callable[[RunEvidence, Context], "Suggestion | Check"]
 
 
 def _step(ev: RunEvidence) -> float | None:
@@ -159,21 +98,25 @@ def _step(ev: RunEvidence) -> float | None:
 # ------------------------------------------------------------------------ pipeline
 
 
-def pipeline_split(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def pipeline_split(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     stages = ev.stage_compute_s
     split = str(ev.cfg("parallel.pp_split", "auto"))
-    if ev.degree("pp") < 2 or not stages or len(stages) < 2 or split == "auto":
-        return None  # auto's boundaries are not recorded: nothing to infer layer costs from
+    metric = "stage max / mean"
+    if ev.degree("pp") < 2:
+        return not_applicable("no pipeline (pp = 1)")
+    if split == "auto":  # auto's boundaries are not recorded: nothing to infer layer costs from
+        return not_applicable("parallel.pp_split = auto: its stage boundaries are not recorded")
+    if not stages or len(stages) < 2 or sum(stages) <= 0:
+        return not_measured(metric, STAGE_IMBALANCE, "no per-stage compute times (stage_compute_s) recorded")
     mean = sum(stages) / len(stages)
-    if mean <= 0:
-        return None
     imbalance = max(stages) / mean
     if imbalance < STAGE_IMBALANCE:
-        return None
+        return passed(metric, imbalance, STAGE_IMBALANCE)
     n_layers = predict.model_shape(ev.config).n_layers
     speedup, new_max, starts = predict.resplit_speedup(stages, n_layers, split)
-    if speedup < MIN_SPEEDUP:
-        return None  # the imbalance is the granularity of whole blocks: no split does better
+    if speedup < MIN_SPEEDUP:  # the imbalance is the granularity of whole blocks: no split does better
+        return no_gain(metric, imbalance, STAGE_IMBALANCE,
+                       f"no contiguous split of whole blocks does better ({speedup:.2f}x predicted)")
     ms = ", ".join(f"{1e3 * t:.0f}" for t in stages)
     # One stage per rank: the split measured in this run, written out (pp_split's start-up
     # profile of one microbatch on one process can misjudge the head against the blocks
@@ -190,11 +133,13 @@ def pipeline_split(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         resume_exact=True)
 
 
-def pipeline_bubble(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def pipeline_bubble(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     p = ev.degree("pp")
     bubble = ev.median("bubble_fraction")
-    if p < 2 or bubble is None:
-        return None
+    if p < 2:
+        return not_applicable("no pipeline (pp = 1)")
+    if bubble is None:
+        return not_measured("bubble_fraction", BUBBLE_HIGH, "no bubble_fraction recorded")
     stages = ev.stage_compute_s
     # Idle caused by an unbalanced split is the split rule's to fix, not more microbatches.
     if stages and max(stages) > 0 and str(ev.cfg("parallel.pp_split", "auto")) != "auto":
@@ -202,7 +147,8 @@ def pipeline_bubble(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     else:
         bubble_own = bubble
     if bubble_own < BUBBLE_HIGH:
-        return None
+        return passed("bubble_fraction" + (" (less imbalance idle)" if bubble_own != bubble else ""), bubble_own,
+                      BUBBLE_HIGH)
     schedule = str(ev.cfg("parallel.pp_schedule", "1f1b"))
     m = int(ev.cfg("parallel.microbatches", 0) or 2 * p)
     batch = int(ev.cfg("training.batch_size", 8))
@@ -228,13 +174,15 @@ def pipeline_bubble(ev: RunEvidence, ctx: Context) -> Suggestion | None:
             ev_list, {"parallel.pp_schedule": "zbv"}, speedup,
             f"analytic bubble {predict.analytic_bubble(p, m, schedule):.2f} -> "
             f"{predict.analytic_bubble(p, m, 'zbv'):.2f} (zbv replayed action list), measured excess kept")
-    return None
+    return no_gain(ev_list[0].metric, bubble_own, BUBBLE_HIGH,
+                   f"training.batch_size = {batch} allows no more microbatches and {schedule} has no zero-bubble "
+                   "schedule to move to with this many layers")
 
 
 # ------------------------------------------------------------------------ layout
 
 
-def layout_ddp(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def layout_ddp(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     """FSDP2 on a model that fits whole on every rank: DDP over the same ranks. The predicted
     DDP step keeps what the run measured outside FSDP2's collectives (its own CPU overhead
     included, so the prediction errs low) and adds the optimizer over the whole model and
@@ -246,23 +194,28 @@ def layout_ddp(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     than the two half models' mean), so the stage times do not predict a DDP step here."""
     world, shard, rep = ev.world_size, ev.degree("dp_shard"), ev.degree("dp_replicate")
     step, peak, limit = _step(ev), ev.max("peak_memory_bytes"), ctx.memory_limit_bytes
+    metric = "comm_share (FSDP2 collectives)"
     if world < 2 or shard < 2 or rep * shard != world or ev.degree("tp") != 1 or ev.degree("pp") != 1:
-        return None
+        return not_applicable("not an FSDP2-only layout (dp_shard > 1, tp = pp = 1)")
     if step is None or peak is None or not limit:
-        return None
+        what = "step_s" if step is None else "peak_memory_bytes" if peak is None else "the device memory"
+        return not_measured(metric, FSDP_COMM_SHARE, f"{what} unknown")
     shape = predict.model_shape(ev.config)
-    if shape.is_moe:
-        return None  # experts are kept out of FSDP and split by ep: not a layout this rule models
+    if shape.is_moe:  # experts are kept out of FSDP and split by ep: not a layout this rule models
+        return not_applicable("a MoE model: experts are split by ep, not FSDP2")
     n_params = shape.num_params()
     replicated = peak + predict.DDP_BYTES_PER_PARAM * n_params  # conservative: nothing FSDP2 held is freed
     if replicated > MEMORY_HIGH * limit:
-        return None
+        return not_applicable(f"the replicated model would not fit: (peak + replicated states) / device memory "
+                              f"{replicated / limit:.2f} > {MEMORY_HIGH}")
     coll = ev.median("collective_s")
     share = ev.median("comm_share")
     if coll is None and share is not None:
         coll = share * step
-    if coll is None or coll / step < FSDP_COMM_SHARE:
-        return None
+    if coll is None:
+        return not_measured(metric, FSDP_COMM_SHARE, "no collective_s or comm_share recorded")
+    if coll / step < FSDP_COMM_SHARE:
+        return passed(metric, coll / step, FSDP_COMM_SHARE)
     link, where = (ctx.link, "the given link") if ctx.link is not None else predict.measured_link(world)
     opt = ev.median("optimizer_s") or 0.0
     grad_bytes = 4.0 * n_params
@@ -271,7 +224,7 @@ def layout_ddp(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     new_step = predict.ddp_step_s(compute, opt * shard, ar)
     speedup = step / max(new_step, 1e-9)
     if speedup < MIN_SPEEDUP:
-        return None
+        return no_gain(metric, coll / step, FSDP_COMM_SHARE, f"DDP predicted at {speedup:.2f}x")
     return Suggestion(
         "layout-ddp", f"DDP instead of FSDP2: parallel.dp_replicate = {world}, dp_shard = 1",
         f"FSDP2 shards a {n_params / 1e6:.1f}M-parameter model that fits whole on each rank; its per-block "
@@ -288,13 +241,19 @@ def layout_ddp(ev: RunEvidence, ctx: Context) -> Suggestion | None:
 # ------------------------------------------------------------------------ communication
 
 
-def compression(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def compression(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     share = ev.median("comm_share")
     step = _step(ev)
-    if share is None or step is None or ev.world_size < 2 or share < COMM_SHARE_HIGH:
-        return None
-    if str(ev.cfg("compression.codec", "none")) != "none" or ev.degree("dp_replicate") < 2:
-        return None  # compression hooks sit on the dp_replicate all-reduce (DDP) only
+    if ev.world_size < 2:
+        return not_applicable("one process: no collectives")
+    if str(ev.cfg("compression.codec", "none")) != "none":
+        return not_applicable(f"compression.codec = {ev.cfg('compression.codec')} already")
+    if ev.degree("dp_replicate") < 2:  # compression hooks sit on the dp_replicate all-reduce (DDP) only
+        return not_applicable("no dp_replicate axis: compression hooks sit on its all-reduce")
+    if share is None or step is None:
+        return not_measured("comm_share", COMM_SHARE_HIGH, "no comm_share or step_s recorded")
+    if share < COMM_SHARE_HIGH:
+        return passed("comm_share", share, COMM_SHARE_HIGH)
     codec = "int4" if share >= COMM_SHARE_INT4 else "int8"
     block = int(ev.cfg("compression.block_size", 256))
     ratio = predict.wire_ratio(codec, block)
@@ -312,13 +271,15 @@ def compression(ev: RunEvidence, ctx: Context) -> Suggestion | None:
 # ------------------------------------------------------------------------ memory
 
 
-def memory(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def memory(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     peak = ev.max("peak_memory_bytes")
+    metric = "peak memory / device memory"
     if peak is None or not ctx.memory_limit_bytes:
-        return None
+        return not_measured(metric, MEMORY_HIGH, "no peak_memory_bytes recorded" if peak is None else
+                            f"device memory unknown ({ctx.memory_limit_source or 'pass --memory_limit_gb'})")
     share = peak / ctx.memory_limit_bytes
     if share < MEMORY_HIGH:
-        return None
+        return passed(metric, share, MEMORY_HIGH)
     shape = predict.model_shape(ev.config)
     b, t = int(ev.cfg("training.batch_size", 8)), int(ev.cfg("training.seq_len", 256))
     logits = predict.logits_bytes(b, t, shape.vocab_size)
@@ -344,19 +305,25 @@ def memory(ev: RunEvidence, ctx: Context) -> Suggestion | None:
             evidence, {"parallel.activation_checkpointing": "full"}, speedup,
             (f"saves most of the {acts / 2**30:.2f} GiB of saved activations; " if acts else "")
             + "backward recomputes each block's forward (one more forward per step)", needed=True)
-    return None
+    return no_gain(metric, share, MEMORY_HIGH, "the loss is chunked or small and activation checkpointing is on "
+                   "already: nothing this rule knows frees more")
 
 
 # ------------------------------------------------------------------------ batch and MFU
 
 
-def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     b, t = int(ev.cfg("training.batch_size", 8)), int(ev.cfg("training.seq_len", 256))
     accum = int(ev.cfg("training.grad_accum_steps", 1))
     mfu, tps, step = ev.window_median("mfu"), ev.tokens_per_s, _step(ev)
     reachable = predict.MFU_REACHABLE[ev.device]
-    if not mfu or not tps or not step or b * t >= TARGET_MICROBATCH_TOKENS or ev.degree("pp") > 1:
-        return None
+    metric = "mfu (of the compute part of the step)"
+    if ev.degree("pp") > 1:
+        return not_applicable("a pipeline: its microbatches, not training.batch_size, set the GEMM shapes")
+    if b * t >= TARGET_MICROBATCH_TOKENS:
+        return passed("tokens per micro-batch", b * t, TARGET_MICROBATCH_TOKENS, "<")
+    if not mfu or not tps or not step:
+        return not_measured(metric, None, "no mfu, tokens_per_s or step_s recorded", "<")
     # MFU of the compute part: time in collectives, data waits and the monitor is other
     # rules' to cut, and a larger batch would not shrink it.
     other = (ev.median("comm_share") or 0.0) + (ev.monitor_share or 0.0) + (ev.median("data_wait_s") or 0.0) / step
@@ -364,18 +331,19 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | None:
     keep_global = accum > 1
     low = (MFU_LOW_SHARE_ACCUM if keep_global else MFU_LOW_SHARE) * reachable
     if mfu >= low:
-        return None
+        return passed(metric, mfu, low, "<")
     k_max = max(1, TARGET_MICROBATCH_TOKENS // (b * t))
     k = 1 << int(math.log2(k_max))
     if keep_global:
         k = math.gcd(k, accum)  # the same global batch: batch_size x k, grad_accum_steps / k
     k = _fit_memory(ev, ctx, k)
     if k < 2:
-        return None
+        return no_gain(metric, mfu, low, "no larger micro-batch fits (memory, or the accumulation steps to merge)",
+                       "<")
     fixed = (ev.median("optimizer_s") or 0.0) + (ev.median("data_wait_s") or 0.0)
     speedup = predict.batch_speedup(step, fixed, accum, k, keep_global, mfu, reachable)
     if speedup < MIN_SPEEDUP:
-        return None
+        return no_gain(metric, mfu, low, f"batch_size x {k} predicted at {speedup:.2f}x", "<")
     changes: dict[str, Any] = {"training.batch_size": b * k}
     if keep_global:
         changes["training.grad_accum_steps"] = accum // k
@@ -405,15 +373,19 @@ def _fit_memory(ev: RunEvidence, ctx: Context, k: int) -> int:
 # ------------------------------------------------------------------------ data and monitoring
 
 
-def data_wait(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def data_wait(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     step, wait = _step(ev), ev.median("data_wait_s")
     share = wait / step if wait is not None and step else None
     frac = ev.window_median("data_io_wait_frac")
     metric, value = ("data_wait_s / step_s", share) if share is not None else ("data_io_wait_frac", frac)
     if frac is not None and (value is None or frac > value):
         metric, value = "data_io_wait_frac", frac
-    if value is None or value < DATA_WAIT_HIGH or not ev.cfg("data.cache.dir"):
-        return None  # prefetch and fetch workers belong to the tiered cache (data.cache.dir)
+    if not ev.cfg("data.cache.dir"):  # prefetch and fetch workers belong to the tiered cache
+        return not_applicable("no tiered cache (data.cache.dir): its prefetch settings are what this rule changes")
+    if value is None:
+        return not_measured(metric, DATA_WAIT_HIGH, "no data_wait_s or data_io_wait_frac recorded")
+    if value < DATA_WAIT_HIGH:
+        return passed(metric, value, DATA_WAIT_HIGH)
     depth, workers = int(ev.cfg("data.prefetch_depth", 8)), int(ev.cfg("data.fetch_workers", 4))
     return Suggestion(
         "data-prefetch", f"fetch further ahead: data.prefetch_depth {depth} -> {2 * depth}, "
@@ -423,18 +395,21 @@ def data_wait(ev: RunEvidence, ctx: Context) -> Suggestion | None:
         1 / (1 - min(value, 0.9)), "upper bound: the whole wait hidden behind compute", resume_exact=True)
 
 
-def profiler(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def profiler(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     every = int(ev.cfg("monitor.profile_every", 0))
-    if not 0 < every < PROFILE_EVERY_MIN or not ev.cfg("monitor.enabled", True):
-        return None
+    if every <= 0 or not ev.cfg("monitor.enabled", True):
+        return not_applicable("the profiler is off")
+    if every >= PROFILE_EVERY_MIN:
+        return passed("monitor.profile_every", every, PROFILE_EVERY_MIN, "<")
     wall = ev.wall_per_step_s
     if wall is None:
-        return None
+        return not_measured("monitor.profile_every", PROFILE_EVERY_MIN, "no tokens_per_s to time a step by", "<")
     profiled = [r["step_s"] for r in ev.records if isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
     plain = [r["step_s"] for r in ev.records if not isinstance(r.get("top_ops"), dict) and _pos(r.get("step_s"))]
     speedup, how = predict.profiler_speedup(every, PROFILE_EVERY_ADVISED, wall, profiled, plain)
     if speedup < MIN_SPEEDUP:
-        return None
+        return no_gain("monitor.profile_every", every, PROFILE_EVERY_MIN,
+                       f"profile_every {PROFILE_EVERY_ADVISED} predicted at {speedup:.2f}x", "<")
     evidence = [Evidence("monitor.profile_every", every, PROFILE_EVERY_MIN, "<")]
     return Suggestion(
         "profiler", f"profile less often: monitor.profile_every {every} -> {PROFILE_EVERY_ADVISED}",
@@ -447,12 +422,16 @@ def _pos(v: Any) -> bool:
     return isinstance(v, (int, float)) and v > 0
 
 
-def monitor_cost(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def monitor_cost(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     share = ev.monitor_share
-    if share is None or share < MONITOR_SHARE_HIGH:
-        return None
+    if share is None:
+        return not_measured("monitor_s / wall", MONITOR_SHARE_HIGH, "no monitor_s recorded over two windows")
+    if share < MONITOR_SHARE_HIGH:
+        return passed("monitor_s / wall", share, MONITOR_SHARE_HIGH)
     if 0 < int(ev.cfg("monitor.profile_every", 0)) < PROFILE_EVERY_MIN:
-        return None  # a frequent profiler's trace reduction is that share: the profiler rule's
+        # a frequent profiler's trace reduction is that share: the profiler rule's
+        return no_gain("monitor_s / wall", share, MONITOR_SHARE_HIGH, "the frequent profiler is that cost: see "
+                       "the profiler rule")
     every = int(ev.cfg("monitor.interval_steps", 10))
     changes: dict[str, Any] = {"monitor.interval_steps": 4 * every}
     if ev.cfg("monitor.activation_stats", False):
@@ -467,11 +446,14 @@ def monitor_cost(ev: RunEvidence, ctx: Context) -> Suggestion | None:
 # ------------------------------------------------------------------------ precision
 
 
-def precision(ev: RunEvidence, ctx: Context) -> Suggestion | None:
+def precision(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     cap, step = ctx.capability, _step(ev)
     policy = str(ev.cfg("precision.policy", "fp32"))
-    if cap is None or step is None:
-        return None
+    metric = "bf16 / fp32 matmul time (hardware probe)"
+    if cap is None:
+        return not_applicable("no hardware probe for this run's device (a CUDA run, or --no_hardware_probe)")
+    if step is None:
+        return not_measured(metric, LOWP_FASTER, "no step_s recorded", "<")
     skipped = ev.last.get("optimizer_skipped_steps")
     n = ev.last.get("step") or 0
     if policy == "fp16-mixed" and isinstance(skipped, (int, float)) and n and skipped / n >= SKIPPED_STEPS_HIGH:
@@ -484,10 +466,12 @@ def precision(ev: RunEvidence, ctx: Context) -> Suggestion | None:
                 {"precision.policy": "bf16-mixed"}, 1 / (1 - skipped / n), "the skipped steps' compute recovered; "
                 f"{bf16.reason}")
     if policy != "fp32":
-        return None
+        return not_applicable(f"precision.policy = {policy}: already low precision, and no fp16 overflow to fix")
     support = cap.support.get("bf16")
-    if support is None or not support.fast or support.slowdown is None or support.slowdown > LOWP_FASTER:
-        return None
+    if support is None or not support.fast or support.slowdown is None:
+        return not_applicable(f"bf16 matmuls are not fast on {cap.name}" + (f" ({support.reason})" if support else ""))
+    if support.slowdown > LOWP_FASTER:
+        return passed(metric, support.slowdown, LOWP_FASTER, "<")
     share = predict.matmul_share(ev.top_ops, step)
     speedup = 1 / (1 - share + share * support.slowdown)
     return Suggestion(

@@ -1,16 +1,19 @@
 """``trainforge advise``: a finished run's measurements (and optionally inference ones) ->
-ranked suggestions -> ``advised.toml`` -> the next run.
+ranked suggestions -> (on request) an advised config -> the next run.
 
     advice = advise(Path("runs/x"), [Path("stats.json")], Context(memory_limit_bytes=...))
     advised = advice.advised            # the run's config dict with the applied changes
     nxt = next_run(advice, newest_checkpoint=(path, step))   # fresh or resumed, and why
 
 Order: read evidence (``run_evidence``), run every rule (``advice_rules``, ``serve_rules``),
-rank (needed first, then predicted speedup), apply the training suggestions to the run's
+keep every rule's outcome (``Advice.checks``: fired, passed, not measured, not applicable,
+with threshold and measured value), rank (needed first, then predicted speedup), apply the
+training suggestions to the run's
 config in rank order (one whose keys an earlier one already set is shown, not applied; so
 is one predicting under ``APPLY_MIN_SPEEDUP``, 1.10x; nothing grows the batch once memory
 is short). The CLI turns ``advised`` into a validated
-``Config`` and writes it (only the CLI imports ``trainforge.config``).
+``Config`` and writes it only when asked (``--output``, ``--apply``; only the CLI imports
+``trainforge.config``).
 
 Resume or fresh: the next run resumes from the run's newest checkpoint only when every
 applied change leaves the trained numbers as they would be (data pipeline, monitoring) and
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.plan.advice_rules import APPLY_MIN_SPEEDUP, TRAIN_RULES, Context, Suggestion
+from trainforge.plan.advice_types import check_record
 from trainforge.plan.run_evidence import RunEvidence, ServeEvidence, read_inference, read_run
 from trainforge.plan.serve_rules import SERVE_RULES
 
@@ -43,6 +47,7 @@ class Advice:
     applied: list[Suggestion]  # whose changes are in ``advised``
     advised: dict[str, Any]
     not_applied: dict[str, str] = field(default_factory=dict)  # rule -> why
+    checks: list[dict[str, Any]] = field(default_factory=list)  # every rule run (advice_types.check_record)
 
     @property
     def changes(self) -> dict[str, Any]:
@@ -60,11 +65,12 @@ def advise(run_dir: str | Path, inference: list[str | Path] = (), ctx: Context |
     ctx = ctx or Context()
     ev = ev or read_run(run_dir)
     serve = [read_inference(p) for p in inference]
-    found = [s for rule in TRAIN_RULES if (s := rule(ev, ctx)) is not None]
-    found += [s for sv in serve for rule in SERVE_RULES if (s := rule(sv)) is not None]
-    found.sort(key=Suggestion.rank_key)
+    outcomes = [(rule, rule(ev, ctx), str(ev.run_dir)) for rule in TRAIN_RULES]
+    outcomes += [(rule, rule(sv), sv.source) for sv in serve for rule in SERVE_RULES]
+    found = sorted((o for _, o, _ in outcomes if isinstance(o, Suggestion)), key=Suggestion.rank_key)
+    checks = [check_record(rule.__name__.replace("_", "-"), o, src) for rule, o, src in outcomes]
     advised, applied, skipped = apply_changes(ev.config, found)
-    return Advice(ev, serve, found, applied, advised, skipped)
+    return Advice(ev, serve, found, applied, advised, skipped, checks)
 
 
 def apply_changes(config: dict[str, Any], suggestions: list[Suggestion]) -> tuple[dict, list[Suggestion], dict]:
@@ -243,11 +249,13 @@ def to_json(advice: Advice, advised_file: Path | None = None) -> dict[str, Any]:
             "evidence": [{"metric": e.metric, "value": e.value, "threshold": e.threshold, "op": e.op}
                          for e in s.evidence]} for s in advice.suggestions],
         "advised_config": str(advised_file) if advised_file else None, "changes": advice.changes,
+        "checks": advice.checks,
     }
 
 
 def render(advice: Advice, advised_file: Path | None, console=None) -> None:
-    """The ranked suggestions as a rich table, then where advised.toml is."""
+    """The ranked suggestions as a rich table, then where the advised config was written
+    (``advised_file``; None: nothing was written, and how to write it)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -259,6 +267,9 @@ def render(advice: Advice, advised_file: Path | None, console=None) -> None:
     if step:
         head += f", step {1e3 * step:.1f} ms (median of {len(ev.records)} steady steps)"
     console.print(head)
+    fired = sum(c["status"] == "fired" for c in advice.checks)
+    console.print(f"{len(advice.checks)} rule checks, {fired} fired (--json lists each with its threshold and "
+                  "measured value)")
     if not advice.suggestions:
         console.print("no suggestion: no measurement crossed its threshold")
         return
@@ -284,3 +295,6 @@ def render(advice: Advice, advised_file: Path | None, console=None) -> None:
     if advised_file is not None:
         console.print(f"advised config: {advised_file} ({len(advice.changes)} key"
                       f"{'' if len(advice.changes) == 1 else 's'} changed)")
+    elif advice.changes:
+        console.print(f"{len(advice.changes)} key{'' if len(advice.changes) == 1 else 's'} would change; nothing "
+                      "written: --output FILE writes the advised config, --apply also starts the next run")

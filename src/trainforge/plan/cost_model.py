@@ -87,7 +87,10 @@ bubble and waits cost nothing when the other stages' ranks fill the cores.
 step_s = micro-steps x ((stage compute + memory-bound + TP + EP + syncs + pass overheads)
 x (1 + charged x bubble / (1 - bubble)) + exposed PP + exposed DP) + expert reduce + optimizer
 + step overhead. bubble: the schedule's own action list replayed (``pipeline_sim``).
-MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]).
+MFU = model FLOPs (no recomputation) / (step_s x n_gpus x peak[compute dtype]). Under the
+planning-only ``fp8`` precision (``memory_model.FP8``) the blocks' linear GEMMs run at the FP8
+peak (operands of one byte) and the rest as bf16-mixed; MFU stays of the bf16 peak, as FP8
+training runs report it, so it compares across precisions.
 """
 
 from __future__ import annotations
@@ -198,9 +201,11 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
     if why:
         return _infeasible(layout, why)
     peak = cluster.peak_flops.get(pb.compute_dtype)
-    if not peak:
-        return _infeasible(layout, f"{cluster.name} has no {pb.compute_dtype} matmul peak (it has "
-                                   f"{', '.join(sorted(cluster.peak_flops)) or 'none'}): choose another precision")
+    gemm_peak = cluster.peak_flops.get(pb.gemm_dtype) if pb.gemm_dtype else peak
+    for dtype, rate in ((pb.compute_dtype, peak), (pb.gemm_dtype, gemm_peak)):
+        if not rate:
+            return _infeasible(layout, f"{cluster.name} has no {dtype} matmul peak (it has "
+                                       f"{', '.join(sorted(cluster.peak_flops)) or 'none'}): choose another precision")
     ge.stack(workload.stack)  # ValueError naming the stacks for an unknown one
 
     tp, pp, ep, m = layout.tp, layout.pp, layout.ep, layout.microbatches
@@ -268,7 +273,8 @@ def estimate(workload: Workload, layout: Layout, cluster: Cluster) -> Estimate:
         # Compute and exposed per-microbatch communication of this rank, one micro-step.
         compute = m * ge.compute_s(cfg, [table.flops_per_token[i] for i in layers], layers,
                                    table.head_flops_per_token if last else 0.0, s, mb_tokens, tp, ep, ac, cluster,
-                                   peak, workload.stack)
+                                   peak, workload.stack, gemm_peak=gemm_peak,
+                                   gemm_bytes=1 if pb.gemm_dtype == "fp8" else a)
         # Memory-bound kernels (norms, rotary, SwiGLU's product, residual adds, the loss): each saved
         # activation written in forward, read in backward, its gradient written and read (4x; 6x with
         # the recomputed forward), the logits' ~14 bytes per vocab entry; at HBM bandwidth, not hidden.

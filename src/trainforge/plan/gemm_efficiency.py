@@ -42,6 +42,7 @@ measured cluster (``probe.py``) is calibrated end to end, with its own stack in 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -253,17 +254,19 @@ def _splits(kind: str, tp: int, st: Stack) -> tuple[int, int, int]:
     return (tp, 1, 1) if kind == "col" else (TE_PIPELINE_SPLITS, tp, 1)
 
 
-def _gemm_chunks_s(t: KernelTable, m: int, n: int, k: int, split: int, peak: float, bw: float) -> float:
+def _gemm_chunks_s(t: KernelTable, m: int, n: int, k: int, split: int, peak: float, bw: float,
+                   bytes_per_element: int = 2) -> float:
     """One GEMM cut into ``split`` chunks of m / split rows, ``TE_STREAMS`` of them in flight
     at a time (their tiles share the waves)."""
     if split <= 1:
-        return gemm_time_s(t, m, n, k, 1, peak, bw)
+        return gemm_time_s(t, m, n, k, 1, peak, bw, bytes_per_element)
     streams = min(TE_STREAMS, split)
-    return math.ceil(split / streams) * gemm_time_s(t, max(1, m // split), n, k, streams, peak, bw)
+    return math.ceil(split / streams) * gemm_time_s(t, max(1, m // split), n, k, streams, peak, bw,
+                                                    bytes_per_element)
 
 
 def _harmonic_factor(t: KernelTable, shapes: list[tuple[int, int, int, str]], peak: float, bw: float,
-                     st: Stack | None = None, tp: int = 1) -> float:
+                     st: Stack | None = None, tp: int = 1, bytes_per_element: int = 2) -> float:
     """FLOP-weighted harmonic mean of the shape factors of ``shapes`` and their backward
     GEMMs (input gradient (m, k, n), weight gradient (k, n, m): the same FLOPs each), each cut
     as the stack's TP overlap cuts it (``_splits``)."""
@@ -273,9 +276,18 @@ def _harmonic_factor(t: KernelTable, shapes: list[tuple[int, int, int, str]], pe
         splits = _splits(kind, tp, st) if st is not None else (1, 1, 1)
         for (mm, nn, kk), split in zip(((m, n, k), (m, k, n), (k, n, m)), splits):
             flops += f
-            time += _gemm_chunks_s(t, mm, nn, kk, split, peak, bw)
+            time += _gemm_chunks_s(t, mm, nn, kk, split, peak, bw, bytes_per_element)
     rate = flops / time if time else peak * t.tile_efficiency
     return min(1.0, rate / (peak * t.tile_efficiency))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _shape_factor(table: str, shapes: tuple[tuple[int, int, int, str], ...], peak: float, bw: float, stack_name: str,
+                  tp: int, bytes_per_element: int) -> float:
+    """``_harmonic_factor`` memoised: the planner prices each block shape (tokens, tp, ep) for
+    thousands of layouts that share it."""
+    return _harmonic_factor(KERNEL_TABLES[table], list(shapes), peak, bw, STACKS[stack_name] if stack_name else None,
+                            tp, bytes_per_element)
 
 
 def _attention_fraction(t: KernelTable, kernel: str, seq_len: int) -> tuple[float, float]:
@@ -306,16 +318,25 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def compute_s(cfg: ModelConfig, block_flops: list[float], layers: list[int], head_flops: float, seq_len: int,
-              tokens: int, tp: int, ep: int, recompute: bool, cluster: Cluster, peak: float, stack_name: str) -> float:
+              tokens: int, tp: int, ep: int, recompute: bool, cluster: Cluster, peak: float, stack_name: str,
+              gemm_peak: float | None = None, gemm_bytes: int = 2) -> float:
     """Seconds of one microbatch's matmul work (``tokens`` tokens) on one rank: the blocks
     ``layers`` (their training FLOPs per token ``block_flops``, recomputed forward included
     when ``recompute``) and ``head_flops`` per token (0 off the last stage), all split by tp.
+    ``gemm_peak``/``gemm_bytes``: the blocks' linear GEMMs' peak and operand bytes where they
+    run in another dtype than ``peak``'s (FP8); attention and the head stay at ``peak``.
     Without a kernel table: FLOPs / (peak x matmul_efficiency), as before this module."""
     rate = peak * cluster.matmul_efficiency
+    gemm_peak = gemm_peak or peak
+    gemm_rate = gemm_peak * cluster.matmul_efficiency
     t = kernel_table(cluster)
     ac = 4 / 3 if recompute else 1.0
     if t is None:
-        return (sum(block_flops) * ac + head_flops) * tokens / tp / rate
+        if gemm_peak == peak:
+            return (sum(block_flops) * ac + head_flops) * tokens / tp / rate
+        att = attention_flops_per_token(cfg, seq_len) * ac
+        gemm = sum(max(0.0, f * ac - att) for f in block_flops)
+        return (gemm / gemm_rate + (len(block_flops) * att + head_flops) / rate) * tokens / tp
     st = stack(stack_name)
     bw = cluster.memory_bandwidth_bytes_per_s
     total = 0.0
@@ -325,13 +346,15 @@ def compute_s(cfg: ModelConfig, block_flops: list[float], layers: list[int], hea
         att = attention_flops_per_token(cfg, seq_len)
         moe = cfg.is_moe_layer(layer)
         if moe not in factors:
-            factors[moe] = _harmonic_factor(t, _block_shapes(cfg, layer, tokens, tp, ep), peak, bw, st, tp)
-        total += (flops - att) * ac / (rate * factors[moe])
+            factors[moe] = _shape_factor(t.name, tuple(_block_shapes(cfg, layer, tokens, tp, ep)), gemm_peak, bw,
+                                         st.name, tp, gemm_bytes)
+        total += (flops - att) * ac / (gemm_rate * factors[moe])
         # the kernel does the causal half: forward (twice with recomputation) and 2.5x it backward
         half_fwd = att / 6
         total += half_fwd * (2 if recompute else 1) / (peak * att_fwd) + 2.5 * half_fwd / (peak * att_bwd)
     if head_flops:
-        total += head_flops / (rate * _harmonic_factor(t, [(tokens, cfg.vocab_size // tp, cfg.dim, "")], peak, bw))
+        head = ((tokens, cfg.vocab_size // tp, cfg.dim, ""),)
+        total += head_flops / (rate * _shape_factor(t.name, head, peak, bw, "", 1, 2))
     return total * tokens / tp
 
 

@@ -17,7 +17,11 @@ reaches. ``kernel_table`` (H100/H200: "hopper") names the per-kernel figures of
 ``gemm_efficiency``: each GEMM's shape factor multiplies that efficiency, attention runs at
 the training stack's flash-attention speed. A100 and MI300X have no table wired in: one
 efficiency for every FLOP. ``VARIANTS``: boards of published runs that differ from the table
-entry (torchtitan's 500 W HBM2e H100); ``--gpu`` accepts them too.
+entry (torchtitan's 500 W HBM2e H100); ``--gpu`` accepts them too. Every board a published
+row of ``published.py`` ran on is here (h100, h100-96g-500w, h800).
+
+``fp8``: the dense FP8 tensor peak (Hopper, MI300X); A100 has none, and ``plan --precision
+fp8`` refuses it by name (``has_fp8``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ GBps = 1e9
 
 _H100_DATASHEET = "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"
 _H200_DATASHEET = "https://www.nvidia.com/en-us/data-center/h200/"
+# The H800 (SXM5) is the H100 SXM5's GH100 with NVLink cut to 400 GB/s (from 900) and FP64
+# cut: its datasheet's tensor peaks (FP8 3,958, BF16/FP16 1,979, TF32 989 TFLOP/s with
+# sparsity; FP32 67), 80 GB HBM3 and 3.35 TB/s are the H100 SXM5's.
+_H800_DATASHEET = ("NVIDIA H800 Tensor Core GPU datasheet, H800 SXM5 column (FP8 3,958 / BF16 1,979 TFLOP/s with "
+                   "sparsity, 80 GB HBM3, 3.35 TB/s, NVLink 400 GB/s): https://www.nvidia.cn/data-center/h800/")
+_DEEPSEEK_V3 = ("DeepSeek-V3 Technical Report (arXiv 2412.19437) section 3.1: 2048 H800, 8 per node on "
+                "NVLink/NVSwitch, IB between nodes, 'NVLink offers a bandwidth of 160 GB/s, roughly 3.2 times "
+                "that of IB (50 GB/s)'")
 _A100_DATASHEET = ("https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                    "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")
 _MI300X_DATASHEET = ("https://www.amd.com/content/dam/amd/en/documents/instinct-tech-docs/data-sheets/"
@@ -67,20 +79,23 @@ class GPUSpec:
     kernel_table: str = ""  # gemm_efficiency.KERNEL_TABLES key: GEMM shape curve, attention kernels, stacks
 
 
-def _hopper(name: str, memory_gib: float, hbm_tb_s: float, datasheet: str) -> GPUSpec:
-    # H100 SXM and H200 SXM are the same GH100 die and clocks: same peaks and NVLink 4.
+def _hopper(name: str, memory_gib: float, hbm_tb_s: float, datasheet: str, nvlink_gb_s: float = 900,
+            inter_source: str = _NDR) -> GPUSpec:
+    # H100 SXM, H200 SXM and H800 SXM are the same GH100 die and clocks: same peaks; NVLink 4 at
+    # 900 GB/s bidirectional (H800: 400).
     return GPUSpec(
         name=name,
         peak_flops={"bf16": 989.4 * TFLOPS, "fp16": 989.4 * TFLOPS, "fp8": 1978.9 * TFLOPS,
                     "tf32": 494.7 * TFLOPS, "fp32": 66.9 * TFLOPS},
         memory_bytes=memory_gib * GiB, memory_bandwidth_bytes_per_s=hbm_tb_s * 1e12,
-        intra_bandwidth_bytes_per_s=450 * GBps, intra_latency_s=5e-6,
+        intra_bandwidth_bytes_per_s=nvlink_gb_s / 2 * GBps, intra_latency_s=5e-6,
         inter_bandwidth_bytes_per_s=50 * GBps, inter_latency_s=10e-6,
         matmul_efficiency=0.72, kernel_table="hopper",
         sources={"peak_flops": f"{datasheet} (dense = half the sparse figures; tf32/fp32 dense as listed)",
                  "memory_bytes": datasheet, "memory_bandwidth_bytes_per_s": datasheet,
-                 "intra_bandwidth_bytes_per_s": f"{datasheet}: NVLink 4, 900 GB/s bidirectional = 450 GB/s each way",
-                 "inter_bandwidth_bytes_per_s": _NDR, "intra_latency_s": _LATENCY, "inter_latency_s": _LATENCY,
+                 "intra_bandwidth_bytes_per_s": f"{datasheet}: NVLink 4, {nvlink_gb_s:.0f} GB/s bidirectional = "
+                                                f"{nvlink_gb_s / 2:.0f} GB/s each way",
+                 "inter_bandwidth_bytes_per_s": inter_source, "intra_latency_s": _LATENCY, "inter_latency_s": _LATENCY,
                  "link_efficiency": _NCCL_TESTS, "gpus_per_node": f"HGX / DGX 8-GPU baseboard: {_NDR}",
                  "matmul_efficiency": f"{_SEMIANALYSIS}: large bf16 GEMMs reach roughly 0.7 of the dense peak on "
                                       "H100/H200 (0.72 taken)"})
@@ -91,6 +106,10 @@ GPUS: dict[str, GPUSpec] = {
     "h100": _hopper("h100", 80, 3.35, _H100_DATASHEET),
     # H200 SXM 141 GB HBM3e, 4.8 TB/s; nvidia-smi reports ~140 GiB.
     "h200": _hopper("h200", 140, 4.8, _H200_DATASHEET),
+    # H800 SXM5 80 GB HBM3 (DeepSeek-V3's board): H100 peaks and memory, NVLink 400 GB/s
+    # bidirectional (200 each way; DeepSeek measured 160 achievable); IB 50 GB/s per GPU as H100's.
+    "h800": _hopper("h800", 80, 3.35, _H800_DATASHEET, nvlink_gb_s=400,
+                    inter_source=f"{_DEEPSEEK_V3}; = 8x NDR 400 Gb/s per node as {_NDR}"),
     # A100 SXM4 80 GB HBM2e; DGX A100 has 8x 200 Gb/s HDR InfiniBand (25 GB/s per GPU).
     "a100-80g": GPUSpec(
         name="a100-80g",
@@ -146,6 +165,11 @@ VARIANTS: dict[str, GPUSpec] = {
                  "memory_bandwidth_bytes_per_s": "assumption: 6 HBM2e stacks at the H100 PCIe's 2.0 TB/s per 5 "
                                                  f"stacks = 2.4 TB/s ({_H100_DATASHEET})"}),
 }
+
+
+def has_fp8(peak_flops: dict[str, float]) -> bool:
+    """Whether a board (its ``peak_flops``) has FP8 tensor cores to price ``--precision fp8`` with."""
+    return bool(peak_flops.get("fp8"))
 
 
 def cluster(gpu: str, n_gpus: int) -> Cluster:

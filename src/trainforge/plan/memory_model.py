@@ -33,6 +33,7 @@ bytes per token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -46,25 +47,39 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class PrecisionBytes:
     """Bytes per value of each kind of state under a ``[precision] policy``."""
 
-    compute_dtype: str  # the matmul dtype: which peak applies
+    compute_dtype: str  # the autocast dtype: activations, attention, the head; which peak MFU is of
     param: int
     grad: int
     reduce: int
     activation: int
     optimizer_state: int  # per AdamW moment (two of them)
     master: int  # fp32 master copy where parameters are stored low (0 otherwise)
+    # The blocks' linear GEMMs' dtype where it differs from compute_dtype ("fp8": priced at the
+    # board's FP8 peak); "" = compute_dtype.
+    gemm_dtype: str = ""
+
+
+# Planning only (the trainer has no FP8 policy): bf16-mixed with every linear GEMM of the blocks in
+# FP8, as Transformer Engine's fp8_autocast and DeepSeek-V3's recipe run them. Attention, the
+# embedding, the output head, norms and the router stay bf16 (both do so), and so does every byte
+# held: activations, fp32 master weights, gradients and AdamW moments are counted as bf16-mixed
+# (DeepSeek keeps bf16 moments and some fp8 activations: an upper bound on memory).
+FP8 = "fp8"
 
 
 def precision_bytes(policy: str) -> PrecisionBytes:
-    """A preset name (fp32, bf16-mixed, fp16-mixed, dynamic) or bf16 / fp16: parameters
-    stored in that dtype with fp32 AdamW state and fp32 master weights. ValueError else."""
+    """A preset name (fp32, bf16-mixed, fp16-mixed, dynamic), bf16 / fp16 (parameters
+    stored in that dtype with fp32 AdamW state and fp32 master weights) or fp8 (``FP8``:
+    bf16-mixed with FP8 linear GEMMs). ValueError else."""
+    if policy == FP8:
+        return dataclasses.replace(precision_bytes("bf16-mixed"), gemm_dtype="fp8")
     if policy in ("bf16", "fp16"):
         d = {"param_dtype": policy, "compute_dtype": policy, "reduce_dtype": policy, "optimizer_state_dtype": "fp32"}
     elif policy in PRESETS:
         d = PRESETS[policy]
     else:
         raise ValueError(f"unknown precision policy {policy!r}: choose one of "
-                         f"{', '.join([*PRESETS, 'bf16', 'fp16'])}")
+                         f"{', '.join([*PRESETS, 'bf16', 'fp16', FP8])}")
     param = DTYPE_BYTES[d["param_dtype"]]
     return PrecisionBytes(compute_dtype=d["compute_dtype"], param=param, grad=param,
                           reduce=DTYPE_BYTES[d["reduce_dtype"]], activation=DTYPE_BYTES[d["compute_dtype"]],

@@ -31,13 +31,14 @@ The profile is cached as JSON (``machine_profile.json`` in the cache directory) 
 model, core count, torch version and process count: the probe takes tens of seconds, the
 machine does not change between runs. Every probe holds an exclusive lock on ``PROBE_LOCK``
 (``flock(1)`` takes the same lock): two probes at once would each measure half the machine.
+The wait for it is bounded (``probe_lock``), and under an outer ``flock`` of the same file
+(an ancestor holds it) the probe runs under that lock rather than waiting for itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import fcntl
 import json
 import math
 import os
@@ -55,12 +56,16 @@ from trainforge.errors import TrainforgeError
 from trainforge.json_cache import read_json_cache, write_json_cache
 from trainforge.plan.probe_worker import OPS
 from trainforge.plan.spec import Cluster, LinkTier
+from trainforge.storage.locks import wait_for_lock
 
 CACHE_FILE = "machine_profile.json"
 PROFILE_VERSION = 3  # bump when the worker measures differently: older cache entries are re-probed
 # The lock heavy CPU jobs on a shared machine take (``flock /tmp/cpu.lock <command>``);
 # TRAINFORGE_PROBE_LOCK overrides it, an empty value takes none.
 PROBE_LOCK = "/tmp/cpu.lock"
+# How long a probe waits for another job's lock (TRAINFORGE_PROBE_LOCK_WAIT_S overrides): a probe
+# takes 20-60 s and a calibration ~3 min, so 10 min covers one of each queued ahead.
+PROBE_LOCK_WAIT_S = 600.0
 PROBE_TIMEOUT_S = 300.0
 # lscpu flags worth naming in ``sources`` (what the matmul kernels can use); the full list is kept too.
 _KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "avx512_vnni")
@@ -183,14 +188,28 @@ def machine_key(n_procs: int, cpu_model: str | None = None) -> str:
 
 
 @contextmanager
-def probe_lock() -> Iterator[None]:
+def probe_lock() -> Iterator[str]:
+    """Hold ``PROBE_LOCK`` (``TRAINFORGE_PROBE_LOCK``; empty: none) while measuring. Bounded:
+    after ``PROBE_LOCK_WAIT_S`` (``TRAINFORGE_PROBE_LOCK_WAIT_S``) a one-line error names the
+    file and its holder; a lock held by an ancestor of this process (``flock /tmp/cpu.lock
+    trainforge plan ...``) is taken as held for it, so the probe runs under it instead of
+    waiting for itself. Yields "taken", "outer" or "none"."""
     path = os.environ.get("TRAINFORGE_PROBE_LOCK", PROBE_LOCK)
     if not path:
-        yield
+        yield "none"
         return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
-        yield
+    raw = os.environ.get("TRAINFORGE_PROBE_LOCK_WAIT_S", "")
+    try:
+        wait_s = float(raw) if raw else PROBE_LOCK_WAIT_S
+    except ValueError:
+        wait_s = -1.0
+    if not wait_s >= 0:  # also NaN
+        raise TrainforgeError(f"TRAINFORGE_PROBE_LOCK_WAIT_S={raw!r}: give seconds >= 0")
+    with wait_for_lock(path, wait_s, "the machine probe",
+                       "wait for that job and run again, raise TRAINFORGE_PROBE_LOCK_WAIT_S, or set "
+                       "TRAINFORGE_PROBE_LOCK= (empty) to measure without the lock (the figures then include "
+                       "that job's load)") as how:
+        yield how
 
 
 def run_probe(n_procs: int, bf16: bool, extra_args: Sequence[str] = (), timeout_s: float = PROBE_TIMEOUT_S) -> dict:

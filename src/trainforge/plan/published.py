@@ -22,11 +22,18 @@ Sources (``SOURCES`` keys):
 - ``llama3-paper``: "The Llama 3 Herd of Models" (arXiv 2407.21783) Table 4, as transcribed
   from the SC'24 talk slide at https://glennklockwood.com/garden/llama-3.1 (GPUs, TP, CP,
   PP, tokens/batch, TFLOPS/GPU). Reported, not in the target median (layout partly derived).
+- ``deepseek-v3``: "DeepSeek-V3 Technical Report" (arXiv 2412.19437): 2048 H800, PP 16, EP 64
+  over 8 nodes, ZeRO-1 DP, batch 15,360 x 4096 tokens, FP8 training; 2.664M H800 GPU hours for
+  14.8T pre-training tokens (180K per trillion) -> tokens/s per GPU. Reported, not in the
+  target median (FP8; a figure from GPU hours of the whole pre-training).
 
 Stacks and boards. Each row names the software stack that ran it (``stack``:
 ``gemm_efficiency.STACKS``: Megatron-Core + TE -> megatron, torchtitan -> trainforge or, with
 torch.compile, trainforge-compile) and the board: torchtitan's 500 W HBM2e H100s are
-``hardware.VARIANTS['h100-96g-500w']``, the others the SXM table entry.
+``hardware.VARIANTS['h100-96g-500w']``, DeepSeek's ``h800``, the others the SXM table entry.
+Float8 rows (torchtitan's Float8 linears, DeepSeek's FP8 recipe) are priced with the
+planner's ``fp8`` precision (linear GEMMs at the board's FP8 peak); none counts toward the
+bf16 target.
 
 Shapes. torchtitan and Llama 3 rows are our ``llama-8b/70b/405b`` flavors. Megatron's GPT
 models are built with ``gpt_shape``: GPT's MLP (two d x 4d matrices, 8d^2 weights) becomes a
@@ -64,6 +71,8 @@ SOURCES: dict[str, str] = {
                        "docs/performance.md",
     "llama3-paper": "https://arxiv.org/abs/2407.21783 Table 4; transcription of the SC'24 slide: "
                     "https://glennklockwood.com/garden/llama-3.1",
+    "deepseek-v3": "https://arxiv.org/abs/2412.19437 (DeepSeek-V3 Technical Report: Table 1, sections 3.1-3.3, "
+                   "4.2)",
 }
 
 
@@ -106,8 +115,10 @@ class PublishedRow:
     stack: str = "trainforge"  # the training software stack that ran it (gemm_efficiency.STACKS)
 
     def workload(self) -> Workload:
+        """bf16 rows as bf16-mixed; float8 rows with the planner's fp8 (FP8 linear GEMMs)."""
         return Workload(model=self.model, seq_len=self.seq_len, global_batch=self.global_batch,
-                        precision="bf16-mixed", flavor=self.flavor or self.model_name, stack=self.stack)
+                        precision="fp8" if self.precision == "float8" else "bf16-mixed",
+                        flavor=self.flavor or self.model_name, stack=self.stack)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +208,7 @@ def _torchtitan_rows() -> list[PublishedRow]:
     fsdp128 = {**fsdp8, "fsdp": 128}
     no_compile = "torch.compile off"
     compiled = "torch.compile on (stack trainforge-compile)"
-    fp8 = "Float8 linears: the cost model has no float8 training"
+    fp8 = "Float8 linears (torchao): priced with the fp8 precision, shown only (the target is bf16)"
     rows = [
         _tt("torchtitan-8b-fsdp8", "torchtitan-2412", "Table 1 (8 GPUs, local batch 2, global 16, selective AC): "
             "| FSDP | 5,762 | 82.4 |", "llama-8b", 8, fsdp8, Layout(dp_shard=8, activation_checkpoint=True), 16, 5762,
@@ -302,7 +313,54 @@ def _llama3_rows() -> list[PublishedRow]:
     return rows
 
 
-ROWS: tuple[PublishedRow, ...] = (*_megatron_rows(), *_torchtitan_rows(), *_llama3_rows())
+# ---------------------------------------------------------------------------------------------
+# DeepSeek-V3 pre-training (technical report, arXiv 2412.19437). The figure: Table 1's 2,664K H800
+# GPU hours for pre-training on 14.8T tokens ("each trillion tokens requires only 180K H800 GPU
+# hours, i.e., 3.7 days on our cluster with 2048 H800 GPUs") -> 14.8e12 / (2.664e6 x 3600) =
+# 1,543 tokens/s per GPU; with our FLOPs per token (MTP depth 1 included, full attention
+# products: 291.9 GFLOP at 4096) that is 450 TFLOP/s per GPU, 45.5 % of the dense bf16 peak
+# (22.8 % of the FP8 one).
+DSV3_PRETRAIN_GPU_HOURS = 2.664e6
+DSV3_PRETRAIN_TOKENS = 14.8e12
+DSV3_TOKENS_PER_S_PER_GPU = DSV3_PRETRAIN_TOKENS / (DSV3_PRETRAIN_GPU_HOURS * 3600)
+_DSV3_ASSUMPTIONS = (
+    "micro_batch_size 1 (not published): the 15,360 / 128 = 120 sequences per DP rank are 120 microbatches "
+    "(Megatron's num_microbatches = global_batch / (micro_batch_size x dp))",
+    "pp_schedule dualpipev: DualPipe (bidirectional, two parameter copies) is not a schedule here; DualPipe-V, its "
+    "V-shaped half, has the same bubble and one copy",
+    "activation_checkpoint = False: the report recomputes only RMSNorm and the MLA up-projections",
+    "ZeRO-1 DP -> dp_replicate (the same gradient bytes on the wire; optimizer state counted unsharded, so memory "
+    "leans high)",
+    "stack megatron: DeepSeek's HAI-LLM is not public; the nearest of ours (fused kernels, cuDNN attention)",
+    "precision fp8: linear GEMMs at the FP8 peak, attention/head/router in bf16 (as the report keeps them); "
+    "all-to-all dispatch counted in bf16 (the report sends FP8)",
+    "the whole pre-training's GPU hours over its tokens: the batch ramp (3,072 -> 15,360 over the first 469B "
+    "tokens) and any overhead of the run are in the figure",
+)
+
+
+def _deepseek_rows() -> list[PublishedRow]:
+    tp, pp, ep, gpus, batch = 1, 16, 64, 2048, 15360
+    dp = gpus // (tp * pp)
+    return [PublishedRow(
+        id="deepseek-v3-671b-2048-h800", source="deepseek-v3",
+        quote="Table 1: Pre-Training 2664K H800 GPU hours, 14.8T tokens; section 3.2: 16-way PP, 64-way EP spanning "
+              "8 nodes, ZeRO-1 DP; section 4.2: batch size 15360, sequence length 4K",
+        model=FLAVORS["deepseek-v3-671b"], flavor="deepseek-v3-671b", model_name="DeepSeek-V3 671B", seq_len=4096,
+        global_batch=batch, n_gpus=gpus, gpu="h800", precision="float8",
+        published={"tp": tp, "pp": pp, "ep": ep, "dp": dp, "cp": 1, "zero": 1, "micro_batch_size": None,
+                   "schedule": "DualPipe", "recompute": "RMSNorm, MLA up-projections", "global_batch": batch,
+                   "seq_len": 4096, "gpu_hours": DSV3_PRETRAIN_GPU_HOURS, "tokens": DSV3_PRETRAIN_TOKENS},
+        layout=Layout(dp_replicate=dp, tp=tp, pp=pp, ep=ep, microbatches=batch // dp, pp_schedule="dualpipev"),
+        metric="tokens_per_s_per_gpu", value=DSV3_TOKENS_PER_S_PER_GPU, assumptions=_DSV3_ASSUMPTIONS,
+        notes=("H800 SXM5: the H100's peaks and HBM, NVLink 400 GB/s (hardware.GPUS['h800'])",
+               "MTP depth 1 trained (the flavor's mtp_depth = 1)"),
+        stack="megatron", in_target=False,
+        excluded_why="FP8 training, and a figure from GPU hours of the whole pre-training: reported, not in the "
+                     "bf16 target median")]
+
+
+ROWS: tuple[PublishedRow, ...] = (*_megatron_rows(), *_torchtitan_rows(), *_llama3_rows(), *_deepseek_rows())
 
 
 # ---------------------------------------------------------------------------------------------

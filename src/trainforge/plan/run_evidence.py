@@ -186,7 +186,7 @@ class ServeEvidence:
     (``{"int8": {"decode_tok_s": 310.0, "agreement": 0.97}}``)."""
 
     source: str
-    kind: str  # "engine-stats", "prometheus", "bench-inference"
+    kind: str  # "engine-stats" (generate --stats), "prometheus" (serve's /metrics), "bench-inference"
     decode_tokens_per_s: float | None = None
     blocks_total: float | None = None
     blocks_peak: float | None = None
@@ -201,6 +201,14 @@ class ServeEvidence:
     spec_drafted: float | None = None
     variants: dict[str, dict[str, float]] = field(default_factory=dict)
     batching_ratio: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def server_load(self) -> bool:
+        """Whether this measures a server's load (a scrape of ``trainforge serve``'s /metrics).
+        ``generate --stats`` (``engine-stats``) runs one request with a KV pool and one batch
+        row sized for exactly it; bench/inference.py has no pool: neither says how big a
+        server's pool or batch should be."""
+        return self.kind == "prometheus"
 
     @property
     def kv_peak_share(self) -> float | None:

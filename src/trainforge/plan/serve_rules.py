@@ -1,13 +1,20 @@
 """The advisor's serving rules: ``trainforge serve`` / ``generate`` flags from inference
 measurements (``run_evidence.ServeEvidence``). Same contract as ``advice_rules``: a
-suggestion only past a named threshold, with its evidence and predicted gain; changes are
-command-line flags (``scope = "serve"``), not training config keys."""
+suggestion only past a named threshold, with its evidence and predicted gain (else a
+``Check`` saying why not); changes are command-line flags (``scope = "serve"``), not
+training config keys.
+
+Rules about a server's load (the KV pool's size, batch rows) read serving evidence only: a
+scrape of ``trainforge serve``'s /metrics (``ServeEvidence.server_load``). ``generate
+--stats`` runs one request in a pool sized for exactly that request, so its pool is always
+nearly full and proves nothing about a server's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from trainforge.plan.advice_rules import MIN_SPEEDUP, Evidence, Suggestion
+from trainforge.plan.advice_rules import MIN_SPEEDUP
+from trainforge.plan.advice_types import Check, Evidence, Suggestion, no_gain, not_applicable, not_measured, passed
 from trainforge.plan.run_evidence import ServeEvidence
 
 # KV pool blocks in use at the peak above 90% of the pool: the next longer request waits
@@ -31,14 +38,27 @@ SPEC_MIN_ACCEPTED = 1.3
 # fallback of infer/quantize/common.py; "unpacked": no kernel chosen): a packed kernel is faster.
 SLOW_KERNELS = ("unpacked", "reference")
 
-ServeRule = Callable[[ServeEvidence], "Suggestion | None"]
+ServeRule = Callable[[ServeEvidence], "Suggestion | Check"]
 
 
-def kv_pool_full(ev: ServeEvidence) -> Suggestion | None:
+def _not_server_load(ev: ServeEvidence) -> Check | None:
+    """Why ``ev`` says nothing about a server's KV pool or batch rows, or None when it does."""
+    if ev.server_load:
+        return None
+    what = {"engine-stats": "`generate --stats` (one request in a pool sized for it)",
+            "bench-inference": "bench/inference.py output (no server pool)"}.get(ev.kind, ev.kind)
+    return not_applicable(f"{ev.source} is {what}: give a /metrics scrape of `trainforge serve` under load")
+
+
+def kv_pool_full(ev: ServeEvidence) -> Suggestion | Check:
+    if (why := _not_server_load(ev)) is not None:
+        return why
     share = ev.kv_peak_share
     rejected = ev.rejected or 0
-    if share is None or (share < KV_FULL and not rejected):
-        return None
+    if share is None:
+        return not_measured("KV blocks peak / pool", KV_FULL, "no KV pool figures in the scrape")
+    if share < KV_FULL and not rejected:
+        return passed("KV blocks peak / pool", share, KV_FULL)
     blocks = int(ev.blocks_total or 0)
     evidence = [Evidence("KV blocks peak / pool", share, KV_FULL)]
     if rejected:
@@ -51,13 +71,20 @@ def kv_pool_full(ev: ServeEvidence) -> Suggestion | None:
                       needed=True)
 
 
-def batch_rows(ev: ServeEvidence) -> Suggestion | None:
+def batch_rows(ev: ServeEvidence) -> Suggestion | Check:
+    if (why := _not_server_load(ev)) is not None:
+        return why
     share = ev.kv_peak_share
-    if not ev.waiting or share is None or share >= KV_ROOM:
-        return None
+    if ev.waiting is None or share is None:
+        return not_measured("waiting requests", 0, "no waiting-request or KV pool figures in the scrape")
+    if not ev.waiting:
+        return passed("waiting requests", ev.waiting, 0)
+    if share >= KV_ROOM:
+        return no_gain("waiting requests", ev.waiting, 0, f"the KV pool is at {share:.0%} (>= {KV_ROOM:.0%}): "
+                       "memory, not batch rows, is short")
     rows = int(ev.peak_batch or ev.running or 0)
     if rows < 1:
-        return None
+        return not_measured("waiting requests", 0, "no running-request count to double")
     return Suggestion("serve-batch", f"more batch rows: --max_batch_size {2 * rows}",
                       f"{ev.waiting:.0f} requests waited while the KV pool peaked at {share:.0%}: rows ran out "
                       "before memory", [Evidence("waiting requests", ev.waiting, 0),
@@ -68,10 +95,15 @@ def batch_rows(ev: ServeEvidence) -> Suggestion | None:
                       scope="serve")
 
 
-def kv_pool_oversized(ev: ServeEvidence) -> Suggestion | None:
+def kv_pool_oversized(ev: ServeEvidence) -> Suggestion | Check:
+    if (why := _not_server_load(ev)) is not None:
+        return why
+    if ev.blocks_peak is None:  # a scrape is one instant, not the peak: no shrinking on it
+        return not_measured("KV blocks peak / pool", KV_OVERSIZED, "a scrape holds the pool's use at one instant, "
+                            "not its peak", "<")
     share = ev.kv_peak_share
-    if share is None or share >= KV_OVERSIZED or ev.waiting or ev.rejected or ev.kind == "prometheus":
-        return None  # a scrape is one instant, not the peak: no shrinking on it
+    if share is None or share >= KV_OVERSIZED or ev.waiting or ev.rejected:
+        return passed("KV blocks peak / pool", share if share is not None else 1.0, KV_OVERSIZED, "<")
     blocks = int(ev.blocks_total or 0)
     new = max(1, int(blocks * share * 2))
     return Suggestion("serve-kv-smaller", f"a smaller KV pool: --n_blocks {new}",
@@ -80,9 +112,11 @@ def kv_pool_oversized(ev: ServeEvidence) -> Suggestion | None:
                       "frees memory (2x the measured peak kept); no speed change", scope="serve")
 
 
-def quantize(ev: ServeEvidence) -> Suggestion | None:
-    if ev.quant_kernels is None or ev.quant_kernels:
-        return None  # unknown, or already quantised
+def quantize(ev: ServeEvidence) -> Suggestion | Check:
+    if ev.quant_kernels is None:
+        return not_measured("quantised layers", 1, "the file does not say which kernels the layers ran on", "<")
+    if ev.quant_kernels:
+        return passed("quantised layers", sum(ev.quant_kernels.values()), 1, "<")
     if ev.variants:
         base = ev.variants.get("fp32", {}).get("decode_tok_s")
         measured = {name: v for name, v in ev.variants.items() if name in ("int8", "int4") and base}
@@ -91,7 +125,7 @@ def quantize(ev: ServeEvidence) -> Suggestion | None:
         if ok:
             speedup, mode, agree = max(ok)
             if speedup < MIN_SPEEDUP:
-                return None
+                return no_gain(f"{mode} / fp32 decode tok/s", speedup, MIN_SPEEDUP, "not faster here", "<")
             return Suggestion("serve-quantize", f"quantised weights: --quantize {mode}",
                               f"fp32 weights; {mode} decoded {speedup:.2f}x faster with {agree:.1%} greedy agreement "
                               "on a trained checkpoint",
@@ -100,7 +134,9 @@ def quantize(ev: ServeEvidence) -> Suggestion | None:
                               speedup, "measured by bench/inference.py on this machine", scope="serve")
         int8 = measured.get("int8")
         if int8 is None or "agreement" in int8 or int8["decode_tok_s"] / base < MIN_SPEEDUP:
-            return None  # int8 unmeasured, below the agreement bar on a trained model, or not faster
+            # int8 unmeasured, below the agreement bar on a trained model, or not faster
+            return no_gain("greedy agreement with fp32 (trained checkpoint)", 0.0, AGREEMENT_MIN,
+                           "no quantised mode measured faster at the agreement bar", "<")
         # Speed measured, agreement not (no --agreement_checkpoint): int8, the mode that keeps
         # agreement best, with the check to run named.
         speedup = int8["decode_tok_s"] / base
@@ -118,9 +154,11 @@ def quantize(ev: ServeEvidence) -> Suggestion | None:
                       scope="serve")
 
 
-def fusion(ev: ServeEvidence) -> Suggestion | None:
-    if ev.fusions is None or ev.fusions or ev.kind != "engine-stats":
-        return None
+def fusion(ev: ServeEvidence) -> Suggestion | Check:
+    if ev.kind != "engine-stats" or ev.fusions is None:
+        return not_measured("fused layers", 1, "only `generate --stats` records the engine's fusions", "<")
+    if ev.fusions:
+        return passed("fused layers", sum(v for v in ev.fusions.values() if isinstance(v, (int, float))), 1, "<")
     return Suggestion("serve-fusion", "fuse QKV, gate+up and add+RMSNorm: drop --no_fuse",
                       "no fused layers in the engine: each decode step dispatches ~26% more operators",
                       [Evidence("fused layers", 0, 1, "<")], {"--no_fuse": False}, 1.05,
@@ -128,10 +166,12 @@ def fusion(ev: ServeEvidence) -> Suggestion | None:
                       scope="serve")
 
 
-def kernel_choice(ev: ServeEvidence) -> Suggestion | None:
-    slow = {k: n for k, n in (ev.quant_kernels or {}).items() if k.split(" ")[0] in SLOW_KERNELS}
+def kernel_choice(ev: ServeEvidence) -> Suggestion | Check:
+    if not ev.quant_kernels:
+        return not_applicable("no quantised layers")
+    slow = {k: n for k, n in ev.quant_kernels.items() if k.split(" ")[0] in SLOW_KERNELS}
     if not slow:
-        return None
+        return passed("layers on the reference kernel", 0, 0)
     names = ", ".join(f"{k} x{n}" for k, n in slow.items())
     return Suggestion("serve-kernel", "a measured quantised kernel: --quant_kernel measure",
                       f"quantised layers dequantise their weights on every call ({names})",
@@ -140,10 +180,12 @@ def kernel_choice(ev: ServeEvidence) -> Suggestion | None:
                       "times the packed kernels for this device once (cached) and uses the fastest", scope="serve")
 
 
-def speculative(ev: ServeEvidence) -> Suggestion | None:
+def speculative(ev: ServeEvidence) -> Suggestion | Check:
     acc = ev.spec_mean_accepted_length
-    if acc is None or not ev.spec_drafted or acc >= SPEC_MIN_ACCEPTED:
-        return None
+    if acc is None or not ev.spec_drafted:
+        return not_applicable("no speculative decoding measured")
+    if acc >= SPEC_MIN_ACCEPTED:
+        return passed("mean accepted length", acc, SPEC_MIN_ACCEPTED, "<")
     return Suggestion("serve-speculative", "speculation does not pay here: drop --speculative",
                       f"{acc:.2f} tokens per verification forward", [Evidence("mean accepted length", acc,
                                                                               SPEC_MIN_ACCEPTED, "<")],

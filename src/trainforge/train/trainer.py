@@ -34,6 +34,7 @@ from trainforge.monitor.jsonl import JsonlSink
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
 from trainforge.parallel.tensor_parallel import cross_entropy_loss
+from trainforge.storage import locks
 from trainforge.storage.atomic import atomic_write_text
 from trainforge.train import checkpoint as ckpt
 from trainforge.train import loop_checkpoint
@@ -164,6 +165,9 @@ class Trainer:
 
         # Everything loaded: only now touch the run directory (rank 0 writes shared files).
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # "Training here" for other commands (advise refuses to write into a live run); the
+        # kernel drops it when this process ends, however it ends.
+        self._run_lock = locks.hold_run(self.run_dir) if self.is_main else None
         if self.is_main:
             atomic_write_text(self.run_dir / CONFIG_FILE, config_to_toml(cfg))
             if resume_from is not None:
@@ -434,4 +438,7 @@ class Trainer:
         """``failed``: training ended by an exception (experiment trackers record it so)."""
         self.train_batches.close()
         self.metrics.close(failed)
+        if getattr(self, "_run_lock", None) is not None:
+            self._run_lock.close()
+            self._run_lock = None
 
