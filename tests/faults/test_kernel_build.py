@@ -85,16 +85,26 @@ def test_a_lock_left_by_torchs_filebaton_does_not_block(tiny):
     assert "RESULT None" in r.stdout, r.stdout + r.stderr
 
 
-def test_a_wait_for_a_live_builder_is_bounded_and_names_the_lock(tiny, caplog):
+def test_a_wait_for_a_live_builder_is_bounded_and_names_the_lock(tiny, capfd):
     src, _, entry = tiny
-    waits = []
-    with BuildCache(entry).locked(timeout_s=5):  # a live holder (this process, another descriptor)
+    lock = BuildCache(entry).lock_path
+    lock.parent.mkdir(parents=True)
+    holder = subprocess.Popen(["flock", str(lock), "sleep", "60"])  # a live builder that never finishes
+    try:
+        while not lock.exists():
+            time.sleep(0.05)
+        time.sleep(0.3)  # flock(1) holds it
         t0 = time.monotonic()
-        reason = kbuild.build(announce=waits.append, sources=[src], name="tiny", entry=entry, wait_limit_s=1.0)
+        reason = kbuild.build(sources=[src], name="tiny", entry=entry, wait_limit_s=1.0)
         waited = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
     assert 1.0 <= waited < 5
-    assert reason is not None and str(BuildCache(entry).lock_path) in reason and f"process {os.getpid()}" in reason
-    assert len(waits) == 1 and "waiting for" in waits[0]
+    assert reason is not None and str(lock) in reason and f"pid {holder.pid}" in reason
+    err = capfd.readouterr().err
+    assert "waiting up to 1 s" in err and str(lock) in err  # said while it waited, then gave up
+    assert not (entry / "tiny.so").exists()
 
 
 def test_no_compiler_is_reported_once_per_cache(tiny, tmp_path, monkeypatch):

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from trainforge.infer.cpu_kernels.build_cache import BuildCache, LockTimeout
+from trainforge.errors import TrainforgeError
+from trainforge.infer.cpu_kernels.build_cache import BuildCache
 from trainforge.log import get_logger
 
 _DIR = Path(__file__).parent
@@ -90,7 +91,8 @@ def _build() -> str | None:
 def build(announce=lambda msg: None, wait_limit_s: float = WAIT_LIMIT_S, sources: list[Path] | None = None,
           name: str = _NAME, entry: Path | None = None) -> str | None:
     """Load the built library, building it first if none is: None on success, else the reason.
-    ``announce`` gets the progress lines (building, built, waiting). A failure is reported once
+    ``announce`` gets the progress lines (building, built); a wait for another builder says so
+    on stderr. A failure is reported once
     per cache, through the trainforge logger, and recorded. ``sources`` / ``name`` / ``entry``
     default to the kernels'; other values build another library the same way (tests)."""
     cache = BuildCache(entry or cache_dir())
@@ -101,8 +103,7 @@ def build(announce=lambda msg: None, wait_limit_s: float = WAIT_LIMIT_S, sources
     if (reason := cache.failure(tools)) is not None:
         return reason  # reported when it was recorded
     try:
-        with cache.locked(wait_limit_s, on_wait=lambda holder: announce(
-                f"waiting for {holder}, which is building the CPU kernels (lock {cache.lock_path})")):
+        with cache.locked(wait_limit_s):
             if _load_built(lib):  # built while this process waited
                 return _loaded(name)
             if (reason := cache.failure(tools)) is not None:
@@ -112,8 +113,8 @@ def build(announce=lambda msg: None, wait_limit_s: float = WAIT_LIMIT_S, sources
                 cache.record_failure(tools, reason)
                 _report(reason, tools, cache)
                 return reason
-    except LockTimeout as exc:
-        get_logger().warning(f"trainforge: CPU kernels not loaded: {exc}")
+    except TrainforgeError as exc:  # another builder held the lock past the limit: run without
+        get_logger().warning(f"trainforge: CPU kernels not loaded ({exc})")
         return str(exc)
     except OSError as exc:  # an unwritable cache: no build, no record; say so (every run, it is not cached)
         reason = f"cannot use the kernel cache {cache.entry.parent} ({exc.strerror or exc})"

@@ -6,10 +6,9 @@ that exists while a build runs. A builder killed mid-build (a closed terminal, S
 ``timeout``) leaves the file, and every later process waits on it forever, printing nothing.
 Here instead:
 
-- The lock is ``fcntl.flock`` on an open file (``<entry>.lock``): the kernel releases it when the
-  holder exits, however it exits, and the file holds the holder's pid for the waiting message.
-  The descriptor is not inherited (Python opens it close-on-exec), so an orphaned compiler
-  child does not keep it either.
+- The lock is ``fcntl.flock`` on an open file (``<entry>.lock``, ``storage/locks.py``): the kernel
+  releases it when the holder exits, however it exits. The descriptor is not inherited (Python
+  opens it close-on-exec), so an orphaned compiler child does not keep it either.
 - Each build runs in a private directory (``<entry>.tmp-<pid>``) that is renamed onto the entry
   when the product is complete (as Triton's cache does). Whoever holds the lock removes the
   private directories of earlier builders: they are dead, or they would hold the lock.
@@ -20,26 +19,21 @@ Here instead:
 - A wait longer than a build can take gives up with a message that names the lock file and its
   holder; the caller goes on without the product.
 
-Hand-written: neither torch (FileBaton) nor the stdlib has a process-robust build lock, and
-``filelock`` (the usual package) polls a file whose removal after a crash is up to the caller.
+Hand-written: torch's own (FileBaton) is the problem, and Triton's atomic-rename cache is not a
+library.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from trainforge.json_cache import read_json_cache, write_json_cache
-
-
-class LockTimeout(Exception):
-    """The lock stayed held past the wait limit; the message names the file and its holder."""
+from trainforge.storage.locks import wait_for_lock
 
 
 class BuildCache:
@@ -55,31 +49,16 @@ class BuildCache:
     # -- the lock -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def locked(self, timeout_s: float, on_wait: Callable[[str], None] = lambda _: None,
-               poll_s: float = 0.2) -> Iterator[None]:
-        """Hold the entry's lock. ``on_wait(holder)`` is called once if another process holds it;
-        raises ``LockTimeout`` after ``timeout_s`` of waiting, OSError if the lock file cannot be
-        made (an unwritable cache). A signal's handler runs during the wait (it sleeps in short
-        steps), so a SIGTERM with the default handler ends it."""
+    def locked(self, timeout_s: float) -> Iterator[None]:
+        """Hold the entry's lock (``storage/locks.wait_for_lock``: says once whom it waits for,
+        polls, so a signal ends the wait). Raises TrainforgeError naming the lock file and its
+        holder after ``timeout_s`` of waiting, OSError if the lock file cannot be made (an
+        unwritable cache)."""
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            if not _try_lock(fd):
-                holder = _holder(self.lock_path)
-                on_wait(holder)
-                deadline = time.monotonic() + timeout_s
-                while not _try_lock(fd):
-                    if time.monotonic() >= deadline:
-                        raise LockTimeout(
-                            f"waited {timeout_s:.0f} s for {self.lock_path}, held by {holder}: if that process "
-                            "is not building (hung, or on a stalled network disk), end it, or point "
-                            "TRAINFORGE_KERNEL_CACHE at a local directory")
-                    time.sleep(poll_s)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with wait_for_lock(self.lock_path, timeout_s, what="CPU kernels",
+                           fix="if that process is not building them (hung, or on a stalled network disk), end "
+                               "it, or point TRAINFORGE_KERNEL_CACHE at a local directory"):
             yield
-        finally:
-            os.close(fd)  # releases the lock
 
     # -- private build directories -----------------------------------------------------------------
 
@@ -113,20 +92,3 @@ class BuildCache:
         write_json_cache(self.failure_path, {"toolchain": toolchain, "reason": reason,
                                              "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-def _holder(lock_path: Path) -> str:
-    try:
-        pid = int(lock_path.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return "another process"
-    return f"process {pid}"
