@@ -24,12 +24,14 @@ def _prepare(argv: list[str]) -> int:
     p = ArgumentParser(prog="trainforge prepare",
                        description="Tokenise text into memory-mappable shards with a manifest.")
     p.add_argument("--input", nargs="+", default=None,
-                   help="text files, directories, globs or .jsonl files; omit for the built-in corpus")
+                   help="text files, directories, globs, .jsonl or Parquet files (any of them .gz/.bz2/.xz/.zst), "
+                        "Hugging Face dataset directories (save_to_disk) or hf:NAME[:CONFIG][@SPLIT] (load_dataset, "
+                        "offline; the datasets extra); omit for the built-in corpus")
     p.add_argument("--output", required=True, help="new directory for manifest.json, tokenizer.json and shards")
     p.add_argument("--vocab_size", type=int, default=8192, help="BPE vocabulary size to train")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
     p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents held out for validation")
-    p.add_argument("--text_field", default="text", help="field holding the text in .jsonl records")
+    p.add_argument("--text_field", default="text", help="field holding the text in .jsonl records, or column in Parquet and datasets")
     p.add_argument("--shard_tokens", type=int, default=1 << 24, help="tokens per shard file")
     a = p.parse_args(argv)
     prepare(a.input, a.output, PrepareOptions(vocab_size=a.vocab_size, val_fraction=a.val_fraction,
