@@ -430,6 +430,9 @@ def _quantize(argv: list[str]) -> int:
     p.add_argument("--group_size", type=int, default=None,
                    help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
     a = p.parse_args(argv)
+    from trainforge.storage.output_paths import refuse_overlap
+
+    refuse_overlap(a.output, "--output", [("--checkpoint", a.checkpoint)])
     if Path(a.output).exists():
         raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
     a.mode, a.group_size, _ = _trained_grid(a.checkpoint, a.mode, a.group_size, "--mode")  # a QAT run: its grid
@@ -482,6 +485,9 @@ def _export(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.max_shard_gb <= 0:
         raise TrainforgeError(f"--max_shard_gb {a.max_shard_gb}: must be > 0")
+    from trainforge.storage.output_paths import refuse_overlap
+
+    refuse_overlap(a.output, "--output", [("--checkpoint", a.checkpoint)], has_force=True)  # before any read
     # A QAT run exports on the grid it was trained for (its dequantised weights are then the
     # fake-quantised training weights, bit for bit).
     mode, group_size, recorded = _trained_grid(a.checkpoint, a.quantize or "auto", a.group_size)
@@ -579,6 +585,13 @@ def _report(argv: list[str]) -> int:
     p.add_argument("--x", choices=X_AXES, default="step",
                    help="x axis: step, or time = wall-clock seconds since the run's first step (default step)")
     a = p.parse_args(argv)
+    if a.out is not None:
+        from trainforge.storage.output_paths import refuse_overlap
+
+        # A new file beside a run's files is the default (RUN_DIR/report.html); one of the files read is not.
+        refuse_overlap(a.out, "--out", [(what, Path(d) / f) for d in a.run_dirs
+                                        for what, f in (("RUN_DIR", ""), ("RUN_DIR's", "metrics.jsonl"),
+                                                        ("RUN_DIR's", "config.toml"))], allow_inside=True)
     print(f"report: {write_report(a.run_dirs, a.out, smooth=a.smooth, x=a.x)}")
     return 0
 

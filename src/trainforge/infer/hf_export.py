@@ -25,6 +25,7 @@ from trainforge.errors import CheckpointError
 from trainforge.model import hf, hf_deepseek, hf_moe
 from trainforge.model.config import ModelConfig
 from trainforge.storage.atomic import atomic_directory
+from trainforge.storage.output_paths import refuse_overlap
 from trainforge.storage.safetensors_stream import Entry, write_sharded
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -173,6 +174,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
 
     out_dir = Path(out_dir)
     quantize = None if quantize == "none" else quantize
+    # Before the --force check: replacing the checkpoint (or its run) with its own export is refused.
+    refuse_overlap(out_dir, "--output", [("--checkpoint", checkpoint)], has_force=True)
     _check_args(out_dir, dtype, quantize, group_size, force)
     # Mapped: each weight is read from disk when it is written out, so the export's own
     # memory is about one converted tensor and a model larger than RAM goes through. The
