@@ -24,12 +24,14 @@ def _prepare(argv: list[str]) -> int:
     p = ArgumentParser(prog="trainforge prepare",
                        description="Tokenise text into memory-mappable shards with a manifest.")
     p.add_argument("--input", nargs="+", default=None,
-                   help="text files, directories, globs or .jsonl files; omit for the built-in corpus")
+                   help="text files, directories, globs, .jsonl or Parquet files (any of them .gz/.bz2/.xz/.zst), "
+                        "Hugging Face dataset directories (save_to_disk) or hf:NAME[:CONFIG][@SPLIT] (load_dataset, "
+                        "offline; the datasets extra); omit for the built-in corpus")
     p.add_argument("--output", required=True, help="new directory for manifest.json, tokenizer.json and shards")
     p.add_argument("--vocab_size", type=int, default=8192, help="BPE vocabulary size to train")
     p.add_argument("--tokenizer", default=None, help="reuse this tokenizer.json instead of training one")
     p.add_argument("--val_fraction", type=float, default=0.05, help="share of documents held out for validation")
-    p.add_argument("--text_field", default="text", help="field holding the text in .jsonl records")
+    p.add_argument("--text_field", default="text", help="field holding the text in .jsonl records, or column in Parquet and datasets")
     p.add_argument("--shard_tokens", type=int, default=1 << 24, help="tokens per shard file")
     a = p.parse_args(argv)
     prepare(a.input, a.output, PrepareOptions(vocab_size=a.vocab_size, val_fraction=a.val_fraction,
@@ -211,7 +213,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "`trainforge quantize` for the offline step); auto = the grid a QAT checkpoint was "
                         "trained for ([qat]), else none")
     p.add_argument("--group_size", type=int, default=None,
-                   help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
+                   help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128. A layer "
+                        "it does not divide takes the largest multiple of 32 below it that does, else stays float")
     p.add_argument("--quant_kernel", default=None,
                    help="kernel for quantised layers (fbgemm, int8pack, int4pack_cpu, torchao, blocks, dequant, reference), or "
                         "'measure' (time them here once, cached); default: the order measured for the device")
@@ -285,7 +288,7 @@ def _load_for_engine(a, kv_slots=None):
     from trainforge.infer.quantize import quantize_model
 
     # A QAT checkpoint is served on the grid it was trained for (decided from meta.json, before any weight).
-    mode, group_size, _ = _trained_grid(a.checkpoint, a.quantize, a.group_size)
+    mode, group_size, recorded = _trained_grid(a.checkpoint, a.quantize, a.group_size)
     # kv_slots(cfg): the engine's KV pool in token slots, for the preflight before any weight is read.
     # Quantising at load on CPU: the float weights are mapped from the file (read as each layer is
     # quantised, reclaimable after), so the fp32 model is never resident beside the quantised one.
@@ -297,7 +300,7 @@ def _load_for_engine(a, kv_slots=None):
         if loaded.quantization:
             raise TrainforgeError(f"--quantize {mode}: {a.checkpoint} is already quantised "
                                   f"({loaded.quantization['mode']})")
-        quantize_model(loaded.model, mode, group_size, pack=False)
+        quantize_model(loaded.model, mode, group_size, pack=False, fallback=recorded is None)
     from trainforge.infer.prepare import prepare_model
 
     # The inference swaps (fusion, quantised kernels) happen here, before the engine is built.
@@ -426,11 +429,15 @@ def _quantize(argv: list[str]) -> int:
                    help="int8 per output channel, int4 per group, or q8_0 / q4_0: 32-value blocks with one fp16 "
                         "scale (llama.cpp's formats, run by the C++ CPU kernels; routed experts stay float)")
     p.add_argument("--group_size", type=int, default=None,
-                   help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128")
+                   help="int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128. A layer "
+                        "it does not divide takes the largest multiple of 32 below it that does, else stays float")
     a = p.parse_args(argv)
+    from trainforge.storage.output_paths import refuse_overlap
+
+    refuse_overlap(a.output, "--output", [("--checkpoint", a.checkpoint)])
     if Path(a.output).exists():
         raise TrainforgeError(f"--output {a.output} exists; choose a new directory")
-    a.mode, a.group_size, _ = _trained_grid(a.checkpoint, a.mode, a.group_size, "--mode")  # a QAT run: its grid
+    a.mode, a.group_size, recorded = _trained_grid(a.checkpoint, a.mode, a.group_size, "--mode")  # a QAT run: its grid
     # Mapped: the float weights are views of the file's pages, read as each tensor is quantised and
     # reclaimable after, so the process never holds the fp32 model beside the quantised one.
     loaded = load_model(a.checkpoint, mapped=True)
@@ -441,16 +448,28 @@ def _quantize(argv: list[str]) -> int:
     before = sum(t.nbytes for t in sd.values())
     try:
         qsd, info = quantize_state_dict(sd, linear_names(model), a.mode, a.group_size, expert_names(model),
-                                        embedding=not model.cfg.tie_embeddings)
+                                        embedding=not model.cfg.tie_embeddings, fallback=recorded is None)
     except ValueError as e:
         raise TrainforgeError(f"--{e}") from None
+    if a.mode == "int4":  # the per-layer group sizes, in the words export uses (quantize/int4_groups.py)
+        from trainforge.infer.quantize.int4_groups import fallback_lines
+
+        dims = {n: (sd[f"{n}.weight"].shape[1],) for n in linear_names(model)}
+        dims.update({n: (sd[f"{n}.w1"].shape[2],) for n in expert_names(model)})  # the hidden dim is padded
+        for line in fallback_lines(a.group_size, info["group_sizes"], info["skipped"], dims, recorded is None):
+            print(line)
+        info_skipped = {k: v for k, v in info["skipped"].items() if k not in dims or not any(
+            d % a.group_size for d in dims[k])}
+    else:
+        info_skipped = info["skipped"]
     tok_file = loaded.path / "tokenizer.json"
     out = save_quantized(a.output, qsd, info, dataclasses.asdict(model.cfg),
                          tok_file if tok_file.is_file() else None, {"path": str(loaded.path)})
     after = (out / "model.safetensors").stat().st_size
     print(f"quantised {len(info['layers'])} linear layers"
           + (f" and {len(info['experts'])} layers of routed experts" if info["experts"] else "") + f" to {a.mode}"
-          + (f" (skipped {len(info['skipped'])}: {info['skipped']})" if info["skipped"] else ""))
+          + (f" (group_size {a.group_size})" if a.mode == "int4" else "")
+          + (f" (skipped {len(info_skipped)}: {info_skipped})" if info_skipped else ""))
     print(f"weights: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB in {out}")
     return 0
 
@@ -473,13 +492,18 @@ def _export(argv: list[str]) -> int:
     p.add_argument("--quantize", default=None, choices=["none", "int8", "int4"],
                    help="int8 per output channel or int4 per group (compressed-tensors format); default: none, "
                         "or the scheme a quantisation-aware run was trained with")
-    p.add_argument("--group_size", type=int, default=None, help="int4 group size (default 128, or the QAT run's)")
+    p.add_argument("--group_size", type=int, default=None,
+                   help="int4 group size (default 128, or the QAT run's); a layer it does not divide takes the "
+                        "largest multiple of 32 below it that does, else stays float (as trainforge quantize)")
     p.add_argument("--max_shard_gb", type=float, default=5.0, help="split the weights into files of at most this size")
     p.add_argument("--force", action="store_true", help="replace --output if it exists (only once the new one is "
                                                         "complete)")
     a = p.parse_args(argv)
     if a.max_shard_gb <= 0:
         raise TrainforgeError(f"--max_shard_gb {a.max_shard_gb}: must be > 0")
+    from trainforge.storage.output_paths import refuse_overlap
+
+    refuse_overlap(a.output, "--output", [("--checkpoint", a.checkpoint)], has_force=True)  # before any read
     # A QAT run exports on the grid it was trained for (its dequantised weights are then the
     # fake-quantised training weights, bit for bit).
     mode, group_size, recorded = _trained_grid(a.checkpoint, a.quantize or "auto", a.group_size)
@@ -487,6 +511,8 @@ def _export(argv: list[str]) -> int:
     r = export(a.checkpoint, a.output, dtype=a.dtype, quantize=mode, group_size=group_size, force=a.force,
                max_shard_bytes=int(a.max_shard_gb * 2**30), skip_indivisible=recorded is not None)
     dt = time.perf_counter() - t0
+    for line in r.notes:  # int4: the per-layer group sizes, in the words quantize uses
+        print(line)
     what = f", {len(r.quantized)} layers {mode}" if r.quantized else ""
     print(f"wrote {r.path}: {r.tensors} tensors, {r.bytes / 2**20:.1f} MiB in {len(r.files)} file(s){what}; "
           f"{dt:.1f} s")
@@ -577,6 +603,13 @@ def _report(argv: list[str]) -> int:
     p.add_argument("--x", choices=X_AXES, default="step",
                    help="x axis: step, or time = wall-clock seconds since the run's first step (default step)")
     a = p.parse_args(argv)
+    if a.out is not None:
+        from trainforge.storage.output_paths import refuse_overlap
+
+        # A new file beside a run's files is the default (RUN_DIR/report.html); one of the files read is not.
+        refuse_overlap(a.out, "--out", [(what, Path(d) / f) for d in a.run_dirs
+                                        for what, f in (("RUN_DIR", ""), ("RUN_DIR's", "metrics.jsonl"),
+                                                        ("RUN_DIR's", "config.toml"))], allow_inside=True)
     print(f"report: {write_report(a.run_dirs, a.out, smooth=a.smooth, x=a.x)}")
     return 0
 

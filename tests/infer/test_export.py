@@ -157,8 +157,7 @@ def test_int8_export_loads_in_transformers(exports):
 def test_bad_arguments_are_refused_before_anything_is_written(trained_run, tmp_path):
     out = tmp_path / "out"
     for kw, match in [({"dtype": "fp8"}, "--dtype 'fp8'"), ({"quantize": "int3"}, "--quantize 'int3'"),
-                      ({"quantize": "int4", "group_size": 3}, "--group_size 3"),
-                      ({"quantize": "int4", "group_size": 128}, "does not divide the input dim")]:
+                      ({"quantize": "int4", "group_size": 3}, "--group_size 3")]:
         with pytest.raises(CheckpointError, match=match):
             export(trained_run, out, **kw)
         assert not out.exists() and not list(tmp_path.glob(".*"))

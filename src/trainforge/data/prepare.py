@@ -29,7 +29,9 @@ import numpy as np
 from trainforge.data.corpus import default_corpus_files, fingerprint, iter_documents, resolve_inputs
 from trainforge.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from trainforge.errors import DataError
+from trainforge.data.tabular_inputs import HF_PREFIX
 from trainforge.storage.atomic import commit_directory, make_temp_dir
+from trainforge.storage.output_paths import refuse_overlap
 from trainforge.storage.manifest import sha256_file  # noqa: F401  (also imported from here by callers)
 
 MANIFEST = "manifest.json"
@@ -78,7 +80,11 @@ def prepare(inputs: list[str] | None, output: str | Path, opts: PrepareOptions, 
     if (output / MANIFEST).exists():
         raise DataError(f"--output {output}: already holds prepared data ({MANIFEST}); "
                         "choose another directory or delete it first")
+    named = [("--input", i) for i in inputs or [] if not str(i).startswith(HF_PREFIX) or Path(i).exists()]
+    refuse_overlap(output, "--output", named + ([("--tokenizer", opts.tokenizer)] if opts.tokenizer else []))
     files = resolve_inputs(inputs) if inputs else default_corpus_files()
+    if inputs:  # what a glob matched, and a symlink's target
+        refuse_overlap(output, "--output", [("--input", f) for f in files if isinstance(f, Path)])
     docs = list(iter_documents(files, opts.text_field))
     if not docs:
         raise DataError(f"inputs {inputs}: no text found (all files empty)")

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +27,7 @@ from trainforge.errors import CheckpointError
 from trainforge.model import hf, hf_deepseek, hf_moe
 from trainforge.model.config import ModelConfig
 from trainforge.storage.atomic import atomic_directory
+from trainforge.storage.output_paths import refuse_overlap
 from trainforge.storage.safetensors_stream import Entry, write_sharded
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -93,6 +96,7 @@ class ExportResult:
     bytes: int
     quantized: list[str]  # our layer names
     ignored: list[str]  # HF module names left float in a quantised export
+    notes: list[str] = dataclasses.field(default_factory=list)  # int4: the layers grouped otherwise, or left float
 
 
 class _Verifier:
@@ -160,9 +164,12 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     ``trainforge quantize``; embeddings, norms, routers, routed experts and latent attention's
     ``wkv_b`` stay float (listed in ``quantization_config.ignore``), as does a tied output head.
 
-    An int4 ``group_size`` that does not divide a layer's input dim is an error, or with
-    ``skip_indivisible`` leaves that layer float (as ``trainforge quantize`` and QAT do; the
-    CLI sets it when the grid is a QAT run's, whose training kept those layers float).
+    int4 groups each layer as ``trainforge quantize`` does (``quantize/int4_groups.py``: ``group_size``
+    where it divides the input dim, else the largest multiple of 32 below it that does, else float;
+    ``result.notes`` says which layers fell back, in ``quantize``'s words). Routed experts take one
+    size dividing both their dims (the Hugging Face layout has no padding of the hidden dim). With
+    ``skip_indivisible`` (a QAT run's grid: the CLI sets it) there is no fallback: a layer the
+    size does not divide stays float, as training kept it.
 
     Every argument is checked before anything is read; the directory appears complete or not
     at all (``--force`` replaces an existing one only once the new one is written). Tensors
@@ -170,9 +177,12 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     from trainforge.infer.loading import load_model
     from trainforge.infer.quantize import linear_names, quantize_state_dict
     from trainforge.infer.quantize import compressed_tensors_format as ct
+    from trainforge.infer.quantize.int4_groups import fallback_lines, group_size_for, why_float
 
     out_dir = Path(out_dir)
     quantize = None if quantize == "none" else quantize
+    # Before the --force check: replacing the checkpoint (or its run) with its own export is refused.
+    refuse_overlap(out_dir, "--output", [("--checkpoint", checkpoint)], has_force=True)
     _check_args(out_dir, dtype, quantize, group_size, force)
     # Mapped: each weight is read from disk when it is written out, so the export's own
     # memory is about one converted tensor and a model larger than RAM goes through. The
@@ -193,6 +203,10 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     target = DTYPES[dtype]
 
     quantized: dict[str, Callable[[], dict[str, torch.Tensor]]] = {}  # HF prefix -> its stored form, on demand
+    group_of: dict[str, int] = {}  # int4: our layer / experts module -> its group size where not group_size
+    hf_groups: dict[str, int] = {}  # the same by HF module
+    skipped: dict[str, str] = {}  # int4: left float, and why
+    notes: list[str] = []
     layer_names: list[str] = []
     ignored: list[str] = []
     if quantize:
@@ -204,40 +218,45 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
         # Routed experts: each expert's w1/w2/w3 is a Linear in the HF layout (per-expert keys),
         # quantised on the grid QuantExperts uses (rows stacked: the same codes per expert).
         emap = layout.expert_key_map(cfg) if cfg.is_moe and hasattr(layout, "expert_key_map") else {}
-        inputs = {n: sd[f"{n}.weight"].shape[1] for n in names}
-        inputs.update({k: sd[k].shape[2] for k in emap})
         if quantize == "int4":
-            bad = {n: d for n, d in inputs.items() if d % group_size}
-            if bad and skip_indivisible:  # as trainforge quantize and QAT leave them: float
-                names = [n for n in names if n not in bad]
-                gone = {k.rsplit(".", 1)[0] for k in emap if k in bad}
-                emap = {k: v for k, v in emap.items() if k.rsplit(".", 1)[0] not in gone}
-            elif bad:
-                dims = sorted(set(bad.values()))
-                fits = [g for g in (8, 16, 32, 64, 128, 256) if all(d % g == 0 for d in inputs.values())]
-                raise CheckpointError(f"--group_size {group_size} does not divide the input dim of "
-                                      f"{len(bad)} layers (e.g. {next(iter(bad))}: {next(iter(bad.values()))}); "
-                                      + (f"use one of {fits}" if fits else "use a group size dividing " + str(dims)))
+            fallback = not skip_indivisible
+            in_features = {n: (sd[f"{n}.weight"].shape[1],) for n in names}
+            # An experts module: w1/w3 take the model dim, w2 the hidden dim; one size for both.
+            in_features.update({k.rsplit(".", 1)[0]: (sd[k].shape[2], sd[k].shape[1]) for k in emap
+                                if k.endswith(".w1")})
+            for n, dims in in_features.items():
+                g = group_size_for(math.gcd(*dims), group_size, fallback)
+                if g is None:
+                    skipped[n] = why_float(math.gcd(*dims), group_size, fallback)
+                elif g != group_size:
+                    group_of[n] = g
+            names = [n for n in names if n not in skipped]
+            emap = {k: v for k, v in emap.items() if k.rsplit(".", 1)[0] not in skipped}
+            notes = fallback_lines(group_size, group_of, skipped, in_features, fallback)
 
         def linear(name: str) -> Callable[[], dict[str, torch.Tensor]]:
             def run() -> dict[str, torch.Tensor]:
-                qsd, _ = quantize_state_dict({f"{name}.weight": sd[f"{name}.weight"]}, [name], quantize, group_size)
+                qsd, _ = quantize_state_dict({f"{name}.weight": sd[f"{name}.weight"]}, [name], quantize,
+                                             group_of.get(name, group_size), fallback=False)
                 # Row permutations (rope rows of latent attention); a 1-D per-row tensor (int8
                 # scales) goes through as a column.
                 return {s: layout.rows_to_hf(cfg, f"{name}.weight", t if t.dim() > 1 else t[:, None]).reshape(t.shape)
                         for s in ("weight", "scales", "zeros") if (t := qsd.get(f"{name}.{s}")) is not None}
             return run
 
-        def expert(w: torch.Tensor) -> Callable[[], dict[str, torch.Tensor]]:
+        def expert(w: torch.Tensor, g: int) -> Callable[[], dict[str, torch.Tensor]]:
             def run() -> dict[str, torch.Tensor]:
-                qsd, _ = quantize_state_dict({"e.weight": w}, ["e"], quantize, group_size)
+                qsd, _ = quantize_state_dict({"e.weight": w}, ["e"], quantize, g, fallback=False)
                 return {s: qsd[f"e.{s}"] for s in ("weight", "scales", "zeros") if f"e.{s}" in qsd}
             return run
 
         quantized = {kmap[f"{n}.weight"][: -len(".weight")]: linear(n) for n in names}
+        hf_groups.update({kmap[f"{n}.weight"][: -len(".weight")]: group_of[n] for n in names if n in group_of})
         layer_names = list(names)
         for stacked, keys in emap.items():
-            quantized.update({k[: -len(".weight")]: expert(hf_sd[k]) for k in keys})
+            g = group_of.get(stacked.rsplit(".", 1)[0], group_size)
+            quantized.update({k[: -len(".weight")]: expert(hf_sd[k], g) for k in keys})
+            hf_groups.update({k[: -len(".weight")]: g for k in keys if g != group_size})
             layer_names.append(stacked)
         for key in hf_sd:
             module = key.rsplit(".", 1)[0]
@@ -268,7 +287,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
         module = key.rsplit(".", 1)[0]
         if module in quantized and key.endswith(".weight"):
             n, k = t.shape
-            shapes = ct.ct_shapes(quantize, n, k, group_size)
+            shapes = ct.ct_shapes(quantize, n, k, hf_groups.get(module, group_size))
             for i, (suffix, (shape, dt)) in enumerate(shapes.items()):
                 entries.append(Entry(f"{module}.{suffix}", shape, dt,
                                      produce_quantized(module, suffix, i == len(shapes) - 1)))
@@ -278,12 +297,12 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
 
     config = layout.to_hf_config_dict(cfg, dtype=_DTYPES[target])
     if quantize:
-        config["quantization_config"] = ct.quantization_config(quantize, group_size, sorted(set(ignored)))
+        config["quantization_config"] = ct.quantization_config(quantize, group_size, sorted(set(ignored)), hf_groups)
     files = _write_dir(out_dir, entries, config, loaded.eos_ids, loaded.path / "tokenizer.json", cfg.max_seq_len,
                        replace=force, max_shard_bytes=max_shard_bytes,
                        before_commit=check.result if check is not None else None)  # CorruptCheckpointError
     return ExportResult(out_dir, files, len(entries), sum(e.nbytes for e in entries), sorted(layer_names),
-                        sorted(set(ignored)))
+                        sorted(set(ignored)), notes)
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:

@@ -297,6 +297,10 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
     from trainforge.infer.quantize import compressed_tensors_format as ct
 
     mode, group_size = ct.read_quantization_config(hf_config["quantization_config"], f"{where}")
+    # int4: a module named by a config group of its own has that group size (the per-layer fallback).
+    by_target = ct.group_sizes_by_target(hf_config["quantization_config"]) if mode == "int4" else {}
+    group_sizes: dict[str, int] = {}  # our layer / experts module -> its group size, where not group_size
+    expert_group: dict[str, int] = {}
     inverse = {theirs: ours for ours, theirs in layout.key_map(cfg).items()}
     expert_keys = layout.expert_key_map(cfg) if cfg.is_moe and hasattr(layout, "expert_key_map") else {}
     expert_of = {k: (stacked, e) for stacked, keys in expert_keys.items() for e, k in enumerate(keys)}
@@ -312,17 +316,27 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
         mine = {s: sd.pop(f"{prefix}.{s}") for s in ("weight", "weight_packed", "weight_scale", "weight_zero_point",
                                                        "weight_shape") if f"{prefix}.{s}" in sd}
         t = ct.from_ct(mode, mine, f"{where}: {prefix}")
-        if mode == "int4" and t["weight"].shape[1] * 2 // t["scales"].shape[1] != group_size:
+        expected = by_target.get(prefix, group_size)
+        if mode == "int4" and t["weight"].shape[1] * 2 != t["scales"].shape[1] * expected:
             raise CheckpointError(f"{where}: {prefix} has {t['scales'].shape[1]} groups per row, not the "
-                                  f"group_size {group_size} of quantization_config")
+                                  f"group_size {expected} of quantization_config")
         n, k = t["weight"].shape[0], t["weight"].shape[1] * (2 if mode == "int4" else 1)
         sd[key] = torch.empty(n, k, device="meta")  # the family's renaming and stacking run on it
         if key in expert_of:
             stacked, e = expert_of[key]
             experts.setdefault(stacked, {})[e] = t
+            module = stacked.rsplit(".", 1)[0]
+            if expert_group.setdefault(module, expected) != expected:
+                raise CheckpointError(f"{where}: {prefix} has group_size {expected}, another expert of the same "
+                                      f"layer {expert_group[module]}; trainforge reads one group size per layer's "
+                                      "experts")
+            if expected != group_size:
+                group_sizes[module] = expected
             continue
         ours = inverse[key]
         name = ours[: -len(".weight")]
+        if expected != group_size:
+            group_sizes[name] = expected
         # Row permutations (a 1-D per-row tensor, int8's scales, goes through as a column).
         stored.update({f"{name}.{s}": layout.rows_from_hf(cfg, ours, v if v.dim() > 1 else v[:, None], hf_config)
                        .reshape(v.shape) for s, v in t.items()})
@@ -345,7 +359,7 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
     info: dict[str, Any] = {"mode": mode, "layers": layers, "experts": sorted(modules), "skipped": {},
                             "format": ct.QUANT_METHOD}
     if mode == "int4":
-        info["group_size"] = group_size
+        info["group_size"], info["group_sizes"] = group_size, group_sizes
     return sd, info, stored
 
 

@@ -9,6 +9,7 @@ cache):
 * ``checkpoint_format.py``: a checkpoint directory's ``meta.json`` (format and version
   fields, the files' sha256) written and read with errors that name the file.
 * ``checkpoint_dirs.py``: ``step_NNNNNNN`` directories: naming, listing, resolving, replacing.
+* ``output_paths.py``: a command's output never is, contains or lies inside what it reads.
 
 This package imports nothing from the rest of trainforge but ``errors`` and ``log``, so
 any layer may write through it.

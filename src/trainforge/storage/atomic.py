@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -70,12 +72,52 @@ def atomic_write_json(path: Path, obj: Any, indent: int | None = 2, tmp_prefix: 
     atomic_write_text(path, json.dumps(obj, indent=indent), tmp_prefix)
 
 
+def _host() -> str:
+    # The host in the name: a shared filesystem's temporaries of another machine's live processes
+    # are never taken for dead ones (their pid means nothing here).
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # another user's live process, or a pid this platform cannot signal: keep
+    return True
+
+
+def remove_stale_temp_dirs(final: Path) -> list[Path]:
+    """Remove the temporaries of writers of ``final`` that died before committing
+    (``.NAME.tmp-HOST-PID-XXXX`` of this host whose process is gone: a killed export, quantize or
+    prepare). A live writer's, another host's and an unrecognised name are left alone. Returns
+    the removed ones."""
+    final = Path(final)
+    prefix = f".{final.name}.tmp-{_host()}-"
+    removed = []
+    try:
+        siblings = list(final.parent.iterdir())
+    except OSError:
+        return removed
+    for p in siblings:
+        if not p.name.startswith(prefix):
+            continue
+        pid, _, _ = p.name[len(prefix):].partition("-")
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
 def make_temp_dir(final: Path) -> Path:
-    """A new, uniquely named hidden directory beside ``final`` (``.NAME.tmp-XXXX``) to
-    write a directory's contents into before ``commit_directory``."""
+    """A new, uniquely named hidden directory beside ``final`` (``.NAME.tmp-HOST-PID-XXXX``)
+    to write a directory's contents into before ``commit_directory``; dead writers' leftovers
+    beside it are removed first (``remove_stale_temp_dirs``)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    remove_stale_temp_dirs(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{_host()}-{os.getpid()}-", dir=final.parent))
     tmp.chmod(DIR_MODE)
     return tmp
 

@@ -36,6 +36,7 @@ from trainforge.parallel.distributed import init_distributed
 from trainforge.parallel.tensor_parallel import cross_entropy_loss
 from trainforge.storage import locks
 from trainforge.storage.atomic import atomic_write_text
+from trainforge.storage.output_paths import refuse_overlap
 from trainforge.train import checkpoint as ckpt
 from trainforge.train import loop_checkpoint
 from trainforge.train.build import build_model_stack, check_run, pick_device, seed_everything
@@ -89,6 +90,8 @@ class Trainer:
         # this job writes there before the first collective); corrupt ones are found on load.
         warn = self.log.warning if self.is_main else (lambda msg: None)
         candidates = ckpt.resume_candidates(self.run_dir, from_step, warn) if resume else []
+        if not resume and cfg.model.init_from:  # its checkpoints would be pruned or replaced by this run's
+            refuse_overlap(self.run_dir, "--run_dir", [("model.init_from", cfg.model.init_from)])
         if not resume and ckpt.list_checkpoints(ckpt_root):
             raise CheckpointError(f"run directory {self.run_dir} already has checkpoints; continue it with "
                                   f"--resume {self.run_dir} (or --resume auto), or pass a new --run_dir")

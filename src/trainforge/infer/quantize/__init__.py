@@ -36,6 +36,7 @@ from trainforge.infer.quantize.common import QuantLinear, choose_kernel, measure
 from trainforge.infer.quantize.experts import QuantExperts
 from trainforge.infer.quantize.int4 import Int4Linear, quantize_int4
 from trainforge.infer.quantize.int4_experts import Int4Experts
+from trainforge.infer.quantize.int4_groups import group_size_for, why_float
 from trainforge.infer.quantize.int8 import Int8Linear, quantize_int8
 from trainforge.infer.quantize.int8_experts import Int8Experts
 from trainforge.model.mla import MLA
@@ -69,14 +70,17 @@ def expert_names(model: nn.Module) -> list[str]:
 
 
 def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str, group_size: int = 128,
-                        experts: list[str] = (), embedding: bool = False
+                        experts: list[str] = (), embedding: bool = False, fallback: bool = True
                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Offline transform. ``names``: the linear layers to quantise (``<name>.weight`` in ``sd``);
     ``experts``: the routed experts (``<name>.w1``, ``.w2``, ``.w3``), listed in ``info["experts"]``.
-    Returns (stored-form state dict, info). Layers int4 cannot group (in_features not a
-    multiple of ``group_size``; 32 for the block modes) stay float and are listed in
-    ``info["skipped"]``, as do routed experts under a block mode (its kernels cover dense
-    linears; int8 / int4 quantise experts). ``embedding`` (an untied ``tok_embeddings.weight`` in
+    Returns (stored-form state dict, info). int4 groups each layer by ``int4_groups.group_size_for``
+    (``group_size`` where it divides the input dim, else the largest multiple of 32 below it that
+    does, unless ``fallback`` is off: a QAT run's grid); ``info["group_size"]`` is ``group_size``
+    and ``info["group_sizes"]`` the layers grouped otherwise. Layers that cannot be grouped (no
+    such size; 32 for the block modes) stay float and are listed in ``info["skipped"]``, as do
+    routed experts under a block mode (its kernels cover dense linears; int8 / int4 quantise
+    experts). ``embedding`` (an untied ``tok_embeddings.weight`` in
     ``sd``): under a block mode it is stored in the mode's blocks too (``info["embedding"]``);
     ignored under int8 / int4."""
     if mode not in MODES:
@@ -89,6 +93,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
     kw = {}
     if mode == "int4":
         info["group_size"] = kw["group_size"] = group_size
+        info["group_sizes"] = {}
     for name in names:
         w = sd[f"{name}.weight"]
         if mode in BLOCK_MODES:
@@ -102,10 +107,13 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
             q, scales = quantize_int8(w)
             out[f"{name}.weight"], out[f"{name}.scales"] = q, scales
         else:
-            if w.shape[1] % group_size:
-                info["skipped"][name] = f"in_features {w.shape[1]} is not a multiple of group_size {group_size}"
+            g = group_size_for(w.shape[1], group_size, fallback)
+            if g is None:
+                info["skipped"][name] = why_float(w.shape[1], group_size, fallback)
                 continue
-            packed, scales, zeros = quantize_int4(w, group_size)
+            if g != group_size:
+                info["group_sizes"][name] = g
+            packed, scales, zeros = quantize_int4(w, g)
             out[f"{name}.weight"], out[f"{name}.scales"], out[f"{name}.zeros"] = packed, scales, zeros
         info["layers"].append(name)
     if mode in BLOCK_MODES and embedding and BLOCK_MODES[mode].skip_reason(sd["tok_embeddings.weight"].shape[1]) is None:
@@ -119,13 +127,22 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
     kind = QuantExperts._KINDS.get(mode)
     for name in experts:
         w1, w2, w3 = (sd[f"{name}.{p}"] for p in ("w1", "w2", "w3"))
-        why = kind.skip_reason(w1.shape[2], w1.shape[1], **kw)
+        ekw = kw
+        if mode == "int4":  # grouped along the model dim; the hidden dim is padded to the group (int4_experts.py)
+            g = group_size_for(w1.shape[2], group_size, fallback)
+            if g is None:
+                info["skipped"][name] = why_float(w1.shape[2], group_size, fallback)
+                continue
+            if g != group_size:
+                info["group_sizes"][name] = g
+            ekw = {"group_size": g}
+        why = kind.skip_reason(w1.shape[2], w1.shape[1], **ekw)
         if why:
             info["skipped"][name] = why
             continue
         for p in ("w1", "w2", "w3"):
             del out[f"{name}.{p}"]
-        out.update({f"{name}.{k}": v for k, v in kind.quantize_stored(w1, w2, w3, **kw).items()})
+        out.update({f"{name}.{k}": v for k, v in kind.quantize_stored(w1, w2, w3, **ekw).items()})
         info["experts"].append(name)
     return out, info
 
@@ -136,7 +153,11 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
     ``BlockEmbedding`` when ``info["embedding"]`` names a mode, on the same device as the
     float one it replaces. Fill them with ``load_state_dict(assign=True)``."""
     cls = {"int8": Int8Linear, "int4": Int4Linear, **BLOCK_MODES}[info["mode"]]
-    kw = {"group_size": info["group_size"]} if info["mode"] == "int4" else {}
+    per_layer = info.get("group_sizes") or {}  # absent in files written before the per-layer fallback
+
+    def kw(name: str) -> dict:
+        return {"group_size": per_layer.get(name, info["group_size"])} if info["mode"] == "int4" else {}
+
     for name in info["layers"]:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -144,7 +165,8 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
         if not isinstance(old, nn.Linear):
             raise ValueError(f"{name} is a {type(old).__name__}, not an nn.Linear: the quantised file does not "
                              "fit this model")
-        setattr(parent, attr, cls(old.in_features, old.out_features, kernel=kernel, device=old.weight.device, **kw))
+        setattr(parent, attr, cls(old.in_features, old.out_features, kernel=kernel, device=old.weight.device,
+                                  **kw(name)))
     if info.get("embedding"):
         old = model.tok_embeddings
         model.tok_embeddings = BlockEmbedding(old.num_embeddings, old.embedding_dim, info["embedding"],
@@ -158,7 +180,7 @@ def swap_quantized_linears(model: nn.Module, info: dict[str, Any], kernel: str =
             raise ValueError(f"{name} is a {type(old).__name__}, not GroupedExperts: the quantised file does not "
                              "fit this model")
         n, hidden, dim = old.w1.shape
-        setattr(parent, attr, kind(n, dim, hidden, kernel=kernel, device=old.w1.device, **kw))
+        setattr(parent, attr, kind(n, dim, hidden, kernel=kernel, device=old.w1.device, **kw(name)))
     return model
 
 
@@ -185,7 +207,7 @@ def pack_quantized(model: nn.Module, kernel: str | None = None) -> dict[str, int
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, mode: str, group_size: int = 128, kernel: str = "auto",
-                   pack: bool = True) -> dict[str, Any]:
+                   pack: bool = True, fallback: bool = True) -> dict[str, Any]:
     """Both phases in memory: quantise the model's linear and expert weights, swap, load, (pack).
     Mutates ``model``; returns the info dict (with ``kernels`` when packed)."""
     names, experts = linear_names(model), expert_names(model)
@@ -196,7 +218,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 128, kernel: s
     embedding = isinstance(emb, nn.Embedding) and getattr(out, "weight", None) is not emb.weight
     if embedding:
         sd["tok_embeddings.weight"] = emb.weight
-    qsd, info = quantize_state_dict(sd, names, mode, group_size, experts, embedding=embedding)
+    qsd, info = quantize_state_dict(sd, names, mode, group_size, experts, embedding=embedding, fallback=fallback)
     swap_quantized_linears(model, info, kernel)
     done = set(info["layers"]) | set(info["experts"]) | ({"tok_embeddings"} if info.get("embedding") else set())
     stored = {k: v for k, v in qsd.items() if k.rpartition(".")[0] in done}

@@ -34,20 +34,38 @@ _SUFFIXES = {"int8": ("weight", "weight_scale"),
              "int4": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
 
 
-def quantization_config(mode: str, group_size: int, ignore: list[str]) -> dict[str, Any]:
-    """config.json's ``quantization_config`` for every ``Linear`` but ``ignore`` (HF module names)."""
+def _weights(mode: str, group_size: int | None) -> dict[str, Any]:
     if mode == "int8":
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None}
     else:
         weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": group_size}
     weights.update({"dynamic": False, "actorder": None, "observer": "minmax", "observer_kwargs": {},
                     "block_structure": None})
+    return weights
+
+
+def quantization_config(mode: str, group_size: int, ignore: list[str],
+                        group_sizes: dict[str, int] | None = None) -> dict[str, Any]:
+    """config.json's ``quantization_config`` for every ``Linear`` but ``ignore`` (HF module names).
+    ``group_sizes`` (int4): HF module -> its group size where it is not ``group_size`` (the
+    per-layer fallback of ``int4_groups.py``): one more config group per size, targeting those
+    modules by exact name, which compressed-tensors and vLLM match before the class name. They
+    come first: compressed-tensors' matcher stops at a module's first matching target in this
+    order, and would warn that an exact name after ``Linear`` matched nothing."""
+    by_size: dict[int, list[str]] = {}
+    for module, g in (group_sizes or {}).items():
+        if g != group_size:
+            by_size.setdefault(g, []).append(module)
+    groups = {f"group_{i}": {"targets": sorted(by_size[g]), "weights": _weights(mode, g)}
+              for i, g in enumerate(sorted(by_size, reverse=True))}
+    groups[f"group_{len(groups)}"] = {"targets": ["Linear"], "weights": _weights(mode, group_size)}
+    for group in groups.values():
+        group.update({"input_activations": None, "output_activations": None, "format": FORMATS[mode]})
     return {
         "quant_method": QUANT_METHOD,
         "format": FORMATS[mode],
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                      "output_activations": None, "format": FORMATS[mode]}},
+        "config_groups": groups,
         "ignore": sorted(ignore),
         "kv_cache_scheme": None,
         "global_compression_ratio": None,
@@ -56,18 +74,37 @@ def quantization_config(mode: str, group_size: int, ignore: list[str]) -> dict[s
 
 
 def read_quantization_config(qc: Any, where: str) -> tuple[str, int | None]:
-    """(mode, group_size) of a ``quantization_config`` this module can read; a clear error
-    for anything else (another method, activations quantised, several groups, other bits)."""
+    """(mode, group_size) of a ``quantization_config`` this module can read: the config group's
+    that targets ``Linear`` (else the first); int4 groups may differ in group size only
+    (``group_sizes_by_target``: a module's own). A clear error for anything else (another method,
+    activations quantised, several schemes, other bits)."""
     if not isinstance(qc, dict) or qc.get("quant_method") != QUANT_METHOD:
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise CheckpointError(f"{where}: quantization_config quant_method {method!r} is not supported; trainforge "
                               f"reads {QUANT_METHOD!r} (int8 per channel, int4 per group), or float weights")
     groups = qc.get("config_groups") or {}
-    if len(groups) != 1:
-        raise CheckpointError(f"{where}: quantization_config has {len(groups)} config_groups; trainforge reads "
-                              "exactly one (one scheme for every quantised Linear)")
-    (group,) = groups.values()
-    w = group.get("weights") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise CheckpointError(f"{where}: quantization_config has no config_groups; trainforge reads one scheme "
+                              "for every quantised Linear (int4: group sizes may differ by module)")
+    schemes = [_read_group(g, qc, where) for g in groups.values()]
+    if len({m for m, _ in schemes}) > 1 or (schemes[0][0] == "int8" and len(schemes) > 1):
+        raise CheckpointError(f"{where}: quantization_config has {len(groups)} config_groups of different schemes; "
+                              "trainforge reads one scheme for every quantised Linear (int4: group sizes may "
+                              "differ by module)")
+    targets = [g.get("targets") if isinstance(g.get("targets"), list) else [] for g in groups.values()]
+    return next((sch for sch, t in zip(schemes, targets) if "Linear" in t), schemes[0])
+
+
+def group_sizes_by_target(qc: dict[str, Any]) -> dict[str, int]:
+    """An int4 ``quantization_config``'s group size per target (``Linear``, a module name)."""
+    return {t: g["weights"]["group_size"] for g in qc["config_groups"].values()
+            for t in (g.get("targets") if isinstance(g.get("targets"), list) else []) if isinstance(t, str)}
+
+
+def _read_group(group: Any, qc: dict[str, Any], where: str) -> tuple[str, int | None]:
+    if not isinstance(group, dict):
+        raise CheckpointError(f"{where}: quantization_config config_groups holds {group!r:.100}, not a scheme")
+    w = group.get("weights") if isinstance(group.get("weights"), dict) else {}
     if group.get("input_activations") or group.get("output_activations"):
         raise CheckpointError(f"{where}: quantised activations are not supported (weights-only int8/int4)")
     fmt = group.get("format") or qc.get("format")
@@ -94,7 +131,8 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """(R, C) unsigned codes in [0, 15] -> (R, ceil(C/8)) int32, zero-padded."""
     r, c = codes.shape
     codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, -c % 8))
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous().view(torch.int32)
+    # Through 1-D: a (1, C) result can carry strides (1, 1) that view() refuses (one group per row).
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(-1).view(torch.int32).reshape(r, -1)
 
 
 def _unpack_nibbles(words: torch.Tensor, cols: int) -> torch.Tensor:
