@@ -520,6 +520,11 @@ def _serve(argv: list[str]) -> int:
                    help="prompt tokens of requests admitted together that prefill in one forward (a longer "
                         "prompt prefills alone)")
     p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--read_timeout_s", type=float, default=30.0,
+                   help="a client must send a request's headers within this many seconds (else the connection "
+                        "closes), then its body within as many again (else 408); slow clients hold no place")
+    p.add_argument("--max_tokenize_concurrent", type=int, default=2,
+                   help="/tokenize and /detokenize requests handled at once (each on its own thread); more get 429")
     p.add_argument("--no_access_log", action="store_true",
                    help="do not log a line per request (method, path, status, ms, tokens)")
     a = p.parse_args(argv)
@@ -531,6 +536,10 @@ def _serve(argv: list[str]) -> int:
     except ImportError as e:
         raise TrainforgeError(f"trainforge serve needs the server packages ({e.name} is missing): "
                               "pip install 'trainforge[infer]'") from None
+    server_config = ServerConfig(host=a.host, port=a.port, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+                                 max_concurrent=a.max_concurrent, access_log=not a.no_access_log,
+                                 read_timeout_s=a.read_timeout_s, max_tokenize_concurrent=a.max_tokenize_concurrent)
+    server_config.validate()  # before any weight is read
     spec = _speculative_args(a)
     ahead = a.num_speculative_tokens if spec else 0
     config = _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue, block_size=a.block_size,
@@ -555,10 +564,8 @@ def _serve(argv: list[str]) -> int:
         except ValueError as e:
             raise TrainforgeError(str(e)) from None
     _freeze_long_lived()
-    serve(engine, loaded.tokenizer, ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
-                                                 model_name=a.model_name or loaded.name,
-                                                 max_body_bytes=a.max_body_bytes, max_concurrent=a.max_concurrent,
-                                                 access_log=not a.no_access_log), sock)
+    server_config.model_name = a.model_name or loaded.name
+    serve(engine, loaded.tokenizer, server_config, sock)
     return 0
 
 
