@@ -376,6 +376,7 @@ def _generate(argv: list[str]) -> int:
 
 def _generate_with(a, params, ids: list[int] | None, spec, prompt_len: int, ahead: int) -> int:
     from trainforge.infer.engine import Engine
+    from trainforge.infer.server_limits import TokenizerFailed, tokenizer_call
 
     loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-(min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
                                                            + ahead) // 16) + 1) * 16)
@@ -385,7 +386,11 @@ def _generate_with(a, params, ids: list[int] | None, spec, prompt_len: int, ahea
     if ids is None:
         if tok is None:
             raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json: use --prompt_ids")
-        ids = tok.encode(a.prompt).ids
+        try:  # a tokenizer.json regex can panic on some text (Oniguruma's retry limit): one line, not a traceback
+            ids = tokenizer_call(tok.encode, a.prompt).ids
+        except TokenizerFailed as e:
+            raise TrainforgeError(f"{a.checkpoint}: its tokenizer failed on --prompt ({e}); fix its tokenizer.json "
+                                  "or give --prompt_ids") from None
     try:
         engine = Engine(loaded.model, _engine_config(a, max_batch_size=1, max_queue=1,
                                                      max_context=min(loaded.model.cfg.max_seq_len,
@@ -395,13 +400,20 @@ def _generate_with(a, params, ids: list[int] | None, spec, prompt_len: int, ahea
         req = engine.generate([ids], params)[0]
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
+    if req.finish_reason == "error":  # the engine failed it (its detokenisation, say): Request.error says why
+        raise TrainforgeError(f"{a.checkpoint}: {req.error}")
     if a.print_ids or tok is None:
         print(",".join(map(str, req.output_ids)))
     else:
         # decode(prompt + output) keeps characters split across the boundary intact; a stop
         # string cut the output's text, which then follows the prompt's.
         cut = req.finish_reason == "stop" and params.stop
-        print(tok.decode(ids) + req.text if cut else tok.decode(ids + req.output_ids))
+        try:
+            text = tokenizer_call(tok.decode, ids if cut else ids + req.output_ids) + (req.text if cut else "")
+        except TokenizerFailed as e:
+            raise TrainforgeError(f"{a.checkpoint}: its tokenizer failed to decode the output ({e}); fix its "
+                                  "tokenizer.json or use --print_ids") from None
+        print(text)
     if a.stats:
         import json
 
