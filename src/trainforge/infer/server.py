@@ -39,8 +39,10 @@ stays free and ``/health`` answers under load. Errors use OpenAI's envelope
   event, then ``data: [DONE]``.
 
 Tokenizer work never runs on the event loop (prompts on its default executor, ``/tokenize``
-and ``/detokenize`` on their own threads); a tokenizer that fails on one text (a
-tokenizer.json regex that hits Oniguruma's retry limit panics) fails that request with a 400.
+and ``/detokenize`` on their own threads); text longer than the context times the longest
+token's characters is a 400 (``context_length_exceeded``) before it is tokenised; a tokenizer
+that fails on one text (a tokenizer.json regex that hits Oniguruma's retry limit panics)
+fails that request with a 400.
 
 A client that disconnects (mid-stream, or while waiting for a non-streamed answer) has its
 request aborted; the engine frees its batch row and KV blocks at the next step. The
@@ -74,7 +76,7 @@ from trainforge.infer.sampling import SamplingParams
 from trainforge.infer.listen import bind_socket
 from trainforge.infer.server_extras import Gate, banner, engine_record
 from trainforge.infer.server_limits import (TokenizerFailed, TokenizerPool, header_deadline_protocol,
-                                            json_depth_error, tokenizer_call)
+                                            json_depth_error, text_limit, tokenizer_call)
 
 __all__ = ["APIError", "ServerConfig", "chat_prompt", "create_app", "engine_record", "sampling_params", "serve",
            "uvicorn_config"]
@@ -179,6 +181,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
     app.add_middleware(Gate, api_key=config.api_key, registry=metrics_registry, access_log=config.access_log)
     token_texts = (TokenText(tokenizer), TokenText(tokenizer, as_ids=True))
     tokenizer_pool = TokenizerPool(config.max_tokenize_concurrent)
+    max_chars = text_limit(tokenizer, engine.max_context)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -244,6 +247,14 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
                            param="model", code="model_not_found")
         return data
 
+    def check_text(text: str, param: str) -> str:
+        """``text`` if it may be tokenised (``server_limits.text_limit``), else a 400: no text
+        longer than ``max_chars`` fits the context, and its tokenisation would cost seconds."""
+        if max_chars is not None and len(text) > max_chars:
+            raise APIError(400, f"'{param}' has {len(text)} characters; at most {max_chars} can fit the context of "
+                           f"{engine.max_context} tokens", param=param, code="context_length_exceeded")
+        return text
+
     async def encode(text: str, param: str, pool: TokenizerPool | None = None) -> list[int]:
         """``text``'s token ids, tokenised off the event loop (``pool``'s threads, or the loop's
         default executor); a tokenizer failure on it is this request's 400."""
@@ -261,7 +272,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return prompt
+            return check_text(prompt, "prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt
         raise APIError(400, "'prompt' must be a string, a list of token ids, or a one-element list of either",
@@ -439,7 +450,7 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
     async def chat_completions(request: HTTPRequest):
         admission.check()
         data = await read_body(request)
-        text = chat_prompt(data.get("messages"))
+        text = check_text(chat_prompt(data.get("messages")), "messages")
         sampling_params(data, 1, chat=True)  # every field checked before admission; max_tokens' default needs ids
         choices = choices_of(data, engine_cap)
         with admission.hold() as admitted:
@@ -460,9 +471,11 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
             text, param = data["prompt"], "prompt"
         else:
             raise APIError(400, "give 'prompt' (a string) or 'messages' (a chat)", param="prompt")
+        check_text(text, param)
         with tokenizer_pool.slot():
             ids = await encode(text, param, tokenizer_pool)
-        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+        # A JSONResponse, not a dict: FastAPI's jsonable_encoder took 184 ms per 250,000 ids on the loop.
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_context, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(request: HTTPRequest):
