@@ -3,6 +3,15 @@ server process on 127.0.0.1, checking that nothing fails and the server does not
 
     python -m bench.soak_serve                                   # 16 clients, 180 s, debug model
     python -m bench.soak_serve --clients 32 --duration_s 600 --checkpoint runs/a
+    python -m bench.soak_serve --hostile                         # 8 well-behaved clients, 100 s, hostile ones mixed in
+
+``--hostile``: after the warm-up, half the time the well-behaved clients run alone
+(baseline), half with hostile clients mixed in (``bench/_soak_hostile.py``: slow headers and
+bodies held past ``--read_timeout_s``, ``seed`` 2**64, 200,000-deep JSON, ~1 MiB
+``/tokenize``, malformed JSON, hang-ups); the table compares the well-behaved clients'
+latency in both halves. The well-behaved clients (and the attackers' admitted hang-ups) fit
+``--max_concurrent``, so for them any 429 is an error; a hostile request that gets anything
+but its expected answer (a 5xx, a slow client not cut in time) is an error too.
 
 Run from the repository root (``-m`` puts it on the path). Without ``--checkpoint`` the
 script prepares a few stdlib modules (vocab 512) and trains the ``debug`` flavor for 30
@@ -46,9 +55,11 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import httpx
 
+from bench._soak_hostile import HostileTally, attacker, slow_client
 from bench.train_throughput import cpu_counters
 from trainforge.monitor.sinks import read_exposition
 
@@ -114,6 +125,8 @@ def start_server(args, log_file, port: int) -> tuple[subprocess.Popen, list[str]
     cmd = ["serve", "--checkpoint", str(args.checkpoint), "--host", "127.0.0.1", "--port", str(port),
            "--model_name", "soak", "--max_batch_size", str(args.max_batch_size), "--max_queue",
            str(args.max_queue), "--max_concurrent", str(args.max_concurrent)]
+    if args.hostile:
+        cmd += ["--read_timeout_s", f"{args.read_timeout_s:g}", "--max_body_bytes", str(args.max_body_bytes)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "trainforge", *cmd], stdout=log_file, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True)
@@ -150,6 +163,17 @@ class Tally:
         if len(self.errors) < 10:
             self.errors.append(what[:300])
 
+    @classmethod
+    def merged(cls, tallies: list["Tally"]) -> "Tally":
+        out = cls()
+        for t in tallies:
+            out.latency_s += t.latency_s
+            out.ttft_s += t.ttft_s
+            out.errors += t.errors[:10 - len(out.errors)]
+            for k, v in t.counts.items():
+                out.counts[k] += v
+        return out
+
 
 def request_body(rng: random.Random, chat: bool, max_tokens: int, stream: bool) -> tuple[str, dict]:
     body = {"max_tokens": max_tokens, "stream": stream, "temperature": 0.8, "seed": rng.randrange(1 << 30),
@@ -163,7 +187,9 @@ async def plain(http: httpx.AsyncClient, path: str, body: dict, tally: Tally) ->
     t0 = time.perf_counter()
     r = await http.post(path, json=body)
     if r.status_code == 200:
-        if r.json()["usage"]["completion_tokens"] < 1:
+        answer = r.json()
+        # No tokens is an answer only when the first one was end-of-text (``ignore_eos`` is off half the time).
+        if answer["usage"]["completion_tokens"] < 1 and answer["choices"][0]["finish_reason"] != "stop":
             tally.error(f"{path}: 200 with no tokens: {r.text}")
         else:
             tally.counts["ok"] += 1
@@ -213,13 +239,18 @@ async def hang_up(port: int, path: str, body: dict, delay_s: float) -> bool:
     return b" 429 " not in status
 
 
-async def client(i: int, url: str, port: int, deadline: float, tally: Tally, max_tokens: int) -> None:
+async def client(i: int, url: str, port: int, deadline: float, tally_now: Callable[[], Tally], max_tokens: int,
+                 hostile: bool = False) -> None:
+    """One well-behaved client until ``deadline``; ``tally_now()`` is where each outcome goes
+    (the phase it happens in). With ``hostile``, hang-ups are the hostile clients' and a 429 is
+    an error (the run is sized so that the well-behaved clients always fit)."""
     rng = random.Random(i)
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         while time.monotonic() < deadline:
+            tally = tally_now()
             u = rng.random()
             chat = rng.random() < 0.25
-            if u < 0.10:
+            if u < 0.10 and not hostile:
                 path, body = request_body(rng, chat, 4 * max_tokens, rng.random() < 0.5)
                 admitted = await hang_up(port, path, body, rng.uniform(0.05, 0.5))
                 tally.counts["hung_up" if admitted else "shed_429"] += 1
@@ -230,7 +261,9 @@ async def client(i: int, url: str, port: int, deadline: float, tally: Tally, max
             except (httpx.HTTPError, json.JSONDecodeError, KeyError) as e:
                 tally.error(f"{path} stream={body['stream']}: {type(e).__name__}: {e}")
                 continue
-            if status == 429:
+            if status == 429 and hostile:
+                tally.error(f"{path} stream={body['stream']}: 429 although the well-behaved clients fit")
+            elif status == 429:
                 tally.counts["shed_429"] += 1
                 await asyncio.sleep(rng.uniform(0.05, 0.25))
             elif status != 200:
@@ -244,21 +277,46 @@ async def sample(pid: int, t_start: float, deadline: float, rss: list, load: lis
         await asyncio.sleep(1.0)
 
 
-async def soak(args, url: str, port: int, pid: int, tally: Tally) -> dict:
+async def soak(args, url: str, port: int, pid: int, phases: dict[str, Tally], hostile: HostileTally) -> dict:
+    """Run the clients for ``duration_s``. Plain: one phase, "all". ``--hostile``: "warm-up"
+    (``warmup_s``), then "baseline" and "hostile" (half of the rest each, the hostile clients
+    only in the second), so both latencies come from the same server in the same run."""
     t_start = time.monotonic()
     deadline = t_start + args.duration_s
+    t_hostile = t_start + args.warmup_s + (args.duration_s - args.warmup_s) / 2
+
+    def tally_now() -> Tally:
+        if not args.hostile:
+            return phases["all"]
+        now = time.monotonic()
+        return phases["warm-up" if now < t_start + args.warmup_s else "baseline" if now < t_hostile else "hostile"]
+
+    async def hostile_clients() -> None:
+        await asyncio.sleep(t_hostile - time.monotonic())
+        mid.update(await asyncio.to_thread(metrics, url), cpu=cpu_counters(), server_s=proc_cpu_s(pid))
+        await asyncio.gather(*(slow_client(j, port, deadline, hostile, args.read_timeout_s)
+                               for j in range(args.slow_clients)),
+                             *(attacker(j, url, port, deadline, hostile, args.max_body_bytes)
+                               for j in range(args.attackers)))
+
     rss: list[tuple[float, float]] = []
     load: list[float] = []
-    tasks = [asyncio.create_task(client(i, url, port, deadline, tally, args.max_tokens)) for i in range(args.clients)]
+    mid: dict = {}  # --hostile: /metrics and CPU counters when the hostile half starts
+    tasks = [asyncio.create_task(client(i, url, port, deadline, tally_now, args.max_tokens, args.hostile))
+             for i in range(args.clients)]
     tasks.append(asyncio.create_task(sample(pid, t_start, deadline, rss, load)))
+    if args.hostile:
+        tasks.append(asyncio.create_task(hostile_clients()))
     await asyncio.sleep(args.warmup_s)
     m_warm = await asyncio.to_thread(metrics, url)
+    c_warm, s_warm = cpu_counters(), proc_cpu_s(pid)
     t_warm = time.monotonic()
-    n_warm = len(tally.latency_s)
+    n_warm = len(tally_now().latency_s)
     await asyncio.gather(*tasks)
     m_end = await asyncio.to_thread(metrics, url)
     window_s = time.monotonic() - t_warm
-    return {"rss": rss, "load": load, "m_warm": m_warm, "m_end": m_end, "window_s": window_s, "n_warm": n_warm}
+    return {"rss": rss, "load": load, "m_warm": m_warm, "m_end": m_end, "window_s": window_s, "n_warm": n_warm,
+            "m_mid": mid, "c_warm": c_warm, "s_warm": s_warm, "c_end": cpu_counters(), "s_end": proc_cpu_s(pid)}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -267,19 +325,40 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--clients", type=int, default=16, help="concurrent clients")
-    p.add_argument("--duration_s", type=float, default=180.0, help="how long the clients run")
-    p.add_argument("--warmup_s", type=float, default=30.0, help="RSS and tokens/s are measured after this")
+    p.add_argument("--clients", type=int, default=None, help="concurrent well-behaved clients (16; --hostile: 8)")
+    p.add_argument("--duration_s", type=float, default=None, help="how long the clients run (180; --hostile: 100)")
+    p.add_argument("--warmup_s", type=float, default=None,
+                   help="RSS and tokens/s are measured after this (30; --hostile: 10)")
+    p.add_argument("--hostile", action="store_true",
+                   help="after the warm-up, half the time well-behaved clients alone (baseline), then with hostile "
+                        "ones mixed in (bench/_soak_hostile.py); the well-behaved clients fit --max_concurrent, "
+                        "so a 429 for them is an error too")
+    p.add_argument("--slow_clients", type=int, default=None,
+                   help="--hostile: slow-header / slow-body connections held at once (default max_concurrent + 2)")
+    p.add_argument("--attackers", type=int, default=6, help="--hostile: clients sending the other attacks")
+    p.add_argument("--read_timeout_s", type=float, default=5.0, help="--hostile: the server's --read_timeout_s")
+    p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="--hostile: the server's --max_body_bytes")
     p.add_argument("--checkpoint", default=None, help="checkpoint / run directory to serve (default: train a "
                                                       "debug one, about 30 s)")
     p.add_argument("--max_batch_size", type=int, default=8)
     p.add_argument("--max_queue", type=int, default=8)
-    p.add_argument("--max_concurrent", type=int, default=12, help="below --clients, so some load is shed (429)")
+    p.add_argument("--max_concurrent", type=int, default=None,
+                   help="below --clients, so some load is shed (429) (12; --hostile: 16, above --clients + "
+                        "--attackers, so nothing is shed)")
     p.add_argument("--max_tokens", type=int, default=96, help="largest max_tokens of a completed request "
                                                               "(hang-ups ask for 4x)")
     p.add_argument("--server_threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args()
+    for name, plain, hostile in (("clients", 16, 8), ("duration_s", 180.0, 100.0), ("warmup_s", 30.0, 10.0),
+                                 ("max_concurrent", 12, 16)):
+        if getattr(args, name) is None:
+            setattr(args, name, hostile if args.hostile else plain)
+    if args.slow_clients is None:
+        args.slow_clients = args.max_concurrent + 2  # more than every place: on a server that counted them, all 429
+    if args.hostile and args.clients + args.attackers > args.max_concurrent:
+        p.error("--hostile: --clients + --attackers (whose hang-ups are admitted) must fit --max_concurrent: a "
+                "well-behaved 429 counts as an error")
     if not 5 <= args.warmup_s + 5 < args.duration_s:
         p.error("--duration_s must exceed --warmup_s + 5 (the RSS windows are 5 s)")
 
@@ -294,7 +373,8 @@ def main() -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = work / "server.log"
-    tally = Tally()
+    phases = {name: Tally() for name in (("warm-up", "baseline", "hostile") if args.hostile else ("all",))}
+    hostile = HostileTally()
     with open(log_path, "w") as log_file:
         proc, cmd = start_server(args, log_file, port)
         print(f"server pid {proc.pid} on {url}; {args.clients} clients for {args.duration_s:.0f} s "
@@ -302,7 +382,8 @@ def main() -> int:
         c0, s0 = cpu_counters(), proc_cpu_s(proc.pid)
         t0 = time.monotonic()
         try:
-            run = asyncio.run(soak(args, url, port, proc.pid, tally))
+            run = asyncio.run(soak(args, url, port, proc.pid, phases, hostile))
+            tally = Tally.merged(list(phases.values()))
             wall_s = time.monotonic() - t0
             c1, s1 = cpu_counters(), proc_cpu_s(proc.pid)
             idle_deadline = time.monotonic() + 10
@@ -331,7 +412,9 @@ def main() -> int:
     def median_between(lo: float, hi: float) -> float:
         return statistics.median(v for t, v in run["rss"] if lo <= t <= hi)
 
-    rss_warm = median_between(args.warmup_s, args.warmup_s + 5)
+    # --hostile: from 10 s into the hostile half (its bodies and tokenizer buffers are working set, not growth).
+    rss_from = args.warmup_s + (args.duration_s - args.warmup_s) / 2 + 10 if args.hostile else args.warmup_s
+    rss_warm = median_between(rss_from, rss_from + 5)
     rss_end = median_between(args.duration_s - 5, args.duration_s)
     growth = (rss_end - rss_warm) / rss_warm
     mw, me = run["m_warm"], run["m_end"]
@@ -359,26 +442,63 @@ def main() -> int:
         "rss_growth": round(growth, 4), "error_samples": tally.errors,
     }
     ok = c["errors"] == 0 and growth < GROWTH_LIMIT
+    hung_up = c["hung_up"] + hostile.outcomes["hang_up"].get("hung_up", 0)
+    rows_hostile = []
+    if args.hostile:
+        phase_s = (args.duration_s - args.warmup_s) / 2
+        result["phases"] = {}
+        mid, n_cpu = run["m_mid"], os.cpu_count() or 1
+        bounds = {"baseline": (run["m_warm"], run["c_warm"], run["s_warm"], mid, mid["cpu"], mid["server_s"]),
+                  "hostile": (mid, mid["cpu"], mid["server_s"], run["m_end"], run["c_end"], run["s_end"])}
+        for name in ("baseline", "hostile"):
+            t = phases[name]
+            m0, c0_, s0_, m1, c1_, s1_ = bounds[name]
+            key = "trainforge_inference_generated_tokens_total"
+            share = {"tokens_per_s": round((m1[key] - m0[key]) / phase_s, 1),
+                     "server_cpu_share": round((s1_ - s0_) / (phase_s * n_cpu), 3),
+                     "bench_cpu_share": round((c1_["self_s"] - c0_["self_s"]) / (phase_s * n_cpu), 3)}
+            result["phases"][name] = {"seconds": phase_s, **t.counts, **share,
+                                      "latency_p50_s": round(pct(t.latency_s, 50), 4),
+                                      "latency_p99_s": round(pct(t.latency_s, 99), 4),
+                                      "ttft_p50_s": round(pct(t.ttft_s, 50), 4),
+                                      "ttft_p99_s": round(pct(t.ttft_s, 99), 4)}
+            rows_hostile.append((f"{name}: completed / errors / 429", f"{t.counts['ok']} / {t.counts['errors']} / "
+                                                                     f"{t.counts['shed_429']}"))
+            r = result["phases"][name]
+            rows_hostile.append((f"{name}: latency p50 / p99, TTFT p50 / p99",
+                                 f"{r['latency_p50_s'] * 1e3:.0f} / {r['latency_p99_s'] * 1e3:.0f} ms, "
+                                 f"{r['ttft_p50_s'] * 1e3:.0f} / {r['ttft_p99_s'] * 1e3:.0f} ms"))
+            rows_hostile.append((f"{name}: tokens/s; CPU share server / bench", f"{r['tokens_per_s']:.0f}; "
+                                 f"{r['server_cpu_share']:.0%} / {r['bench_cpu_share']:.0%}"))
+        result["hostile"] = h = {"slow_clients": args.slow_clients, "attackers": args.attackers,
+                                 "read_timeout_s": args.read_timeout_s, **hostile.summary()}
+        sent = {k: sum(v.values()) for k, v in h["outcomes"].items()}
+        rows_hostile.append(("hostile requests sent", ", ".join(f"{k} {n}" for k, n in sent.items())))
+        rows_hostile.append(("hostile: unexpected answers (target 0)", f"{h['unexpected']}"))
+        rows_hostile.append(("slow clients cut after (max)", f"{h['slow_cut_s_max']} s (read_timeout_s "
+                                                             f"{args.read_timeout_s:g})"))
+        ok = ok and h["unexpected"] == 0
     result["pass"] = ok
     rows = [("requests", f"{requests} ({c['ok']} completed, {c['hung_up']} hung up, {c['shed_429']} shed)"),
             ("errors (target 0)", f"{c['errors']}"),
             ("shed share (429)", f"{result['shed_share']:.1%}"),
-            ("admitted hang-ups / aborted in the engine", f"{c['hung_up']} / {result['aborted_by_engine']}"),
+            ("admitted hang-ups / aborted in the engine", f"{hung_up} / {result['aborted_by_engine']}"),
             ("latency p50 / p99", f"{result['latency_p50_s'] * 1e3:.0f} / {result['latency_p99_s'] * 1e3:.0f} ms"),
             ("TTFT p50 / p99 (streamed)", f"{result['ttft_p50_s'] * 1e3:.0f} / {result['ttft_p99_s'] * 1e3:.0f} ms"),
             ("tokens/s (engine, after warm-up)", f"{result['tokens_per_s']:.0f}"),
             ("server RSS start / warm / end / max", f"{result['rss_mib_start']:.0f} / {rss_warm:.0f} / "
                                                     f"{rss_end:.0f} / {result['rss_mib_max']:.0f} MiB"),
-            ("RSS growth after warm-up (< 5%)", f"{growth:+.2%}"),
+            ("RSS growth over the hostile half, from +10 s (< 5%)" if args.hostile else
+             "RSS growth after warm-up (< 5%)", f"{growth:+.2%}"),
             ("load average before / max / after", f"{load_before[0]:.2f} / {result['loadavg_max_during']:.2f} / "
                                                   f"{result['loadavg_after'][0]:.2f}"),
-            ("other processes' CPU share", f"{result['other_processes_share']:.0%}")]
+            ("other processes' CPU share", f"{result['other_processes_share']:.0%}"), *rows_hostile]
     print(f"\nCPU: {cpu.get('model')}, {cpu.get('cpus')} CPUs, hypervisor {cpu.get('hypervisor')}, "
           f"L3 {cpu.get('l3')}, SIMD {' '.join(cpu.get('simd', []))}")
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
-    for e in tally.errors:
+    for e in tally.errors + hostile.unexpected:
         print(f"  error: {e}")
     print(f"{'PASS' if ok else 'FAIL'}")
     print(json.dumps(result))

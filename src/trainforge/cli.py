@@ -379,6 +379,7 @@ def _generate(argv: list[str]) -> int:
 
 def _generate_with(a, params, ids: list[int] | None, spec, prompt_len: int, ahead: int) -> int:
     from trainforge.infer.engine import Engine
+    from trainforge.infer.server_limits import TokenizerFailed, tokenizer_call
 
     loaded = _load_for_engine(a, kv_slots=lambda cfg: (-(-(min(cfg.max_seq_len, prompt_len + a.max_new_tokens)
                                                            + ahead) // 16) + 1) * 16)
@@ -388,7 +389,11 @@ def _generate_with(a, params, ids: list[int] | None, spec, prompt_len: int, ahea
     if ids is None:
         if tok is None:
             raise TrainforgeError(f"{a.checkpoint} has no tokenizer.json: use --prompt_ids")
-        ids = tok.encode(a.prompt).ids
+        try:  # a tokenizer.json regex can panic on some text (Oniguruma's retry limit): one line, not a traceback
+            ids = tokenizer_call(tok.encode, a.prompt).ids
+        except TokenizerFailed as e:
+            raise TrainforgeError(f"{a.checkpoint}: its tokenizer failed on --prompt ({e}); fix its tokenizer.json "
+                                  "or give --prompt_ids") from None
     try:
         engine = Engine(loaded.model, _engine_config(a, max_batch_size=1, max_queue=1,
                                                      max_context=min(loaded.model.cfg.max_seq_len,
@@ -398,13 +403,20 @@ def _generate_with(a, params, ids: list[int] | None, spec, prompt_len: int, ahea
         req = engine.generate([ids], params)[0]
     except ValueError as e:
         raise TrainforgeError(str(e)) from None
+    if req.finish_reason == "error":  # the engine failed it (its detokenisation, say): Request.error says why
+        raise TrainforgeError(f"{a.checkpoint}: {req.error}")
     if a.print_ids or tok is None:
         print(",".join(map(str, req.output_ids)))
     else:
         # decode(prompt + output) keeps characters split across the boundary intact; a stop
         # string cut the output's text, which then follows the prompt's.
         cut = req.finish_reason == "stop" and params.stop
-        print(tok.decode(ids) + req.text if cut else tok.decode(ids + req.output_ids))
+        try:
+            text = tokenizer_call(tok.decode, ids if cut else ids + req.output_ids) + (req.text if cut else "")
+        except TokenizerFailed as e:
+            raise TrainforgeError(f"{a.checkpoint}: its tokenizer failed to decode the output ({e}); fix its "
+                                  "tokenizer.json or use --print_ids") from None
+        print(text)
     if a.stats:
         import json
 
@@ -546,6 +558,11 @@ def _serve(argv: list[str]) -> int:
                    help="prompt tokens of requests admitted together that prefill in one forward (a longer "
                         "prompt prefills alone)")
     p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--read_timeout_s", type=float, default=30.0,
+                   help="a client must send a request's headers within this many seconds (else the connection "
+                        "closes), then its body within as many again (else 408); slow clients hold no place")
+    p.add_argument("--max_tokenize_concurrent", type=int, default=2,
+                   help="/tokenize and /detokenize requests handled at once (each on its own thread); more get 429")
     p.add_argument("--no_access_log", action="store_true",
                    help="do not log a line per request (method, path, status, ms, tokens)")
     a = p.parse_args(argv)
@@ -557,6 +574,10 @@ def _serve(argv: list[str]) -> int:
     except ImportError as e:
         raise TrainforgeError(f"trainforge serve needs the server packages ({e.name} is missing): "
                               "pip install 'trainforge[infer]'") from None
+    server_config = ServerConfig(host=a.host, port=a.port, api_key=a.api_key, max_body_bytes=a.max_body_bytes,
+                                 max_concurrent=a.max_concurrent, access_log=not a.no_access_log,
+                                 read_timeout_s=a.read_timeout_s, max_tokenize_concurrent=a.max_tokenize_concurrent)
+    server_config.validate()  # before any weight is read
     spec = _speculative_args(a)
     ahead = a.num_speculative_tokens if spec else 0
     config = _engine_config(a, max_batch_size=a.max_batch_size, max_queue=a.max_queue, block_size=a.block_size,
@@ -581,10 +602,8 @@ def _serve(argv: list[str]) -> int:
         except ValueError as e:
             raise TrainforgeError(str(e)) from None
     _freeze_long_lived()
-    serve(engine, loaded.tokenizer, ServerConfig(host=a.host, port=a.port, api_key=a.api_key,
-                                                 model_name=a.model_name or loaded.name,
-                                                 max_body_bytes=a.max_body_bytes, max_concurrent=a.max_concurrent,
-                                                 access_log=not a.no_access_log), sock)
+    server_config.model_name = a.model_name or loaded.name
+    serve(engine, loaded.tokenizer, server_config, sock)
     return 0
 
 

@@ -145,7 +145,7 @@ def test_compiled_decode_step_matches_eager():
     assert [r.output_ids for r in engine.generate(PROMPTS[:3], GREEDY)] == want
 
 
-def test_a_failing_step_in_the_engine_thread_aborts_requests_instead_of_hanging():
+def test_a_failing_step_in_the_engine_thread_fails_requests_instead_of_hanging():
     engine = Engine(model_for("gqa2"), EngineConfig(max_batch_size=2, max_context=64))
     engine.runner.decode = lambda B, S: (_ for _ in ()).throw(RuntimeError("boom"))
     engine.start()
@@ -154,5 +154,7 @@ def test_a_failing_step_in_the_engine_thread_aborts_requests_instead_of_hanging(
         assert all(r.done.wait(timeout=30) for r in reqs)
     finally:
         engine.stop()
-    assert {r.finish_reason for r in reqs} == {"abort"} and "boom" in engine.last_error
+    # The batch's own step failed: every request ends with reason "error" (not "abort": no client left).
+    assert {r.finish_reason for r in reqs} == {"error"} and "boom" in engine.last_error
+    assert all("boom" in r.error for r in reqs)
     assert engine.pool.utilisation()["blocks_reserved"] == 0 and not engine.has_work()

@@ -19,7 +19,7 @@ import uvicorn
 from trainforge.data.tokenizer import eos_id, load_tokenizer
 from trainforge.infer.engine import Engine, EngineConfig, QueueFull
 from trainforge.infer.sampling import SamplingParams
-from trainforge.infer.server import ServerConfig, create_app
+from trainforge.infer.server import ServerConfig, create_app, uvicorn_config
 from trainforge.model import FLAVORS, build_model
 from trainforge.monitor.sinks import read_exposition
 
@@ -36,7 +36,7 @@ def serving(engine, tok, config: ServerConfig):
     yields the base URL (tests/faults/test_server_faults.py uses it too)."""
     app = create_app(engine, tok, config)
     engine.start()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    srv = uvicorn.Server(uvicorn_config(app, config, host="127.0.0.1", port=0))  # as `trainforge serve` runs it
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:

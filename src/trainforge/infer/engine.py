@@ -67,6 +67,19 @@ from trainforge.infer.speculative_sampling import accept, accept_greedy, filtere
 from trainforge.model.llama import Transformer
 
 
+def _contained(error: BaseException) -> bool:
+    """Whether the engine contains ``error`` (fails the requests it belongs to) rather than let it
+    end the engine thread: any ``Exception``, and the ``PanicException`` of a Rust panic in the
+    tokenizers library, which derives from ``BaseException`` (a tokenizer.json regex that hits
+    Oniguruma's retry limit raises one from ``decode``: uncaught, it ended the thread and every
+    client waited forever). Not ``KeyboardInterrupt`` / ``SystemExit``."""
+    return not isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+# A failed request's sampler row until it leaves: greedy, so the rest of its batch still samples.
+_PLACEHOLDER = SamplingParams(temperature=0)
+
+
 class QueueFull(RuntimeError):
     """The engine's waiting queue is at ``max_queue``."""
 
@@ -150,7 +163,8 @@ class Engine:
         self._stop = False
         self.last_error: str | None = None
         self.counters: dict[str, float] = {k: 0 for k in (
-            "submitted", "rejected", "finished_stop", "finished_length", "finished_abort", "prompt_tokens",
+            "submitted", "rejected", "finished_stop", "finished_length", "finished_abort", "finished_error",
+            "prompt_tokens",
             "generated_tokens", "decode_steps", "decode_s", "prefill_s", "peak_batch")}
         self.spec_stats = SpecStats(self.lookahead)
         self.compile_s = self.runner.compile() if config.compile else None
@@ -289,20 +303,28 @@ class Engine:
         sample its first token; its row leaves at once if that ends it."""
         row = req.row
         t0 = time.perf_counter()
-        tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
-        slots = torch.tensor(slots, dtype=torch.long, device=self.device)
-        hidden = None
-        if self.drafter is not None and self.drafter.wants_hidden:
-            logits, hidden = self.runner.prefill(tokens, slots, hidden=True)
-        else:
-            logits = self.runner.prefill(tokens, slots)
-        if self.drafter is not None:
-            self.drafter.prefill(tokens, slots, row, hidden)
-        self.sampler.set_row(row, req.params, req.prompt_ids)
-        lp = self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
-        first = int(self.runner.tokens[row])  # one host read per request, not per token
+        try:  # this request alone: an error here fails it, not the batch
+            tokens = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+            slots = torch.tensor(slots, dtype=torch.long, device=self.device)
+            hidden = None
+            if self.drafter is not None and self.drafter.wants_hidden:
+                logits, hidden = self.runner.prefill(tokens, slots, hidden=True)
+            else:
+                logits = self.runner.prefill(tokens, slots)
+            if self.drafter is not None:
+                self.drafter.prefill(tokens, slots, row, hidden)
+            self.sampler.set_row(row, req.params, req.prompt_ids)
+            lp = self.sampler.sample(logits, row, self.runner.tokens[row:row + 1])
+            first = int(self.runner.tokens[row])  # one host read per request, not per token
+            lp = None if lp is None else lp.to_host([req.params.logprobs])
+        except BaseException as e:
+            if not _contained(e):
+                raise
+            self._fail_request(req, e, "prefilling its prompt")
+            self._remove_row(row)
+            return
         self.counters["prefill_s"] += time.perf_counter() - t0
-        self._start_row(req, first, None if lp is None else lp.to_host([req.params.logprobs]))
+        self._start_row(req, first, lp)
         if req.finish_reason is not None:
             self._remove_row(row)
 
@@ -326,23 +348,43 @@ class Engine:
             reqs = [req for req, _ in pack]
             row0, n = reqs[0].row, len(reqs)
             assert [r.row for r in reqs] == list(range(row0, row0 + n)), "a pack's rows are consecutive"
-            tokens = torch.tensor([t for r in reqs for t in r.prompt_ids], dtype=torch.long, device=self.device)
-            slots = torch.tensor([s for _, sl in pack for s in sl], dtype=torch.long, device=self.device)
-            if n == 1:
-                logits = self.runner.prefill(tokens, slots)  # the fast step for a short prompt
-            else:
-                logits = self.runner.prefill_packed(tokens, slots, [len(r.prompt_ids) for r in reqs])
-            for r in reqs:
-                self.sampler.set_row(r.row, r.params, r.prompt_ids)
-            out = self.runner.tokens[row0:row0 + n]
-            lp = self.sampler.sample(logits, row0, out)
-            firsts = out.tolist()  # one host read per pack
+            try:  # an error in the pack's forward fails the pack's requests, not the running batch
+                tokens = torch.tensor([t for r in reqs for t in r.prompt_ids], dtype=torch.long, device=self.device)
+                slots = torch.tensor([s for _, sl in pack for s in sl], dtype=torch.long, device=self.device)
+                if n == 1:
+                    logits = self.runner.prefill(tokens, slots)  # the fast step for a short prompt
+                else:
+                    logits = self.runner.prefill_packed(tokens, slots, [len(r.prompt_ids) for r in reqs])
+                for r in reqs:
+                    self._set_row(r)
+                out = self.runner.tokens[row0:row0 + n]
+                lp = self.sampler.sample(logits, row0, out)
+                firsts = out.tolist()  # one host read per pack
+                lps = None if lp is None else lp.to_host([r.params.logprobs for r in reqs])
+            except BaseException as e:
+                if not _contained(e):
+                    raise
+                for r in reqs:
+                    if r.finish_reason is None:
+                        self._fail_request(r, e, "prefilling its prompt")
+                continue
             self.counters["prefill_s"] += time.perf_counter() - t0
-            lps = None if lp is None else lp.to_host([r.params.logprobs for r in reqs])
             for i, r in enumerate(reqs):
-                self._start_row(r, firsts[i], None if lps is None or lps[i] is None else [lps[i]])
+                if r.finish_reason is None:  # not failed by its sampler row
+                    self._start_row(r, firsts[i], None if lps is None or lps[i] is None else [lps[i]])
         for row in sorted((req.row for req, _ in taken if req.finish_reason is not None), reverse=True):
             self._remove_row(row)
+
+    def _set_row(self, req: Request) -> None:
+        """The sampler's row for ``req``. An error there (its parameters) fails ``req`` alone; the
+        row then samples greedily until it leaves, so its pack's draw still runs."""
+        try:
+            self.sampler.set_row(req.row, req.params, req.prompt_ids)
+        except BaseException as e:
+            if not _contained(e):
+                raise
+            self._fail_request(req, e, "setting up its sampler")
+            self.sampler.set_row(req.row, _PLACEHOLDER, [])
 
     def _start_row(self, req: Request, first: int, logprobs: list | None) -> None:
         """A prefilled request's row: counters, position and context of its prompt; then its
@@ -462,8 +504,14 @@ class Engine:
     # -- outputs ----------------------------------------------------------------------------
 
     def _append(self, req: Request, ids: list[int], logprobs: list | None = None) -> None:
-        """Hand sampled ids (and their logprobs) to ``req`` and queue what it streams (request.py)."""
-        new, delta, reason = req.add_tokens(ids, self.eos_ids, self.tokenizer, logprobs)
+        """Hand sampled ids (and their logprobs) to ``req`` and queue what it streams (request.py).
+        An error in its detokenisation or stop check fails ``req`` alone."""
+        try:
+            new, delta, reason = req.add_tokens(ids, self.eos_ids, self.tokenizer, logprobs)
+        except BaseException as e:
+            if not _contained(e):
+                raise
+            return self._fail_request(req, e, "detokenising its output")
         self.counters["generated_tokens"] += len(new)
         if reason is not None:
             self._finish(req, reason, new, delta)
@@ -476,6 +524,15 @@ class Engine:
         self.counters[f"finished_{reason}"] += 1
         self._events.append((req, new or [], delta, True))
 
+    def _fail_request(self, req: Request, error: BaseException, during: str) -> None:
+        """End ``req`` alone (reason "error", ``req.error`` says why) after an error only it met;
+        its row leaves with the step's finished rows. The others go on."""
+        from trainforge.log import get_logger
+
+        req.error = f"{during} failed: {type(error).__name__}: {str(error)[:300]}"
+        get_logger().warning(f"engine: request {req.id} failed, the others go on: {req.error}")
+        self._finish(req, "error")
+
     def _dispatch(self) -> None:
         """Callbacks after the step, once finished requests' blocks are back in the pool."""
         events, self._events = self._events, []
@@ -483,8 +540,9 @@ class Engine:
             if req.on_update is not None:
                 try:
                     req.on_update(req, ids, text, finished)
-                except Exception:  # a consumer's bug must not stop the engine for everyone
-                    pass
+                except BaseException as e:  # a consumer's bug must not stop the engine for everyone
+                    if not _contained(e):
+                        raise
             if finished:
                 req.done.set()
 
@@ -529,15 +587,20 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception as e:  # a failing step must not leave clients waiting forever
+            except BaseException as e:  # a failing step must not leave clients waiting forever
+                if not _contained(e):
+                    raise
                 self._fail_all(e)
 
     def _fail_all(self, error: Exception) -> None:
-        """End every request (reason "abort") after an unexpected error, freeing the pool."""
+        """End every request (reason "error") after an error in the batch's own step (the decode
+        forward, say), freeing the pool. Errors one request causes end that request only
+        (``_fail_request``)."""
         from trainforge.log import get_logger
 
-        get_logger().error(f"engine step failed, aborting {self.load()} requests: {error!r}")
+        get_logger().error(f"engine step failed, failing {self.load()} requests: {error!r}")
         self.last_error = repr(error)
+        why = f"the engine step failed: {type(error).__name__}: {str(error)[:300]}"
         with self._lock:
             waiting, self._waiting = list(self._waiting), deque()
         self._ring_rows.clear()
@@ -545,10 +608,12 @@ class Engine:
         for row in range(len(self._rows) - 1, -1, -1):
             req = self._rows[row]
             if req.finish_reason is None:
-                self._finish(req, "abort")
+                req.error = why
+                self._finish(req, "error")
             self._remove_row(row)
         for req in waiting:
-            self._finish(req, "abort")
+            req.error = why
+            self._finish(req, "error")
         self._dispatch()
 
     # -- reporting --------------------------------------------------------------------------

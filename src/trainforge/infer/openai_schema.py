@@ -14,6 +14,8 @@ and answers ``{content: [{token, logprob, bytes, top_logprobs}]}``.
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +25,20 @@ from trainforge.infer.sampling import SamplingParams
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers  # extra response headers ("Connection: close" after a read timeout)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# A rejected value in an error message: a few items and characters, never a 1 MiB list.
+_short = reprlib.Repr()
+_short.maxlevel, _short.maxlist, _short.maxdict, _short.maxstring, _short.maxlong = 2, 4, 4, 40, 40
+
+INT64 = (-(1 << 63), (1 << 63) - 1)  # OpenAI's and vLLM's seed: a 64-bit signed integer
 
 
 def _field(body: dict, key: str, types: tuple, default: Any, ok=None, want: str = "") -> Any:
@@ -36,7 +46,7 @@ def _field(body: dict, key: str, types: tuple, default: Any, ok=None, want: str 
     if value is None:
         return default
     if isinstance(value, bool) and bool not in types or not isinstance(value, types) or (ok and not ok(value)):
-        raise APIError(400, f"'{key}' must be {want}, got {value!r}", param=key)
+        raise APIError(400, f"'{key}' must be {want}, got {_short.repr(value)}", param=key)
     return value
 
 
@@ -103,10 +113,13 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool = False) -> 
         temperature=float(_field(body, "temperature", num, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]")),
         top_p=float(_field(body, "top_p", num, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]")),
         top_k=_field(body, "top_k", (int,), 0, lambda v: v >= 0, "an integer >= 0"),
-        repetition_penalty=float(_field(body, "repetition_penalty", num, 1.0, lambda v: v > 0, "a number > 0")),
+        repetition_penalty=float(_field(body, "repetition_penalty", num, 1.0, lambda v: v > 0 and math.isfinite(v),
+                                        "a finite number > 0")),
         stop=tuple(stop or ()),
-        ignore_eos=_field(body, "ignore_eos", (bool,), False),
-        seed=_field(body, "seed", (int,), None),
+        ignore_eos=_field(body, "ignore_eos", (bool,), False, want="a boolean"),
+        # Checked here, before admission: out of torch's range it raised in the engine thread.
+        seed=_field(body, "seed", (int,), None, lambda v: INT64[0] <= v <= INT64[1],
+                    f"an integer in [{INT64[0]}, {INT64[1]}]"),
         logprobs=_logprobs_k(body, chat),
     )
 
@@ -121,7 +134,10 @@ def chat_prompt(messages: Any) -> str:
             raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if not all(isinstance(t, str) for t in texts):
+                raise APIError(400, f"messages[{i}].content: a text part's 'text' must be a string", param="messages")
+            content = "".join(texts)
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", param="messages")
         lines.append(f"{m['role']}: {content}\n")

@@ -72,7 +72,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" (client gone) or "error" (see ``error``)
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
     created_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finished_s: float | None = None

@@ -19,6 +19,7 @@ numbers whatever the sampling settings, comparable across requests.
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
@@ -39,19 +40,24 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; k >= 0: the sampled token's logprob and the k most likely
 
     MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+    # torch.Generator.manual_seed takes [-2^63, 2^64); outside it raises in the engine thread.
+    SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field and the allowed range."""
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature={self.temperature}: must be a finite number >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty={self.repetition_penalty}: must be > 0 (1 = off)")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty={self.repetition_penalty}: must be a finite number > 0 (1 = off)")
+        lo, hi = self.SEED_RANGE
+        if self.seed is not None and not lo <= self.seed <= hi:
+            raise ValueError(f"seed={self.seed}: must be in [{lo}, {hi}] (a 64-bit integer)")
         if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
             raise ValueError(f"logprobs={self.logprobs}: must be in [0, {self.MAX_LOGPROBS}]")
         if any(not s for s in self.stop):

@@ -105,5 +105,5 @@ def engine_record(engine) -> dict[str, Any]:
             "kv_block_utilisation": pool["block_utilisation"], "kv_slot_utilisation": pool["slot_utilisation"],
             "infer_prompt_tokens": s["prompt_tokens"], "infer_generated_tokens": s["generated_tokens"],
             "infer_decode_steps": s["decode_steps"], "infer_rejected": s["rejected"],
-            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort")},
+            "infer_finished": {r: s[f"finished_{r}"] for r in ("stop", "length", "abort", "error")},
             **{k: v for k, v in s.items() if k in SPEC_KEYS}}

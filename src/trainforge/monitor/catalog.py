@@ -218,7 +218,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "requests refused because the engine's queue was full", when=SERVE),
     _s("infer_finished", "inference_requests_finished_total", "counter", "requests", "framework",
        "finished requests by reason: stop (stop token or string), length (max_tokens), abort (client "
-       "disconnect or engine error)", labels=("reason",), when=SERVE),
+       "disconnect), error (the engine failed the request)", labels=("reason",), when=SERVE),
     _s("ttft_s", "inference_time_to_first_token_seconds", "histogram", "seconds", "framework",
        "per request: submit to the engine until its first token is sampled (queueing and prefill included)",
        when=SERVE),

@@ -197,7 +197,8 @@ PANELS: tuple[PanelSpec, ...] = (
               f"{SERVE_NOTE}"),
     PanelSpec("serving", "Finished requests by reason", "reqps",
               ((per_s("trainforge_inference_requests_finished_total", "job, reason"), "{{reason}} {{job}}"),),
-              f"stop (end-of-text or a stop string), length (max_tokens), abort (client gone). {SERVE_NOTE}"),
+              f"stop (end-of-text or a stop string), length (max_tokens), abort (client gone), error (the engine "
+              f"failed the request). {SERVE_NOTE}"),
 )
 
 
