@@ -120,22 +120,35 @@ def test_without_the_cpp_ops_the_layer_falls_back_to_a_float_kernel(monkeypatch)
 
 
 @pytest.mark.parametrize("kernel", ["dequant", "reference", "c++ unavailable"])
-def test_the_decode_steps_out_form_runs_on_every_fallback_kernel(monkeypatch, kernel):
+@pytest.mark.parametrize("threads", [1, 2])  # 2: the dequantised weight's row-block split (fast_decode.LinearInto)
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_decode_steps_out_form_runs_on_every_fallback_kernel(monkeypatch, kernel, threads, m):
     # The decode step writes each linear through forward_into / bind_into; on a float kernel
-    # (chosen, or the one left where the C++ ops do not build) that form must reach it.
+    # (chosen, or the one left where the C++ ops do not build) that form must reach it and give
+    # the dequantised weight's product (fp32 sums in another order: 1e-5).
     if kernel == "c++ unavailable":
         monkeypatch.setattr(blocks_mod, "load_kernels", lambda: None)
-    w, x = torch.randn(32, 64), torch.randn(3, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _out_forms_match(kernel, m)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _out_forms_match(kernel: str, m: int) -> None:
+    w, x = torch.randn(32, 64), torch.randn(m, 64)
     for cls in (Q8_0Linear, Q4_0Linear):
         layer = cls.quantize(w, kernel="auto" if kernel == "c++ unavailable" else kernel)
         want = x @ layer.dequantize().t()
-        out = torch.empty(3, 32)
+        assert rel(layer(x), want) < 1e-5
+        out = torch.empty(m, 32)
         layer.forward_into(x, out)
         assert rel(out, want) < 1e-5
         out.zero_()
         layer.bind_into(x, out)()
         assert rel(out, want) < 1e-5
-        strided = torch.empty(32, 3).t()  # a non-contiguous out takes the copying form
+        strided = torch.empty(32, m).t()  # a non-contiguous out takes the copying form
         layer.bind_into(x, strided)()
         assert rel(strided, want) < 1e-5
 

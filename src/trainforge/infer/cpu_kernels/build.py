@@ -46,7 +46,7 @@ _CFLAGS, _LDFLAGS = ["-O3", "-fopenmp"], ["-fopenmp"]
 WAIT_LIMIT_S = 900.0
 # What the fallback costs, for the one line that reports it (measured: BENCHMARKS.md, "Without
 # a C++ compiler").
-_FALLBACK_COST = ("CPU inference falls back to ATen: decode ~1.5x slower in fp32, ~3x in int4 and ~10-16x in "
+_FALLBACK_COST = ("CPU inference falls back to ATen: decode ~1.5x slower in fp32, ~3x in int4 and ~5-9x in "
                   "q8_0 / q4_0 / GGUF, whose weights are dequantised to fp32 at load (4-7x their memory)")
 
 

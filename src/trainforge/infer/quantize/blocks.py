@@ -17,21 +17,23 @@ Kernels (``common.PREFERENCE``):
   (``cpu_kernels/``: activations quantised to int8 per block on the fly, integer dot products on
   AVX-512 VNNI / AVX2 / scalar, chosen by the CPU's features), built on first use, with
   ``_into`` forms the decode step writes through.
-- ``dequant``: dequantise once at pack time and run fp32 ``F.linear``: the fallback where the C++
-  ops cannot be built (one warning) and the path on CUDA; it gives up the memory saving.
+- ``dequant``: dequantise once at pack time and run the fp32 model's matmul (``RowBlockLinear``):
+  the fallback where the C++ ops cannot be built (one line says so) and the path on CUDA; it gives
+  up the memory saving.
 - ``reference``: dequantise on every call; exact, slow.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from trainforge.infer.cpu_kernels import load_kernels
 from trainforge.infer.cpu_kernels.formats import (BLOCK, dequantize_q4_0, dequantize_q8_0, pack_x8,
                                                   quantize_q4_0, quantize_q8_0)
 from trainforge.infer.quantize.common import Kernel, QuantLinear
 from trainforge.infer.weight_arena import empty_weight
+from trainforge.model.fast_decode import LinearInto, RowBlockLinear
 
 
 def blocks_unavailable(device: torch.device) -> str | None:
@@ -90,6 +92,14 @@ class _BlockLinear(QuantLinear):
     def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
         self.bind_into(x, out)()
 
+    def bind_into(self, x: torch.Tensor, out: torch.Tensor):
+        if self._impl is None:
+            self.pack()
+        if self.kernel_name == "dequant" and out.is_contiguous() and x.dtype == torch.float32:
+            # The decode step's out= form of the float matmul; scratch for its few-row split.
+            return self._dequant.bind(x, out, torch.empty(out.numel(), dtype=out.dtype, device=out.device))
+        return super().bind_into(x, out)
+
     def supports(self, name: str) -> str | None:
         return blocks_unavailable(self.weight.device) if name == "blocks" else None
 
@@ -105,8 +115,14 @@ class _BlockLinear(QuantLinear):
             return lambda x: op(x.float().contiguous(), w, s, n)
         self._into = None
         if name == "dequant":
-            w = self.dequantize()
-            return lambda x: F.linear(x.float(), w)
+            # The fp32 model's own matmul on the dequantised weight (RowBlockLinear: rows split over
+            # the threads), not F.linear: MKL's batch-1 GEMV is the slower one on AMD CPUs, and this
+            # is the path every q8_0 / q4_0 / GGUF load takes where the C++ ops do not build
+            # (BENCHMARKS.md, "Without a C++ compiler").
+            linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+            linear.weight = nn.Parameter(self.dequantize(), requires_grad=False)
+            self._dequant = LinearInto(RowBlockLinear.of(linear), torch.get_num_threads(), None)
+            return lambda x: self._dequant.mod(x.float())
         if name == "reference":
             return self.reference_forward
         raise ValueError(f"{self.MODE} kernel {name!r}: use one of blocks, dequant, reference, auto")
