@@ -262,7 +262,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: K
     from trainforge.infer import gguf_loading as gg
 
     header, cfg, mode = gg.open_gguf(path)
-    build_tok, eos = gg.gguf_tokenizer(header, path)  # before any weight is read: a refusal costs nothing
+    build_tok, eos = gg.gguf_tokenizer(header, path, cfg.vocab_size)  # before any weight is read: a refusal costs nothing
     _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
                str(path))
     sd, quantization = gg.read_gguf(header.tensors, cfg, path)
