@@ -117,5 +117,8 @@ def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
             f, what = damage
             if what == "missing":
                 raise CorruptCheckpointError(f"checkpoint file {f} is missing (listed in {mpath})")
+            if what == "outside":
+                raise CorruptCheckpointError(f"{mpath} lists {str(f)!r:.120}, a path outside the "
+                                             "checkpoint (absolute, '..' or a link out of it): refused, not opened")
             raise CorruptCheckpointError(f"checkpoint file {f} is corrupt: its sha256 does not match {mpath}")
     return meta
