@@ -63,11 +63,18 @@ def read_quantization_config(qc: Any, where: str) -> tuple[str, int | None]:
         raise CheckpointError(f"{where}: quantization_config quant_method {method!r} is not supported; trainforge "
                               f"reads {QUANT_METHOD!r} (int8 per channel, int4 per group), or float weights")
     groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise CheckpointError(f"{where}: quantization_config key 'config_groups' is {groups!r:.80}, not a table of "
+                              "schemes")
     if len(groups) != 1:
         raise CheckpointError(f"{where}: quantization_config has {len(groups)} config_groups; trainforge reads "
                               "exactly one (one scheme for every quantised Linear)")
-    (group,) = groups.values()
-    w = group.get("weights") or {}
+    (name, group), = groups.items()
+    w = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(group, dict) or not isinstance(w or {}, dict):
+        raise CheckpointError(f"{where}: quantization_config key 'config_groups.{name:.40}' is {group!r:.80}, not a "
+                              "scheme with a 'weights' table")
+    w = w or {}
     if group.get("input_activations") or group.get("output_activations"):
         raise CheckpointError(f"{where}: quantised activations are not supported (weights-only int8/int4)")
     fmt = group.get("format") or qc.get("format")
