@@ -178,7 +178,7 @@ def test_a_dcp_byte_range_past_its_file_is_refused(tmp_path):
         k: dataclasses.replace(v, length=2**40) for k, v in md.storage_data.items()}))
     with pytest.raises(CheckpointError) as e:
         dckpt.load_sharded(tmp_path / "ck", model, opt)
-    assert str(d / ".metadata") in str(e.value) and "outside its" in str(e.value), str(e.value)
+    assert str(d / ".metadata") in str(e.value) and "outside its" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_untouched_checkpoints_resume(trained, small_data, tmp_path):
@@ -188,3 +188,29 @@ def test_the_untouched_checkpoints_resume(trained, small_data, tmp_path):
 
     model, opt, _ = _sharded(tmp_path / "ck")
     dckpt.load_sharded(tmp_path / "ck", model, opt)
+
+
+def test_a_meta_json_nested_past_the_stack_is_one_line(trained, tmp_path):
+    """main: json's RecursionError escaped read_meta (a traceback)."""
+    _, ck = _copy(trained, tmp_path)
+    (ck / ckpt.META).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError) as e:
+        ckpt.read_meta(ck)
+    assert str(ck / ckpt.META) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_data_manifest_naming_a_shard_outside_its_directory_is_refused(small_data, tmp_path):
+    """The shard moved out and the manifest pointed at it (sha256 unchanged): main read it there."""
+    from trainforge.data.dataset import load_prepared
+    from trainforge.errors import DataError
+
+    data = tmp_path / "data"
+    shutil.copytree(small_data, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    entry = manifest["splits"]["train"][0]
+    os.replace(data / entry["file"], tmp_path / "moved.bin")
+    entry["file"] = "../moved.bin"
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError) as e:
+        load_prepared(data)
+    assert "'../moved.bin' is not a name inside the data directory" in str(e.value), str(e.value)

@@ -84,8 +84,9 @@ def write(tmp_path: Path, parts, name: str = "h.gguf", patch: dict[str, int] | N
 
 
 def load_and_tokenize(path: Path):
-    """What ``generate --prompt`` does with the file: the model and its tokenizer."""
-    loaded = load_model(path)
+    """What ``generate --prompt`` does with the file: the model (rotary tables for its KV pool, as
+    generate sizes them: a long context_length alone is no cost) and its tokenizer."""
+    loaded = load_model(path, kv_slots=lambda cfg: 256)
     return loaded.tokenizer
 
 

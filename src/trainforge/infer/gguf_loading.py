@@ -43,6 +43,7 @@ from trainforge.infer.gguf_header import FileTensor, GGUFFile, read_header, type
 from trainforge.infer.gguf_header import gguf_package as _gguf
 from trainforge.model.config import ModelConfig
 from trainforge.model.hf import model_config_from_hf
+from trainforge.safe_unpickle import error_detail
 
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0"}  # GGML type name -> our quantization mode
@@ -297,7 +298,7 @@ def _bpe_tokenizer(header: GGUFFile, path: Path) -> Any:
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     except Exception as e:  # UnicodeDecodeError; tokenizers' own errors are plain Exceptions
         raise CheckpointError(f"{path}: GGUF key {key!r} does not form a byte-level BPE vocabulary "
-                              f"({type(e).__name__}: {str(e)[:120]}); the file is damaged (convert it again)") from None
+                              f"({error_detail(e)}); the file is damaged (convert it again)") from None
     types = header.meta.get("tokenizer.ggml.token_type")
     pre = header.meta.get("tokenizer.ggml.pre", "gpt2")
     if pre in ("llama-bpe", "llama3"):  # Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3)

@@ -107,7 +107,8 @@ def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{mpath} is missing: {ckpt} is not a complete checkpoint") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{mpath} is corrupt ({type(e).__name__}: {str(e)[:120]})") from None
+        raise CorruptCheckpointError(f"{mpath} is corrupt ({type(e).__name__}: {' '.join(str(e).split())[:120]})") \
+            from None
     except OSError as e:
         raise CorruptCheckpointError(f"{mpath} is unreadable ({e.strerror})") from None
     check_format(meta, mpath)

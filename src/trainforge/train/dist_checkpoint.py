@@ -74,6 +74,7 @@ class SafeFileSystemReader(FileSystemReader):
         decompressor would be a bomb) is one line naming ``.metadata``."""
         where = self._get_metadata_path()
         sizes: dict[str, int] = {}
+        files: dict[str, Path] = {}
         storage = getattr(metadata, "storage_data", None)
         if not isinstance(storage, dict):
             raise CheckpointError(refused_message(where, "it has no storage table"))
@@ -84,12 +85,13 @@ class SafeFileSystemReader(FileSystemReader):
                 if f is None or not f.is_file():
                     why = "a path outside the checkpoint" if f is None else "a file that is not there"
                     raise CheckpointError(refused_message(where, f"relative_path {rel!r:.80} is {why}"))
-                sizes[rel] = f.stat().st_size
+                sizes[rel], files[rel] = f.stat().st_size, f
             offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (offset, length)) \
-                    or offset + length > sizes[rel]:
-                raise CheckpointError(refused_message(where, f"bytes [{offset!r:.30}, +{length!r:.30}) of {rel} lie "
-                                                             f"outside its {sizes[rel]} bytes"))
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (offset, length)):
+                raise CheckpointError(refused_message(where, f"byte range {offset!r:.30} +{length!r:.30} of {rel}"))
+            if offset + length > sizes[rel]:  # the shard cut short, or the metadata lying: both named
+                raise CheckpointError(refused_message(files[rel], f"{where} places bytes [{offset}, +{length}) in it, "
+                                                                  f"outside its {sizes[rel]} bytes"))
             if getattr(info, "transform_descriptors", None):
                 raise CheckpointError(refused_message(where, f"{rel} is stored through transforms "
                                                              f"{info.transform_descriptors!r:.80}"))
