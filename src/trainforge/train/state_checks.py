@@ -104,8 +104,11 @@ def check_resume_fields(state: dict[str, Any], f: Path, step: int, global_batch:
                               "saved with")
     sched = state["scheduler"]
     _int_in(sched, "last_epoch", 0, step, f, "scheduler.last_epoch")
-    _int_in(sched, "_step_count", 0, MAX_STEP, f, "scheduler._step_count")
+    if "_step_count" in sched:  # torch's own bookkeeping: checked where present
+        _int_in(sched, "_step_count", 0, MAX_STEP, f, "scheduler._step_count")
     for name in ("base_lrs", "_last_lr"):
+        if name not in sched and name == "_last_lr":
+            continue
         lrs = sched.get(name)
         if not isinstance(lrs, list) or not lrs or not all(_same_kind(x, 0.0) and x >= 0 for x in lrs):
             raise _refuse(f, f"scheduler.{name}", f"is {_describe(lrs)}, not a list of learning rates")
