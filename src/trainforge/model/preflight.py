@@ -111,8 +111,8 @@ def check_shape(values: dict[str, object], keys: dict[str, str] = MODEL_KEYS, pr
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise error(f"{name(f)} = {v!r:.80}: must be a positive integer")
         if f != "max_seq_len" and v > _SHAPE_LIMITS[f]:  # positions: named below with the tables' size
-            raise error(f"{name(f)} = {v}: more than {_SHAPE_LIMITS[f]:,}, beyond any real model (a typo, or a "
-                        "damaged or hostile file); use a smaller value")
+            raise error(f"{name(f)} = {v}: more than {_SHAPE_LIMITS[f]:,}, beyond any real model; use a smaller "
+                        "value")
     dim, heads, kv = values["dim"], values["n_heads"], values["n_kv_heads"]
     if dim % heads:  # type: ignore[operator]
         raise error(f"{name('dim')} = {dim} must be divisible by {name('n_heads')} = {heads}")
