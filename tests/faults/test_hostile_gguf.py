@@ -23,7 +23,7 @@ import pytest
 
 from tests.faults.conftest import cli_env, one_error_line
 from tests.faults.gguf_craft import ARRAY, STRING, KV, encode, parse, valid_gguf
-from trainforge.errors import CheckpointError, TrainforgeError
+from trainforge.errors import TrainforgeError
 from trainforge.infer.loading import load_model
 
 INT32, UINT8 = 5, 0

@@ -41,7 +41,6 @@ def hf_dir(tmp_path_factory):
     """A Hugging Face directory of the debug model (config.json + model.safetensors)."""
     from safetensors.torch import save_file
 
-    from tests.conftest import debug_config  # noqa: F401  (the debug shape's source)
     from trainforge.model import FLAVORS, build_model
     from trainforge.model.hf import to_hf_config_dict, to_hf_state_dict
 
@@ -79,10 +78,10 @@ def test_a_billion_layers_in_a_checkpoint_meta_json_is_refused(tmp_path):
     from trainforge.model import FLAVORS
     from trainforge.storage.checkpoint_format import META, write_meta
 
-    ck = tmp_path / "step_0000001"
-    ck.mkdir()
     import dataclasses
 
+    ck = tmp_path / "step_0000001"
+    ck.mkdir()
     write_meta(ck, 1, {}, {**dataclasses.asdict(FLAVORS["debug"]), "n_layers": 10**9})
     err = bounded(lambda: trainforge_model_config(ck), seconds=5)
     assert isinstance(err, CheckpointError)
