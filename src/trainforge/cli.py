@@ -117,13 +117,17 @@ def _train(argv: list[str]) -> int:
         return 0
 
     from trainforge.parallel.distributed import launched_by_torchrun, peer_failure
-    from trainforge.train.stop_signals import StopSignals
+    from trainforge.train.stop_signals import StartupInterrupted, StopSignals
 
     signals = StopSignals()
-    # Handled for the whole command: a signal during start-up stops the run at its first window.
+    # Handled for the whole command: a signal during start-up ends it at once (128 + N, nothing to
+    # save yet: the handler says so); once the loop runs, it stops the run at a window, saved.
     with signals.installed(ignore_after_outcome=launched_by_torchrun()):
         try:
             trainer, summary = _fit(cfg, run_dir, resume, a.from_step, signals)
+        except StartupInterrupted as e:
+            signals.outcome = e.exit_code
+            return e.exit_code
         except RuntimeError as e:  # a collective failed: a dead or hung peer is exit 4, anything else a bug
             failed = peer_failure(e, cfg.distributed.timeout_s) if launched_by_torchrun() else None
             if failed is None:

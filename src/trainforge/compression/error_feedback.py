@@ -41,4 +41,9 @@ class ErrorFeedback:
         return {k: v.detach().clone() for k, v in self.residuals.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
+        """``ValueError`` unless every residual is a floating-point tensor (a residual of another
+        shape than its bucket is ignored by ``compensate``)."""
+        bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor) or not v.is_floating_point()]
+        if bad:
+            raise ValueError(f"residual {bad[0]!r:.60} is not a floating-point tensor")
         self.residuals = {k: v.to(device) if device is not None else v for k, v in state.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import torch
@@ -60,8 +60,8 @@ def parse_manifest(text: str, where: str) -> tuple[dict, np.dtype]:
     ``trainforge prepare`` manifest of this format version."""
     try:
         manifest = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where} is not valid JSON ({e}); re-run `trainforge prepare`") from None
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested past Python's stack
+        raise DataError(f"{where} is not valid JSON ({str(e)[:120]}); re-run `trainforge prepare`") from None
     if not isinstance(manifest, dict):
         manifest = {}
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
@@ -78,6 +78,12 @@ def parse_manifest(text: str, where: str) -> tuple[dict, np.dtype]:
         int(manifest["vocab_size"]), int(manifest["eos_id"])
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{where}: missing or malformed field {e}; re-run `trainforge prepare`") from None
+    names = [manifest["tokenizer"]["file"], *(e["file"] for split in ("train", "val") for e in manifest["splits"][split])]
+    for name in names:  # prepare writes plain names in its own directory: never a path out of it
+        if not isinstance(name, str) or not name or PurePosixPath(name).is_absolute() \
+                or ".." in PurePosixPath(name).parts or "\0" in name:
+            raise DataError(f"{where}: file {name!r:.80} is not a name inside the data directory; re-run "
+                            "`trainforge prepare`")
     return manifest, dtype
 
 

@@ -1,5 +1,6 @@
 """Load llama.cpp's GGUF files (``--checkpoint model.gguf``): Llama architecture, tensors in
-F32 / F16 / BF16 / Q8_0 / Q4_0, read with llama.cpp's own reader (the ``gguf`` package).
+F32 / F16 / BF16 / Q8_0 / Q4_0. The header is read with every count and offset bounded
+(``gguf_header.py``); the block types and decoders are llama.cpp's own (the ``gguf`` package).
 
 Q8_0 and Q4_0 blocks become our ``q8_0`` / ``q4_0`` stored forms (``quantize/blocks.py``) by
 reinterpreting their bytes, never by re-quantising: a GGUF Q8_0 block is 34 bytes (fp16 d, 32
@@ -30,11 +31,7 @@ are refused, naming the tensor.
 from __future__ import annotations
 
 import functools
-import gc
-import mmap
-import pickle
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,6 +39,8 @@ import numpy as np
 import torch
 
 from trainforge.errors import CheckpointError
+from trainforge.infer.gguf_header import FileTensor, GGUFFile, read_header, typed
+from trainforge.infer.gguf_header import gguf_package as _gguf
 from trainforge.model.config import ModelConfig
 from trainforge.model.hf import model_config_from_hf
 from trainforge.safe_unpickle import error_detail
@@ -58,158 +57,13 @@ _FLOAT_ANY_TYPE = ("token_embd.weight", "output.weight")
 _NORMS = {"attn_norm": "attention_norm", "ffn_norm": "ffn_norm"}
 
 
-@dataclass(frozen=True)
-class StringArray:
-    """A metadata array of strings (``tokenizer.ggml.tokens`` / ``merges``) as one blob: the
-    lengths and the UTF-8 bytes end to end. Taken while the reader is open, as two large
-    objects, so that every small object the reader made dies with it and the interpreter can
-    hand its memory back (a list of str made then would pin the reader's arenas: ~10 MiB left
-    behind for an 8k vocabulary). ``tolist`` decodes it once the reader is gone."""
-    lengths: np.ndarray
-    blob: bytes
-
-    @classmethod
-    def of(cls, field) -> "StringArray":
-        parts = [field.parts[i] for i in field.data]
-        return cls(np.array([len(p) for p in parts], dtype=np.int64), b"".join(p.tobytes() for p in parts))
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def tolist(self) -> list[str]:
-        ends = np.cumsum(self.lengths).tolist()
-        return [self.blob[e - n:e].decode("utf-8") for e, n in zip(ends, self.lengths.tolist())]
-
-
-@dataclass(frozen=True)
-class GGUFFile:
-    """What trainforge takes of a GGUF file's header: the metadata as plain values and where
-    each tensor lies. The ``GGUFReader`` it came from is dropped (``FileTensor`` says why)."""
-    path: Path
-    meta: dict[str, Any]
-    tensors: list["FileTensor"]
-
-
 def open_gguf(path: Path) -> tuple[GGUFFile, ModelConfig, str | None]:
     """(the file's header as ``GGUFFile``, its ``ModelConfig``, the block mode most linears are in
-    or None); only the header is read, by gguf-py's ``GGUFReader``, which is then let go."""
-    header = pickle.loads(_header_bytes(path))
+    or None); only the header is read (``gguf_header.read_header``: every count bounded)."""
+    header = read_header(path)
     cfg = model_config_from_gguf(header, path)
     mode = _majority_mode([t for t in header.tensors if t.name.startswith("blk.") or t.name == "output.weight"])
     return header, cfg, mode
-
-
-def _header_bytes(path: Path) -> bytes:
-    """The file's ``GGUFFile``, pickled, and its reader collected. The reader makes ~100k small
-    objects (``FileTensor``); the header's own objects, made among them, would each pin a pool
-    of Python's allocator and with it an arena of 1 MiB: ~3 MiB left behind for the 90m model's
-    file. Unpickled after the reader is gone, they lie together in fresh pools."""
-    reader = _reader(path)
-    blob = pickle.dumps(GGUFFile(path, _metadata(reader), file_tensors(reader, path)))
-    del reader
-    gc.collect()  # the reader's objects hold cycles: free them before the weights are read
-    return blob
-
-
-def _metadata(reader) -> dict[str, Any]:
-    constants = _gguf().constants
-    string, array = constants.GGUFValueType.STRING, constants.GGUFValueType.ARRAY
-    return {key: StringArray.of(f) if f.types[:1] == [array] and f.types[-1] == string else f.contents()
-            for key, f in reader.fields.items()}
-
-
-@dataclass(frozen=True)
-class FileTensor:
-    """Where one tensor lies in a GGUF file: what ``read_gguf`` needs once the ``GGUFReader`` is
-    dropped. The reader parses every metadata array item into its own numpy view (~300 bytes
-    each: 25 MiB for an 8192-token vocabulary with its merges, hundreds of MiB for Llama 3's
-    128k tokens and 280k merges) and maps the file, so holding it while the weights are read
-    would add both to the load's peak memory (the issue's RSS bound)."""
-    name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    shape: tuple[int, ...]  # ggml order: innermost first
-    n_bytes: int
-    data_offset: int
-    dtype: Any  # the reader's element type: float32 / float16 for F32 / F16, else uint8 bytes
-    array_shape: tuple[int, ...]  # the reader's array shape in that type
-    path: Path
-
-    def read(self) -> np.ndarray:
-        """The tensor as the reader's array, read into memory of its own: an anonymous map, page
-        aligned (the float GEMV's loads) and outside malloc's heap. A malloc'd buffer, freed,
-        raises glibc's dynamic mmap threshold, and the stored forms and their repacks then
-        fragment the heap: the 90m q4_0 load peaked 35 MiB higher. No file pages are mapped."""
-        buf = np.frombuffer(mmap.mmap(-1, max(self.n_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)[:self.n_bytes]
-        with open(self.path, "rb") as f:
-            f.seek(self.data_offset)
-            got = f.readinto(memoryview(buf))
-        if got != self.n_bytes:
-            raise CheckpointError(f"{self.path}: tensor {self.name} needs {self.n_bytes} bytes at offset "
-                                  f"{self.data_offset}, the file holds {got}: truncated (download or convert it "
-                                  "again)")
-        return buf.view(self.dtype).reshape(self.array_shape)
-
-
-def file_tensors(reader, path: Path) -> list[FileTensor]:
-    """The places of a ``GGUFReader``'s tensors (``FileTensor``), to read them once it is dropped."""
-    return [FileTensor(t.name, t.tensor_type, tuple(int(s) for s in t.shape), int(t.n_bytes), int(t.data_offset),
-                       t.data.dtype, tuple(t.data.shape), path) for t in reader.tensors]
-
-
-def _gguf():
-    """The ``gguf`` package with the modules a load uses imported: its reader (``gguf_reader``),
-    ``constants`` and ``quants``. Where nothing imported gguf yet, its ``__init__`` is deferred:
-    it also imports the writer, every architecture's tensor-name tables, the vocab helpers and,
-    for model-card metadata, yaml, 1.6 MiB of a decode process that no load uses (issue 24's
-    memory bound; BENCHMARKS.md). The package is then a module of its own whose first read of
-    any other name (``gguf.GGUFWriter``, ``from gguf import ...``) runs that ``__init__`` in it
-    (PEP 562 ``__getattr__``), so later users see the whole package."""
-    import importlib
-    import importlib.util
-    import sys
-
-    pkg = sys.modules.get("gguf")
-    if pkg is None:
-        spec = importlib.util.find_spec("gguf")
-        if spec is None or spec.loader is None:
-            raise ImportError("gguf")
-        pkg = importlib.util.module_from_spec(spec)
-
-        def complete(name: str):
-            del pkg.__getattr__  # once: the package's own names from here on
-            exec(spec.loader.get_code("gguf"), vars(pkg))
-            try:
-                return vars(pkg)[name]
-            except KeyError:
-                raise AttributeError(f"module 'gguf' has no attribute {name!r}") from None
-
-        pkg.__getattr__ = complete
-        sys.modules["gguf"] = pkg
-    for sub in ("constants", "quants", "gguf_reader"):
-        importlib.import_module(f"gguf.{sub}")
-    return pkg
-
-
-def _reader(path: Path):
-    try:
-        gguf = _gguf()
-    except ImportError:
-        raise CheckpointError(f"{path}: reading GGUF files needs the gguf package: pip install 'trainforge[gguf]'") \
-            from None
-    try:
-        return gguf.gguf_reader.GGUFReader(str(path), "r")
-    except Exception as e:  # ValueError on a bad magic / truncated data, struct errors, OSError
-        raise CheckpointError(f"{path} could not be read as a GGUF file: truncated, damaged or not GGUF "
-                              f"({error_detail(e)})") from None
-
-
-def _field(header: GGUFFile, key: str, default: Any = None, required: bool = False, path: Path | None = None
-           ) -> Any:
-    if key not in header.meta:
-        if required:
-            raise CheckpointError(f"{path}: GGUF metadata key {key!r} is missing")
-        return default
-    return header.meta[key]
 
 
 def _f32(v: float) -> float:
@@ -218,42 +72,56 @@ def _f32(v: float) -> float:
     return float(str(np.float32(v)))
 
 
+# ModelConfig fields -> the GGUF keys they come from (check_shape names them so).
+GGUF_KEYS = {"dim": "llama.embedding_length", "n_layers": "llama.block_count", "n_heads": "llama.attention.head_count",
+             "n_kv_heads": "llama.attention.head_count_kv", "vocab_size": "llama.vocab_size",
+             "ffn_hidden_dim": "llama.feed_forward_length", "max_seq_len": "llama.context_length"}
+
+
 def model_config_from_gguf(header: GGUFFile, path: Path) -> ModelConfig:
-    """``ModelConfig`` from the ``general.architecture`` / ``llama.*`` metadata, validated by the HF
-    Llama config reader (same checks); ``tie_embeddings`` when the file has no ``output.weight``."""
-    arch = _field(header, "general.architecture", required=True, path=path)
+    """``ModelConfig`` from the ``general.architecture`` / ``llama.*`` metadata, each key checked
+    for its type and the shape (sizes, model limits) by ``check_shape`` under the GGUF key names
+    before the HF Llama config reader (same checks) sees it; ``tie_embeddings`` when the file has
+    no ``output.weight``."""
+    from trainforge.model.preflight import check_shape
+
+    arch = typed(header, "general.architecture", "str", required=True)
     if arch != "llama":
-        raise CheckpointError(f"{path}: GGUF general.architecture is {arch!r}; trainforge reads 'llama' GGUF files "
-                              "only (for others, load the Hugging Face directory)")
+        raise CheckpointError(f"{path}: GGUF general.architecture is {arch!r:.80}; trainforge reads 'llama' GGUF "
+                              "files only (for others, load the Hugging Face directory)")
     names = {t.name for t in header.tensors}
-    g = lambda key, **kw: _field(header, f"llama.{key}", path=path, **kw)  # noqa: E731
-    scaling = g("rope.scaling.type", default="none")
-    if scaling not in ("none", None):
-        raise CheckpointError(f"{path}: GGUF key 'llama.rope.scaling.type' is {scaling!r}; trainforge's Llama has "
-                              "no RoPE scaling")
+    g = lambda key, kind, **kw: typed(header, f"llama.{key}", kind, **kw)  # noqa: E731
+    scaling = g("rope.scaling.type", "str", default="none")
+    if scaling != "none":
+        raise CheckpointError(f"{path}: GGUF key 'llama.rope.scaling.type' is {scaling!r:.80}; trainforge's Llama "
+                              "has no RoPE scaling")
     emb = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
-    if emb is None:
-        raise CheckpointError(f"{path}: no token_embd.weight tensor")
-    tokens = _field(header, "tokenizer.ggml.tokens")
-    vocab = g("vocab_size", default=None) or int(emb.shape[1])  # ggml shapes are (K, N)
-    hf = {"hidden_size": g("embedding_length", required=True), "num_hidden_layers": g("block_count", required=True),
-          "num_attention_heads": g("attention.head_count", required=True),
-          "num_key_value_heads": g("attention.head_count_kv", default=None),
-          "intermediate_size": g("feed_forward_length", required=True), "vocab_size": vocab,
-          "rms_norm_eps": _f32(g("attention.layer_norm_rms_epsilon", default=1e-5)),
-          "rope_theta": _f32(g("rope.freq_base", default=10000.0)),
-          "max_position_embeddings": g("context_length", default=2048),
-          "tie_word_embeddings": "output.weight" not in names}
-    hf = {k: v for k, v in hf.items() if v is not None}
+    if emb is None or len(emb.shape) != 2:
+        raise CheckpointError(f"{path}: no 2-D token_embd.weight tensor")
+    tokens = typed(header, "tokenizer.ggml.tokens", "strings")
+    heads = g("attention.head_count", "int", required=True)
+    values = {"dim": g("embedding_length", "int", required=True), "n_layers": g("block_count", "int", required=True),
+              "n_heads": heads, "n_kv_heads": g("attention.head_count_kv", "int", default=heads),
+              "vocab_size": g("vocab_size", "int", default=None) or int(emb.shape[1]),  # ggml shapes are (K, N)
+              "ffn_hidden_dim": g("feed_forward_length", "int", required=True),
+              "max_seq_len": g("context_length", "int", default=2048)}
+    # Before anything sizes a table or divides by them: a hostile block_count of 10^9 stops here.
+    check_shape(values, GGUF_KEYS, prefix=f"{path}: GGUF key", error=CheckpointError)
+    vocab = values["vocab_size"]
     if tokens is not None and len(tokens) != vocab:
         raise CheckpointError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens, the model {vocab}")
+    hf = {"hidden_size": values["dim"], "num_hidden_layers": values["n_layers"], "num_attention_heads": heads,
+          "num_key_value_heads": values["n_kv_heads"], "intermediate_size": values["ffn_hidden_dim"],
+          "vocab_size": vocab, "rms_norm_eps": _f32(g("attention.layer_norm_rms_epsilon", "float", default=1e-5)),
+          "rope_theta": _f32(g("rope.freq_base", "float", default=10000.0)),
+          "max_position_embeddings": values["max_seq_len"], "tie_word_embeddings": "output.weight" not in names}
     try:
         cfg = model_config_from_hf(hf)
     except CheckpointError as e:  # names config.json keys; say which GGUF file
         raise CheckpointError(f"{path} (GGUF llama.* metadata): {e}") from None
     for key, want in (("attention.key_length", cfg.head_dim), ("attention.value_length", cfg.head_dim),
                       ("rope.dimension_count", cfg.head_dim)):
-        v = g(key, default=want)
+        v = g(key, "int", default=want)
         if v != want:
             raise CheckpointError(f"{path}: GGUF key 'llama.{key}' is {v}; trainforge needs embedding_length / "
                                   f"head_count = {want}")
@@ -309,6 +177,17 @@ def _majority_mode(tensors: list) -> str | None:
     return _BLOCK_TYPES[counts.most_common(1)[0][0]] if counts else None
 
 
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in ggml order (innermost first: a linear's (in, out))."""
+    d, f, v = cfg.dim, cfg.ffn_hidden_dim, cfg.vocab_size
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    layer = {"attn_q": (d, q), "attn_k": (d, kv), "attn_v": (d, kv), "attn_output": (q, d), "ffn_gate": (d, f),
+             "ffn_down": (f, d), "ffn_up": (d, f), "attn_norm": (d,), "ffn_norm": (d,)}
+    out = {"token_embd.weight": (d, v), "output_norm.weight": (d,), "output.weight": (d, v)}
+    out.update({f"blk.{i}.{g}.weight": s for i in range(cfg.n_layers) for g, s in layer.items()})
+    return out
+
+
 def read_gguf(tensors: list[FileTensor], cfg: ModelConfig, path: Path
               ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """(our state dict on CPU, quantization info or None) of a GGUF file's tensors (``file_tensors``),
@@ -334,6 +213,12 @@ def read_gguf(tensors: list[FileTensor], cfg: ModelConfig, path: Path
                               f"{missing[:8]}, unexpected {unexpected[:8]}")
     if "rope_freqs.weight" in tensors:  # llama 3.1's long-context factors
         raise CheckpointError(f"{path}: rope_freqs.weight (Llama 3.1 RoPE scaling) is not supported by trainforge")
+    shapes = _expected_shapes(cfg)
+    wrong = [f"{name} {tensors[name].shape} (want {want})" for name, want in shapes.items()
+             if name in tensors and tensors[name].shape != want]
+    if wrong:  # before any is read: a q projection that does not fit the heads would not reshape
+        raise CheckpointError(f"{path}: GGUF tensors do not fit the llama.* metadata (shapes in ggml order, "
+                              f"innermost first): {', '.join(wrong[:4])}")
     mode = _majority_mode([tensors[g] for g in linears])
     sd: dict[str, torch.Tensor] = {}
     info: dict[str, Any] = {"mode": mode, "layers": [], "experts": [], "skipped": {}, "format": "gguf"}
@@ -364,38 +249,58 @@ def read_gguf(tensors: list[FileTensor], cfg: ModelConfig, path: Path
     return sd, (info if mode else None)
 
 
-def _strings(v: Any) -> list[str]:
-    return v.tolist() if isinstance(v, StringArray) else list(v)
-
-
-def gguf_tokenizer(header: GGUFFile, path: Path) -> tuple[Callable[[], Any] | None, tuple[int, ...]]:
+def gguf_tokenizer(header: GGUFFile, path: Path, vocab_size: int | None = None
+                   ) -> tuple[Callable[[], Any] | None, tuple[int, ...]]:
     """(a function building the ``tokenizers.Tokenizer`` from ``tokenizer.ggml.*``, or None when
-    the file has no tokenizer; eos ids). Checked now, built when called: byte-level BPE (model
-    "gpt2": tokens + merges); SentencePiece ("llama") is refused with the way round it."""
-    model = _field(header, "tokenizer.ggml.model")
-    eos = _field(header, "tokenizer.ggml.eos_token_id")
-    eos_ids = (int(eos),) if eos is not None else ()
+    the file has no tokenizer; eos ids). Checked now (each key's type, the token ids and the
+    lengths of the per-token arrays: a ``CheckpointError`` naming the file and key), built when
+    called: byte-level BPE (model "gpt2": tokens + merges); SentencePiece ("llama") is refused
+    with the way round it."""
+    model = typed(header, "tokenizer.ggml.model", "str")
+    tokens = typed(header, "tokenizer.ggml.tokens", "strings")
+    vocab = vocab_size if vocab_size is not None else len(tokens) if tokens is not None else None
+    eos = typed(header, "tokenizer.ggml.eos_token_id", "int")
+    if eos is not None and vocab is not None and not 0 <= eos < vocab:
+        raise CheckpointError(f"{path}: GGUF key 'tokenizer.ggml.eos_token_id' = {eos} is not a token id of the "
+                              f"{vocab}-token vocabulary; the file is damaged (convert it again)")
+    eos_ids = (eos,) if eos is not None else ()
     if model is None:
         return None, eos_ids
     if model != "gpt2":
-        raise CheckpointError(f"{path}: GGUF tokenizer.ggml.model is {model!r}; trainforge builds byte-level BPE "
+        raise CheckpointError(f"{path}: GGUF tokenizer.ggml.model is {model!r:.80}; trainforge builds byte-level BPE "
                               "('gpt2') tokenizers from GGUF metadata only. Load the Hugging Face directory (its "
                               "tokenizer.json) instead")
-    _field(header, "tokenizer.ggml.tokens", required=True, path=path)
-    _field(header, "tokenizer.ggml.merges", required=True, path=path)
+    tokens = typed(header, "tokenizer.ggml.tokens", "strings", required=True)
+    typed(header, "tokenizer.ggml.merges", "strings", required=True)
+    typed(header, "tokenizer.ggml.pre", "str")
+    for key, kind in (("token_type", "ints"), ("scores", "floats")):
+        v = header.meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and (not isinstance(v, np.ndarray) or v.dtype.kind not in ("iu" if kind == "ints" else "f")
+                              or len(v) != len(tokens)):
+            got = f"{v.dtype} array of {len(v)}" if isinstance(v, np.ndarray) else f"{v!r:.40}"
+            raise CheckpointError(f"{path}: GGUF key 'tokenizer.ggml.{key}' is {got}, not one "
+                                  f"{'integer' if kind == 'ints' else 'number'} per token of tokenizer.ggml.tokens "
+                                  f"({len(tokens)}); the file is damaged (convert it again)")
     return functools.partial(_bpe_tokenizer, header, path), eos_ids
 
 
 def _bpe_tokenizer(header: GGUFFile, path: Path) -> Any:
-    """The byte-level BPE ``tokenizers.Tokenizer`` of a file ``gguf_tokenizer`` accepted."""
+    """The byte-level BPE ``tokenizers.Tokenizer`` of a file ``gguf_tokenizer`` accepted. Raises
+    ``CheckpointError`` naming the key when the strings do not form one (not UTF-8, a merge that
+    is not two tokens of the vocabulary)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens = _strings(_field(header, "tokenizer.ggml.tokens", required=True, path=path))
-    merges = _strings(_field(header, "tokenizer.ggml.merges", required=True, path=path))
-    types = _field(header, "tokenizer.ggml.token_type", default=[1] * len(tokens))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
-                               merges=[tuple(m.split(" ", 1)) for m in merges]))
-    pre = _field(header, "tokenizer.ggml.pre", default="gpt2")
+    key = "tokenizer.ggml.tokens"
+    try:
+        tokens = header.meta[key].tolist()
+        key = "tokenizer.ggml.merges"
+        merges = [tuple(m.split(" ", 1)) for m in header.meta[key].tolist()]
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    except Exception as e:  # UnicodeDecodeError; tokenizers' own errors are plain Exceptions
+        raise CheckpointError(f"{path}: GGUF key {key!r} does not form a byte-level BPE vocabulary "
+                              f"({error_detail(e)}); the file is damaged (convert it again)") from None
+    types = header.meta.get("tokenizer.ggml.token_type")
+    pre = header.meta.get("tokenizer.ggml.pre", "gpt2")
     if pre in ("llama-bpe", "llama3"):  # Llama 3's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3)
         split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -404,7 +309,7 @@ def _bpe_tokenizer(header: GGUFFile, path: Path) -> Any:
     else:  # GPT-2's regex, ByteLevel's own
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    # llama.cpp's token types: 3 = control, 4 = user-defined: whole tokens, never split.
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, ty in enumerate(types) if ty in (3, 4)])
+    if types is not None:  # llama.cpp's token types: 3 = control, 4 = user-defined: whole tokens, never split.
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i in np.flatnonzero((types == 3) | (types == 4)).tolist()])
     return tok

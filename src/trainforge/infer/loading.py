@@ -262,7 +262,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: K
     from trainforge.infer import gguf_loading as gg
 
     header, cfg, mode = gg.open_gguf(path)
-    build_tok, eos = gg.gguf_tokenizer(header, path)  # before any weight is read: a refusal costs nothing
+    build_tok, eos = gg.gguf_tokenizer(header, path, cfg.vocab_size)  # before any weight is read: a refusal costs nothing
     _preflight(cfg, device, dtype, kv_slots, {"mode": mode} if mode else None, "GGUF key 'llama.context_length'",
                str(path))
     sd, quantization = gg.read_gguf(header.tensors, cfg, path)
@@ -338,8 +338,12 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
         if expected != group_size:
             group_sizes[name] = expected
         # Row permutations (a 1-D per-row tensor, int8's scales, goes through as a column).
-        stored.update({f"{name}.{s}": layout.rows_from_hf(cfg, ours, v if v.dim() > 1 else v[:, None], hf_config)
-                       .reshape(v.shape) for s, v in t.items()})
+        try:
+            stored.update({f"{name}.{s}": layout.rows_from_hf(cfg, ours, v if v.dim() > 1 else v[:, None], hf_config)
+                           .reshape(v.shape) for s, v in t.items()})
+        except (RuntimeError, ValueError, IndexError) as e:  # rows that do not fit the heads: no permutation
+            raise CheckpointError(f"{where}: quantised {prefix} has {n} x {k} weights, which do not fit the model "
+                                  f"of config.json ({error_detail(e)})") from None
         layers.append(name)
     modules: dict[str, set[str]] = {}
     for stacked, per in experts.items():
@@ -363,6 +367,23 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
     return sd, info, stored
 
 
+# Hugging Face configs nest ~5 levels (quantization_config.config_groups.group_0.weights.observer_kwargs).
+MAX_CONFIG_DEPTH = 32
+
+
+def json_depth(value: Any) -> int:
+    """How deep ``value`` (decoded JSON) nests; iterative, so any depth is measured."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        deepest = max(deepest, d)
+        if isinstance(v, dict):
+            todo.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            todo.extend((x, d + 1) for x in v)
+    return deepest
+
+
 def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]]:
     """(config.json dict, its ModelConfig, the *.safetensors files) of a Hugging Face directory
     (Llama, DeepSeek-V3, Glm4Moe or Mixtral by ``model_type``); only tensor names are read. Raises
@@ -373,10 +394,14 @@ def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{config_file} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                               f"{e.start}); config.json must be UTF-8 JSON") from None
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested past Python's stack
         raise CheckpointError(f"{config_file} could not be read: not a JSON config ({error_detail(e)})") from None
     if not isinstance(hf_config, dict):
         raise CheckpointError(f"{config_file} holds {type(hf_config).__name__}, not a JSON object")
+    depth = json_depth(hf_config)
+    if depth > MAX_CONFIG_DEPTH:  # every later reader (repr in a message included) would recurse that deep
+        raise CheckpointError(f"{config_file} nests {depth} levels deep; a model config nests a few "
+                              f"(at most {MAX_CONFIG_DEPTH} read)")
     from trainforge.model import hf_deepseek, hf_moe  # here: only a Hugging Face directory needs them
 
     files = sorted(path.glob("*.safetensors"))
@@ -429,11 +454,11 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
     tok, eos = None, []
     eos_cfg = hf_config.get("eos_token_id")
     if eos_cfg is not None:
-        try:
-            eos = [int(e) for e in (eos_cfg if isinstance(eos_cfg, list) else [eos_cfg])]
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{config_file}: eos_token_id {eos_cfg!r:.80} is not a token id or list of them") \
-                from None
+        ids = eos_cfg if isinstance(eos_cfg, list) else [eos_cfg]
+        if not all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < cfg.vocab_size for e in ids):
+            raise CheckpointError(f"{config_file}: eos_token_id {eos_cfg!r:.80} is not a token id (0 to "
+                                  f"{cfg.vocab_size - 1}) or list of them")
+        eos = list(ids)
     tok_file = path / "tokenizer.json"
     if tok_file.is_file():
         from tokenizers import Tokenizer

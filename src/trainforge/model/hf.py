@@ -20,6 +20,7 @@ transformers ships converters *into* HF from Meta's layout, not from ours.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -260,6 +261,10 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
     if head_dim is not None and head_dim * n_heads != dim:
         raise CheckpointError(f"config.json key 'head_dim' is {head_dim}, but trainforge derives it as "
                               f"hidden_size / num_attention_heads = {dim // n_heads}")
+    eps, theta = d.get("rms_norm_eps", 1e-6), _rope_theta(d)
+    for key, v in (("rms_norm_eps", eps), ("rope_theta", theta)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise CheckpointError(f"config.json key {key!r} = {v!r:.40}: must be a finite number > 0")
     return ModelConfig(
         dim=dim,
         n_layers=values["n_layers"],
@@ -267,8 +272,8 @@ def model_config_from_hf(d: dict[str, Any]) -> ModelConfig:
         n_kv_heads=values["n_kv_heads"],
         vocab_size=values["vocab_size"],
         ffn_hidden_dim=values["ffn_hidden_dim"],
-        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(d),
+        norm_eps=float(eps),
+        rope_theta=theta,
         max_seq_len=values["max_seq_len"],
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
     )

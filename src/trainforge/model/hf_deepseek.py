@@ -236,9 +236,12 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig, rope_inter
     check_hf_keys(sd, {h for _, h in table} | {h for _, hs in experts for h in hs}, copies.keys(), cfg,
                   f"q_lora_rank={cfg.q_lora_rank or None}")
     index = deinterleave(cfg.qk_rope_head_dim) if rope_interleave else None
+    names = {o: h for o, h in table} | {o: f"{hs[0]} .. {hs[-1]} (stacked)" for o, hs in experts}
+    # Before the rotary rows are permuted: a query projection that does not fit the heads would not reshape.
+    _check_shapes({o: sd[h] for o, h in table if h in sd}, cfg, names)
     out = stack_experts_and_tie({o: _rope_permute(cfg, o, sd[h], index) for o, h in table if h in sd}, sd, experts,
                                 cfg)
-    _check_shapes(out, cfg, {o: h for o, h in table} | {o: f"{hs[0]} .. {hs[-1]} (stacked)" for o, hs in experts})
+    _check_shapes(out, cfg, names)
     # trainforge's MTP modules use the main embedding and head: a stored copy must be exactly that.
     for h, o in copies.items():
         if h in sd and not _same(sd[h], out[o]):

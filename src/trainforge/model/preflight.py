@@ -54,6 +54,20 @@ if TYPE_CHECKING:
 # refused by the memory estimate long before on any machine that exists.
 MAX_POSITIONS = 2**31 - 1
 
+# Sane model limits, checked in O(1) before anything counts, builds or allocates layer by layer
+# (``num_params`` loops over the layers; a config, a GGUF block_count or a config.json
+# num_hidden_layers of 10^9 spent ~15 minutes there, deaf to SIGTERM's stop, before the memory
+# estimate could refuse it). Each is 10x or more beyond the largest published model: 126 layers
+# (Llama 3.1 405B; depth studies train ~1,000), widths up to 73,728 (PaLM 540B's feed-forward),
+# 262,144 tokens (Gemma 3), 384 routed experts (Kimi K2). Within them the per-layer work takes
+# milliseconds and the memory estimate (in bytes, against this machine) decides.
+MAX_LAYERS = 10_000
+MAX_WIDTH = 1 << 20  # dim, heads, feed-forward and expert widths, latent ranks and head dims
+MAX_VOCAB = 1 << 24
+MAX_EXPERTS = 1 << 16
+_SHAPE_LIMITS = {"dim": MAX_WIDTH, "n_layers": MAX_LAYERS, "n_heads": MAX_WIDTH, "n_kv_heads": MAX_WIDTH,
+                 "vocab_size": MAX_VOCAB, "ffn_hidden_dim": MAX_WIDTH, "max_seq_len": MAX_POSITIONS}
+
 # User-facing names of ModelConfig's fields, per source of the shape.
 MODEL_KEYS = {"dim": "model.dim", "n_layers": "model.n_layers", "n_heads": "model.n_heads",
               "n_kv_heads": "model.n_kv_heads", "vocab_size": "the data's vocab_size",
@@ -87,14 +101,18 @@ def check_shape(values: dict[str, object], keys: dict[str, str] = MODEL_KEYS, pr
                 error: type[TrainforgeError] = ConfigError) -> None:
     """Raise ``error`` naming the key (``{prefix} '{keys[field]}'``) unless ``values``
     (ModelConfig field -> value) is a buildable shape: positive integer sizes, heads that
-    divide dim, kv heads that divide heads, an even head dim, at most MAX_POSITIONS."""
+    divide dim, kv heads that divide heads, an even head dim, at most MAX_POSITIONS, and every
+    size within the model limits above (O(1): before any per-layer work)."""
     def name(f: str) -> str:
         return f"{prefix} '{keys[f]}'"
 
     for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden_dim", "max_seq_len"):
         v = values[f]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise error(f"{name(f)} = {v!r}: must be a positive integer")
+            raise error(f"{name(f)} = {v!r:.80}: must be a positive integer")
+        if f != "max_seq_len" and v > _SHAPE_LIMITS[f]:  # positions: named below with the tables' size
+            raise error(f"{name(f)} = {v}: more than {_SHAPE_LIMITS[f]:,}, beyond any real model; use a smaller "
+                        "value")
     dim, heads, kv = values["dim"], values["n_heads"], values["n_kv_heads"]
     if dim % heads:  # type: ignore[operator]
         raise error(f"{name('dim')} = {dim} must be divisible by {name('n_heads')} = {heads}")
@@ -112,9 +130,9 @@ def check_shape(values: dict[str, object], keys: dict[str, str] = MODEL_KEYS, pr
 
 def check_mtp_depth(depth: object, key: str = "model.mtp_depth", error: type[TrainforgeError] = ConfigError) -> None:
     """Raise ``error`` naming ``key`` unless ``depth`` (MTP modules) is an integer >= 0."""
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise error(f"config key '{key}' = {depth!r}: must be an integer >= 0 (the number of multi-token "
-                    "prediction modules; DeepSeek-V3 uses 1, 0 turns MTP off)")
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= MAX_LAYERS:
+        raise error(f"config key '{key}' = {depth!r:.80}: must be an integer from 0 to {MAX_LAYERS:,} (the number "
+                    "of multi-token prediction modules; DeepSeek-V3 uses 1, 0 turns MTP off)")
 
 
 def check_moe(values: dict[str, object], n_layers: int, prefix: str = "model.",
@@ -124,6 +142,7 @@ def check_moe(values: dict[str, object], n_layers: int, prefix: str = "model.",
     def bad(f: str, why: str) -> TrainforgeError:
         return error(f"config key '{prefix}{f}' = {values[f]!r}: {why}")
 
+    limits = {"moe_inter_dim": MAX_WIDTH, "n_dense_layers": MAX_LAYERS}
     for f in ("n_routed_experts", "n_activated_experts", "moe_inter_dim", "n_group", "topk_group"):
         v = values[f]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -132,6 +151,10 @@ def check_moe(values: dict[str, object], n_layers: int, prefix: str = "model.",
         v = values[f]
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise bad(f, "must be an integer >= 0")
+    for f in ("n_routed_experts", "n_activated_experts", "moe_inter_dim", "n_group", "topk_group", "n_shared_experts",
+              "n_dense_layers"):
+        if values[f] > limits.get(f, MAX_EXPERTS):  # type: ignore[operator]
+            raise bad(f, f"more than {limits.get(f, MAX_EXPERTS):,}, beyond any real model; use a smaller value")
     for f in ("route_scale", "bias_update_rate", "aux_loss_alpha", "seq_aux_loss_alpha"):
         v = values[f]
         if not isinstance(v, (int, float)) or v != v or v < 0 or (f == "route_scale" and v == 0):
@@ -166,6 +189,9 @@ def check_mla(values: dict[str, object], prefix: str = "model.", error: type[Tra
     for f in ("q_lora_rank", "kv_lora_rank"):
         if not is_int(values[f]) or values[f] < 0:  # type: ignore[operator]
             raise bad(f, "must be an integer >= 0 (0 = full rank / no latent attention)")
+    for f in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if is_int(values[f]) and values[f] > MAX_WIDTH:  # type: ignore[operator]
+            raise bad(f, f"more than {MAX_WIDTH:,}, beyond any real model; use a smaller value")
     if values["kv_lora_rank"] == 0:
         for f in ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if values[f]:

@@ -116,6 +116,16 @@ class LossScaler:
         the compute dtype, not of the weights."""
         if not (self.enabled and state.get("enabled") and state.get("scaler")):
             return
-        self.scaler.load_state_dict(state["scaler"])
+        sc = state["scaler"]
+        # GradScaler takes these as they are; a string or a NaN scale would fail (or train) steps later.
+        checks = {"scale": lambda v: v > 0, "growth_factor": lambda v: v > 1, "backoff_factor": lambda v: 0 < v < 1,
+                  "growth_interval": lambda v: isinstance(v, int) and v >= 1,
+                  "_growth_tracker": lambda v: isinstance(v, int) and v >= 0}
+        for key, ok in checks.items():
+            v = sc.get(key) if isinstance(sc, dict) else None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), -float("inf")) \
+                    or not ok(v):
+                raise ValueError(f"loss scaler {key} = {v!r:.40} is out of range")
+        self.scaler.load_state_dict(sc)
         self._skipped = torch.tensor(int(state["skipped_steps"]), dtype=torch.int64, device=self._skipped.device)
         self._steps = int(state["steps"])

@@ -69,7 +69,7 @@ def meta_problem(ckpt: Path, step: int) -> str | None:
         meta = json.loads(mpath.read_text())
     except FileNotFoundError:
         return f"{mpath} is missing"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # nested past the stack
         return f"{mpath} is unreadable ({type(e).__name__})"
     missing = [k for k in REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
     if missing:
@@ -106,8 +106,9 @@ def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
             raise TypeError(f"'files' is a {type(files).__name__}, not a table of sha256 digests")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{mpath} is missing: {ckpt} is not a complete checkpoint") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{mpath} is corrupt ({e!r})") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{mpath} is corrupt ({type(e).__name__}: {' '.join(str(e).split())[:120]})") \
+            from None
     except OSError as e:
         raise CorruptCheckpointError(f"{mpath} is unreadable ({e.strerror})") from None
     check_format(meta, mpath)
@@ -117,5 +118,8 @@ def read_meta(ckpt: Path, verify: bool = True) -> dict[str, Any]:
             f, what = damage
             if what == "missing":
                 raise CorruptCheckpointError(f"checkpoint file {f} is missing (listed in {mpath})")
+            if what == "outside":
+                raise CorruptCheckpointError(f"{mpath} lists {str(f)!r:.120}, a path outside the "
+                                             "checkpoint (absolute, '..' or a link out of it): refused, not opened")
             raise CorruptCheckpointError(f"checkpoint file {f} is corrupt: its sha256 does not match {mpath}")
     return meta

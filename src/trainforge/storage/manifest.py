@@ -5,7 +5,7 @@ it is read, so later damage (a torn copy, bit rot, an edit) names the file at fa
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 _CHUNK = 1 << 22  # 4 MiB reads: hashing runs at disk speed without holding a shard in memory
 
@@ -29,11 +29,33 @@ def digest_files(root: Path) -> dict[str, str]:
     return {name: sha256_file(root / name) for name in names}
 
 
+def contained(root: Path, name: object) -> Path | None:
+    """``root / name`` when ``name``, a path read from a file (a manifest key, DCP's
+    ``relative_path``), is relative and stays inside ``root``, symlinks resolved; else None.
+    An absolute path, a ``..`` or a link out of ``root`` would have the reader open (and hash,
+    or unpickle) whatever file the writer of the manifest chose."""
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or ".." in parts:
+        return None
+    path = Path(root) / name
+    try:
+        if not path.resolve().is_relative_to(Path(root).resolve()):
+            return None
+    except (OSError, RuntimeError):  # a symlink loop
+        return None
+    return path
+
+
 def find_damage(root: Path, digests: dict[str, str]) -> tuple[Path, str] | None:
     """The first file listed in ``digests`` that is not intact under ``root``, with
-    ``"missing"`` or ``"corrupt"`` (sha256 differs); None when all are intact."""
+    ``"missing"``, ``"corrupt"`` (sha256 differs) or ``"outside"`` (the name leads out of
+    ``root``: never opened); None when all are intact."""
     for name, digest in digests.items():
-        f = Path(root) / name
+        f = contained(root, name)
+        if f is None:
+            return Path(str(name)[:200]), "outside"  # the name as listed
         if not f.is_file():
             return f, "missing"
         if sha256_file(f) != digest:

@@ -318,7 +318,7 @@ class Components:
                 if f.is_file():
                     try:
                         node, source = read_file(f), f
-                    except (KeyError, RuntimeError, ValueError) as e:
+                    except (KeyError, RuntimeError, ValueError, TypeError, AttributeError, IndexError) as e:
                         raise CheckpointError(f"{f}: {c.name} state does not load ({e}); delete the {c.name}/ "
                                               "folder of that checkpoint to start it afresh") from None
             if node is None:
@@ -326,6 +326,6 @@ class Components:
                 continue
             try:
                 c.load_state_dict(node)
-            except (KeyError, RuntimeError, ValueError, TypeError) as e:
+            except (KeyError, RuntimeError, ValueError, TypeError, AttributeError, IndexError) as e:  # of a hostile file
                 raise CheckpointError(f"{source}: {c.name} state does not fit this run ({e}); delete the "
                                       f"{c.name} state of that checkpoint to start it afresh") from None

@@ -41,6 +41,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainforge.errors import CheckpointError
 from trainforge.safe_unpickle import error_detail, load_dcp_metadata, refused_message
+from trainforge.storage.manifest import contained
+from trainforge.train.state_checks import check_like
 
 SHARDED_DIR = "sharded"
 
@@ -56,6 +58,7 @@ class SafeFileSystemReader(FileSystemReader):
             raise CheckpointError(f"{self.path}: per-rank DCP metadata is not supported")
         if self._metadata is None:
             self._metadata = load_dcp_metadata(self._get_metadata_path())
+            self._check_storage(self._metadata)
         metadata = self._metadata
         from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -63,6 +66,35 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_storage(self, metadata) -> None:
+        """Every byte range ``metadata`` points at lies inside a file of this directory, read
+        as written: before any is opened, a ``relative_path`` that leads out (absolute, ``..``,
+        a link), a range past the end of its file or a transform (trainforge writes none: a
+        decompressor would be a bomb) is one line naming ``.metadata``."""
+        where = self._get_metadata_path()
+        sizes: dict[str, int] = {}
+        files: dict[str, Path] = {}
+        storage = getattr(metadata, "storage_data", None)
+        if not isinstance(storage, dict):
+            raise CheckpointError(refused_message(where, "it has no storage table"))
+        for info in storage.values():
+            rel = getattr(info, "relative_path", None)
+            if rel not in sizes:
+                f = contained(Path(self.path), rel)
+                if f is None or not f.is_file():
+                    why = "a path outside the checkpoint" if f is None else "a file that is not there"
+                    raise CheckpointError(refused_message(where, f"relative_path {rel!r:.80} is {why}"))
+                sizes[rel], files[rel] = f.stat().st_size, f
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (offset, length)):
+                raise CheckpointError(refused_message(where, f"byte range {offset!r:.30} +{length!r:.30} of {rel}"))
+            if offset + length > sizes[rel]:  # the shard cut short, or the metadata lying: both named
+                raise CheckpointError(refused_message(files[rel], f"{where} places bytes [{offset}, +{length}) in it, "
+                                                                  f"outside its {sizes[rel]} bytes"))
+            if getattr(info, "transform_descriptors", None):
+                raise CheckpointError(refused_message(where, f"{rel} is stored through transforms "
+                                                             f"{info.transform_descriptors!r:.80}"))
 
     def read_data(self, plan, planner) -> Future[None]:
         per_file: dict[str, list] = {}
@@ -134,6 +166,9 @@ def load_sharded(path: Path, parts, optimizers) -> None:
         state = {"model": {k: v for p in parts for k, v in get_model_state_dict(p).items()}}
     reader = SafeFileSystemReader(str(path / SHARDED_DIR))
     reader.read_metadata()  # a refused .metadata fails here, before DCP wraps errors per rank
+    # DCP copies a tensor into the one it replaces (its shape checked), but an entry the metadata
+    # calls bytes is unpickled and put in its place: checked below against what was there.
+    before = {section: dict(values) for section, values in state.items()}
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointError:
@@ -146,6 +181,9 @@ def load_sharded(path: Path, parts, optimizers) -> None:
             e = next(iter(e.failures.values()))[0]
         raise CheckpointError(f"sharded checkpoint {path / SHARDED_DIR} does not fit this model/layout "
                               f"({error_detail(e)})") from None
+    for section, values in before.items():
+        for key, ref in values.items():
+            check_like(state[section][key], ref, path / SHARDED_DIR, f"{section} state {key!r}")
     _set_state(parts, optimizers, state["model"], state.get("optim"))
 
 
@@ -162,15 +200,17 @@ def _set_state(parts, optimizers, model_sd, optim_sd) -> None:
             set_optimizer_state_dict(part, optimizers[i], optim_sd, options=opts)
 
 
-def _localize(full: dict[str, Any], local: dict[str, Any], what: str) -> dict[str, Any]:
+def _localize(full: dict[str, Any], local: dict[str, Any], what: str, source: Path | str) -> dict[str, Any]:
     """Cut full tensors to this rank's layout: for each local DTensor, the matching full
     tensor is sharded with the same mesh and placements (every rank holds the full
-    tensor, so no communication: ``src_data_rank=None``)."""
+    tensor, so no communication: ``src_data_rank=None``). Each value is checked against the
+    one it replaces first (``check_like``: read from ``source``, it reaches fused kernels)."""
     out = {}
     for key, ref in local.items():
         if key not in full:
             raise CheckpointError(f"checkpoint {what} state lacks '{key}' needed by this model")
         value = full[key]
+        check_like(value, ref, source, f"{what} state {key!r}")
         if isinstance(ref, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             value = distribute_tensor(value.to(ref.device), ref.device_mesh, ref.placements, src_data_rank=None)
         elif isinstance(ref, torch.Tensor) and isinstance(value, torch.Tensor):
@@ -179,15 +219,17 @@ def _localize(full: dict[str, Any], local: dict[str, Any], what: str) -> dict[st
     return out
 
 
-def load_full(parts, optimizers, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None) -> None:
+def load_full(parts, optimizers, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any] | None,
+              sources: tuple[Path | str, Path | str] = ("model state", "optimizer state")) -> None:
     """Load full (unsharded) FQN-keyed state into a possibly sharded / split model.
-    Keys the local parts do not hold (other pipeline stages) are ignored."""
+    Keys the local parts do not hold (other pipeline stages) are ignored. ``sources``: the
+    files the model and optimizer state came from, named when a value does not fit."""
     parts = _as_list(parts)
     optimizers = None if optimizers is None else _as_list(optimizers)
     if optimizers is not None and optim_sd is not None:
         local = model_and_optim_state(parts, optimizers)
-        _set_state(parts, optimizers, _localize(model_sd, local["model"], "model"),
-                   _localize(optim_sd, local["optim"], "optimizer"))
+        _set_state(parts, optimizers, _localize(model_sd, local["model"], "model", sources[0]),
+                   _localize(optim_sd, local["optim"], "optimizer", sources[1]))
     else:
         local = {k: v for p in parts for k, v in get_model_state_dict(p).items()}
-        _set_state(parts, None, _localize(model_sd, local, "model"), None)
+        _set_state(parts, None, _localize(model_sd, local, "model", sources[0]), None)

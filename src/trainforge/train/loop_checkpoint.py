@@ -27,6 +27,7 @@ from trainforge.train import checkpoint as ckpt
 from trainforge.train import dist_checkpoint as dckpt
 from trainforge.train.component import Stop, StopKind
 from trainforge.train.lr_schedule import follow_schedule, warmup_decay
+from trainforge.train.state_checks import check_resume_fields
 
 
 def _train_state(loop: Any, include_per_rank: bool) -> dict[str, Any]:
@@ -88,12 +89,17 @@ def load(loop: Any, path: Path, rollback: bool = False) -> None:
         raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than {loop.data.path}; "
                               "resume with the same data.path")
     state = ckpt.load_train_state(path, loop.device)
+    sharded = (path / dckpt.SHARDED_DIR).is_dir()
+    plan = loop.train_batches.plan
+    check_resume_fields(state, path / ckpt.STATE_FILE, int(meta["step"]), plan.batch_size * plan.world_size,
+                        loop.train_batches.batches_per_epoch, needs_optimizer=not sharded)
     try:
-        if (path / dckpt.SHARDED_DIR).is_dir():
+        if sharded:
             dckpt.load_sharded(path, loop.opt_parts, loop.optimizers)
         else:
             weights = ckpt.load_full_weights(path, loop.model_config.tie_embeddings)
-            dckpt.load_full(loop.opt_parts, loop.optimizers, weights, state["optimizer"])
+            dckpt.load_full(loop.opt_parts, loop.optimizers, weights, state["optimizer"],
+                            sources=(path / ckpt.MODEL_FILE, path / ckpt.STATE_FILE))
         if loop.mp.master is not None:
             loop.mp.master.master_to_model()
         for sched in loop.schedulers:

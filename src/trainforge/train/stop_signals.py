@@ -12,6 +12,12 @@ rank the same answer at the same step: every rank stops there, one checkpoint is
 written, and the command exits ``exit_codes.STOPPED``. A single process looks every
 step (nothing to agree on, no collective).
 
+Before the loop starts (reading and checking the data and the checkpoint, building the
+model) there is nothing to save, and that work can be long (a big checkpoint, a shape
+the memory check has yet to refuse): a signal there ends the command at once with
+``killed_by(signum)``, by raising ``StartupInterrupted`` in the main thread, so no
+start-up step has to look for it. The loop marks its start (``loop_started``).
+
 A second signal exits at once, without a checkpoint: ``killed_by(signum)``. Once the
 command knows how it ends (``outcome``: the checkpoint is written, or there is nothing
 to save), a signal exits at once with that code, and a ``torchrun`` worker ignores
@@ -43,15 +49,31 @@ from trainforge.errors import TrainforgeError
 from trainforge.train.component import Component
 
 
+class StartupInterrupted(BaseException):
+    """A stop signal arrived before the training loop started: nothing to save yet, so the
+    command ends at once with ``exit_code`` (128 + the signal). A ``BaseException``: start-up
+    code that turns an ``Exception`` into one error line (a damaged file) must let it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"received {signal.Signals(signum).name} before training started: nothing to save")
+        self.exit_code = exit_codes.killed_by(signum)
+
+
 class StopSignals:
     """The SIGINT/SIGTERM/SIGHUP handlers of one command and the signal they recorded.
     ``received`` is this rank's first signal number (0: none); ``outcome`` the exit code,
-    set by the command once it is decided (nothing is left to save)."""
+    set by the command once it is decided (nothing is left to save); ``training``: the loop
+    has started (``loop_started``), so a signal is recorded, not raised."""
 
     def __init__(self) -> None:
         self.received = 0
         self.outcome: int | None = None
+        self.training = False
         self._previous: dict[int, object] = {}
+
+    def loop_started(self) -> None:
+        """From here a signal stops the run at the end of a logging window, with a checkpoint."""
+        self.training = True
 
     @contextlib.contextmanager
     def installed(self, ignore_after_outcome: bool = False) -> Iterator["StopSignals"]:
@@ -73,6 +95,10 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.outcome is not None:  # decided and saved: nothing left to lose
             os._exit(self.outcome)
+        if not self.received and not self.training:
+            self.received = signum
+            _say(f"trainforge: received {name} before training started: exiting now (nothing to save yet)")
+            raise StartupInterrupted(signum)
         if not self.received:
             self.received = signum
             # os.write: the interrupted code may be inside sys.stderr's own write.

@@ -326,6 +326,7 @@ class Trainer:
             return self._fit(own)
 
     def _fit(self, signals: StopSignals) -> dict[str, Any]:
+        signals.loop_started()  # a signal before this ended the command (nothing to save)
         tcfg, ccfg = self.cfg.training, self.cfg.checkpoint
         reporter = ConsoleReporter(tcfg.steps, self.step, enabled=self.progress and self.is_main)
         summary: dict[str, Any] = {"start_step": self.step}

@@ -83,10 +83,13 @@ def read_quantization_config(qc: Any, where: str) -> tuple[str, int | None]:
         raise CheckpointError(f"{where}: quantization_config quant_method {method!r} is not supported; trainforge "
                               f"reads {QUANT_METHOD!r} (int8 per channel, int4 per group), or float weights")
     groups = qc.get("config_groups") or {}
-    if not isinstance(groups, dict) or not groups:
+    if not isinstance(groups, dict):
+        raise CheckpointError(f"{where}: quantization_config key 'config_groups' is {groups!r:.80}, not a table of "
+                              "schemes")
+    if not groups:
         raise CheckpointError(f"{where}: quantization_config has no config_groups; trainforge reads one scheme "
                               "for every quantised Linear (int4: group sizes may differ by module)")
-    schemes = [_read_group(g, qc, where) for g in groups.values()]
+    schemes = [_read_group(name, g, qc, where) for name, g in groups.items()]
     if len({m for m, _ in schemes}) > 1 or (schemes[0][0] == "int8" and len(schemes) > 1):
         raise CheckpointError(f"{where}: quantization_config has {len(groups)} config_groups of different schemes; "
                               "trainforge reads one scheme for every quantised Linear (int4: group sizes may "
@@ -101,10 +104,12 @@ def group_sizes_by_target(qc: dict[str, Any]) -> dict[str, int]:
             for t in (g.get("targets") if isinstance(g.get("targets"), list) else []) if isinstance(t, str)}
 
 
-def _read_group(group: Any, qc: dict[str, Any], where: str) -> tuple[str, int | None]:
-    if not isinstance(group, dict):
-        raise CheckpointError(f"{where}: quantization_config config_groups holds {group!r:.100}, not a scheme")
-    w = group.get("weights") if isinstance(group.get("weights"), dict) else {}
+def _read_group(name: Any, group: Any, qc: dict[str, Any], where: str) -> tuple[str, int | None]:
+    w = group.get("weights") if isinstance(group, dict) else None
+    if not isinstance(group, dict) or not isinstance(w or {}, dict):
+        raise CheckpointError(f"{where}: quantization_config key 'config_groups.{str(name):.40}' is {group!r:.80}, "
+                              "not a scheme with a 'weights' table")
+    w = w or {}
     if group.get("input_activations") or group.get("output_activations"):
         raise CheckpointError(f"{where}: quantised activations are not supported (weights-only int8/int4)")
     fmt = group.get("format") or qc.get("format")
