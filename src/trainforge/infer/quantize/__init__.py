@@ -69,6 +69,17 @@ def expert_names(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
 
 
+def _int4_group(info: dict[str, Any], name: str, in_dim: int, group_size: int, fallback: bool) -> int | None:
+    """``name``'s int4 group size (``int4_groups.group_size_for``), recorded in ``info`` when it is
+    not ``group_size``; None, with the reason in ``info["skipped"]``, when the layer stays float."""
+    g = group_size_for(in_dim, group_size, fallback)
+    if g is None:
+        info["skipped"][name] = why_float(in_dim, group_size, fallback)
+    elif g != group_size:
+        info["group_sizes"][name] = g
+    return g
+
+
 def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str, group_size: int = 128,
                         experts: list[str] = (), embedding: bool = False, fallback: bool = True
                         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -107,12 +118,9 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
             q, scales = quantize_int8(w)
             out[f"{name}.weight"], out[f"{name}.scales"] = q, scales
         else:
-            g = group_size_for(w.shape[1], group_size, fallback)
+            g = _int4_group(info, name, w.shape[1], group_size, fallback)
             if g is None:
-                info["skipped"][name] = why_float(w.shape[1], group_size, fallback)
                 continue
-            if g != group_size:
-                info["group_sizes"][name] = g
             packed, scales, zeros = quantize_int4(w, g)
             out[f"{name}.weight"], out[f"{name}.scales"], out[f"{name}.zeros"] = packed, scales, zeros
         info["layers"].append(name)
@@ -129,12 +137,9 @@ def quantize_state_dict(sd: dict[str, torch.Tensor], names: list[str], mode: str
         w1, w2, w3 = (sd[f"{name}.{p}"] for p in ("w1", "w2", "w3"))
         ekw = kw
         if mode == "int4":  # grouped along the model dim; the hidden dim is padded to the group (int4_experts.py)
-            g = group_size_for(w1.shape[2], group_size, fallback)
+            g = _int4_group(info, name, w1.shape[2], group_size, fallback)
             if g is None:
-                info["skipped"][name] = why_float(w1.shape[2], group_size, fallback)
                 continue
-            if g != group_size:
-                info["group_sizes"][name] = g
             ekw = {"group_size": g}
         why = kind.skip_reason(w1.shape[2], w1.shape[1], **ekw)
         if why:
