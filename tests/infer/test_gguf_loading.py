@@ -269,9 +269,11 @@ def test_sentencepiece_tokenizer_is_refused_with_the_way_round(tmp_path):
 def _q8_0_reference(model):
     """``model`` with the block kernels' Q8_0 arithmetic in its plain forward: every linear's weight
     is the file's Q8_0 values (gguf-py's quantiser, dequantised) and its input goes through the
-    kernels' activation quantiser (``formats.quantize_activations``)."""
+    kernels' activation quantiser (``formats.quantize_activations``). Where the kernels do not
+    build, the layers run the fallback, float products of those weights: no activation quantiser."""
     import copy
 
+    from trainforge.infer.cpu_kernels import load_kernels
     from trainforge.infer.cpu_kernels.formats import quantize_activations
 
     ref = copy.deepcopy(model)
@@ -279,8 +281,9 @@ def _q8_0_reference(model):
         if isinstance(m, torch.nn.Linear):
             w = m.weight.detach().numpy().astype(np.float32)
             m.weight.data = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q8_0), Q.Q8_0).copy())
-            m.register_forward_pre_hook(lambda _, args: (quantize_activations(args[0].reshape(-1, args[0].shape[-1]))
-                                                         .view(args[0].shape),))
+            if load_kernels() is not None:
+                m.register_forward_pre_hook(lambda _, args: (quantize_activations(
+                    args[0].reshape(-1, args[0].shape[-1])).view(args[0].shape),))
     return ref
 
 

@@ -36,10 +36,17 @@ def recorded_logits(engine: Engine) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("step", ["fast", "forward"])  # HourglassDecoder, or the model's plain forward
+# HourglassDecoder with the C++ decode ops, with torch's ops (a machine without a compiler: the
+# attention's plan is bound for one context length, so plans must be keyed by it), or the
+# model's plain forward.
+@pytest.mark.parametrize("step", ["fast", "fast-torch-ops", "forward"])
 @pytest.mark.parametrize("T", [1, 5, 6])  # prompts ending at each phase of k = 2 and 3, and one token
 @pytest.mark.parametrize("spec, pool", SPECS)
-def test_prefill_and_decode_give_the_training_forwards_logits(spec, pool, T, step):
+def test_prefill_and_decode_give_the_training_forwards_logits(spec, pool, T, step, monkeypatch):
+    if step == "fast-torch-ops":
+        import trainforge.infer.runner as runner
+
+        monkeypatch.setattr(runner, "decode_kernels", lambda model: None)
     model = hourglass_model(spec, pool)
     engine = Engine(model, EngineConfig(max_batch_size=1, block_size=4, max_context=40))
     assert isinstance(engine.runner.decoder, HourglassDecoder)

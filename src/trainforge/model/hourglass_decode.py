@@ -101,25 +101,28 @@ class HourglassDecoder:
         depth = 0 if index == len(self.segments) else self.segments[index][1]
         return self._cached((index, rows), (context,), lambda: self._bind(index, rows, context), [self.ws[depth]])
 
-    def _cached(self, key: tuple, contexts: tuple, bind: Callable[[], list], workspaces: list[DecodeWorkspace]
-                ) -> list[Callable[[], None]]:
+    def _cached(self, key: tuple, contexts: tuple, bind: Callable[[], tuple[list, bool]],
+                workspaces: list[DecodeWorkspace]) -> list[Callable[[], None]]:
         """As ``FastDecoder.plan``: ``bind()``'s calls, compiled when the kernels can, kept under
         ``key`` when no binding read a context (the C++ attention reads S at run time), else
-        under ``key + contexts``."""
+        under ``key + contexts``. ``bind`` returns (calls, whether a binding read a context): a
+        workspace's own flag is reset by each ``begin``, so a later binding on the same
+        workspace (the head's) would hide an earlier read, and the torch attention's plan,
+        bound for one S, would be replayed at another."""
         calls = self._plans.get(key) or self._plans.get(key + contexts)
         if calls is None:
             if len(self._plans) >= self.MAX_PLANS:
                 self._plans.pop(next(iter(self._plans)))
-            calls = bind()
+            calls, read = bind()
             compile_calls = getattr(workspaces[0].kernels, "compile", None)
             if compile_calls is not None:
                 calls = compile_calls(calls)
-            self._plans[key + contexts if any(ws.context_read for ws in workspaces) else key] = calls
+            self._plans[key + contexts if read else key] = calls
         return calls
 
-    def _bind(self, index: int, B: int, S: int) -> list[Callable[[], None]]:
+    def _bind(self, index: int, B: int, S: int) -> tuple[list[Callable[[], None]], bool]:
         if index == len(self.segments):  # the final norm and the output projection
-            return self._head_calls(B)
+            return self._head_calls(B), False
         _, depth, blocks = self.segments[index]
         ws = self.ws[depth]
         ws.begin(B, S)
@@ -127,14 +130,14 @@ class HourglassDecoder:
         calls: list[Callable[[], None]] = []
         for j in blocks:
             calls += self.model.layers[str(j)].decode_calls(ws, x, self.cache.layer(j))
-        return calls
+        return calls, ws.context_read
 
     def _enter(self, depth: int, rows: int, positions: torch.Tensor) -> None:
         """Each row's rotary rows at ``depth`` for its position there (B,)."""
         for call in self._rope_calls(depth, rows, positions):
             call()
 
-    def _bind_uniform(self, B: int, phase: tuple, contexts: dict[int, int]) -> list[Callable[[], None]]:
+    def _bind_uniform(self, B: int, phase: tuple, contexts: dict[int, int]) -> tuple[list[Callable[[], None]], bool]:
         """The whole step as one list of bound calls when every row entering each level shares
         its phase (``HourglassCache.phase``; batch 1 always): the rows at a depth are then all
         B or none, each level's group slot is one index, and the shortenings and upsamplings
@@ -144,7 +147,7 @@ class HourglassDecoder:
         ws0 = self.ws[0]
         calls = [_gather(model.tok_embeddings, self.tokens[:B], self.stream(0, B)), *self._rope_calls(0, B,
                                                                                                       self.positions[:B])]
-        entered = {0}
+        entered, read = {0}, False
         for kind, k, blocks in self.segments:
             if kind == "blocks":
                 if k in entered:
@@ -153,6 +156,7 @@ class HourglassDecoder:
                     x = ws.residual()
                     for j in blocks:
                         calls += model.layers[str(j)].decode_calls(ws, x, cache.layer(j))
+                    read |= ws.context_read
             elif kind == "shorten" and k in entered:
                 slot, due = phase[k]
                 group = cache.groups[k][:B]
@@ -167,7 +171,7 @@ class HourglassDecoder:
                 if k + 1 in entered:
                     calls.append(p(torch.ops.aten.copy_.default, inner, self.stream(k + 1, B)))
                 calls += self.trunk.upsample[str(k)].decode_calls(ws0, inner, self.stream(k, B), self._up_scratch[k][:B])
-        return calls + self._head_calls(B)
+        return calls + self._head_calls(B), read
 
     def _head_calls(self, B: int) -> list[Callable[[], None]]:
         """The final norm and the output projection of rows 0..B-1, at depth 0."""
