@@ -13,6 +13,12 @@ import torch
 from trainforge.config import load_config
 from trainforge.data.prepare import PrepareOptions, default_data_dir, prepare
 from trainforge.infer.cpu_kernels.build import cache_root
+from trainforge.precision.hardware import cpu_compile_unavailable
+
+# torch.compile on the CPU (inductor) compiles C++: tests of compiled paths need a compiler. Without
+# one, --compile and parallel.compile are refused in one line (tests/faults/test_kernel_build.py).
+needs_cpu_compile = pytest.mark.skipif(cpu_compile_unavailable() is not None,
+                                       reason=str(cpu_compile_unavailable()))
 
 # The C++ kernels `make install` built (a cache keyed by their sources and torch) serve every test
 # process; the TRAINFORGE_CACHE each session sets below would otherwise make each build its own.

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import StopAt, debug_config
+from conftest import StopAt, debug_config, needs_cpu_compile
 from trainforge.config import load_config
 from trainforge.errors import CheckpointError
 from trainforge.monitor.jsonl import read_jsonl
@@ -147,6 +147,7 @@ def test_activation_checkpointing_matches_plain_training(tmp_path, small_data):
 
 
 @pytest.mark.slow
+@needs_cpu_compile
 def test_compiled_blocks_match_eager_training(tmp_path, small_data):
     """parallel.compile: same losses and weights as eager within float tolerance (compiled
     kernels may fuse and reorder float ops). Slow: compiling costs tens of seconds on CPU."""

@@ -340,7 +340,11 @@ def _inference():
 
 def _engine_config(a, **kw):
     from trainforge.infer.engine import EngineConfig
+    from trainforge.precision.hardware import cpu_compile_unavailable
 
+    if a.compile and a.device == "cpu" and (why := cpu_compile_unavailable()):  # one line, not inductor's traceback
+        raise TrainforgeError(f"--compile: {why}; install g++ (Debian/Ubuntu: apt install g++) or leave out "
+                              "--compile (the C++ decode kernels need no torch.compile)")
     return EngineConfig(compile=a.compile, num_speculative_tokens=a.num_speculative_tokens, **kw)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import needs_cpu_compile
 from tests.infer.helpers import argmax_loop, model_for
 from trainforge.infer.engine import Engine, EngineConfig, QueueFull, RequestTooLong
 from trainforge.infer.prepare import prepare_model
@@ -135,6 +136,7 @@ def test_a_float32_decode_step_allocates_nothing(fuse):
 
 
 @pytest.mark.slow
+@needs_cpu_compile
 def test_compiled_decode_step_matches_eager():
     """EngineConfig.compile: same greedy tokens as the eager engine; the compile time is
     reported. Slow: inductor compiles for tens of seconds on CPU."""

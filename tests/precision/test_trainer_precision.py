@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import needs_cpu_compile
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.model import ModelConfig, build_model
@@ -195,6 +196,7 @@ def test_dynamic_switches_are_recorded_with_their_reasons(tmp_path, small_data):
 
 
 @pytest.mark.slow
+@needs_cpu_compile
 def test_compiled_bf16_mixed_matches_eager(tmp_path, small_data):
     """parallel.compile under bf16-mixed (fp32 rule wrappers traced by dynamo, saved-tensor
     hooks on): same losses as eager within 2e-4 relative (measured ~1e-5: compiled kernels

@@ -19,9 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainforge.errors import ConfigError
 from trainforge.parallel.activation_checkpoint import apply_activation_checkpointing
 from trainforge.parallel.data_parallel import apply_data_parallel
 from trainforge.parallel.dims import ParallelDims, ParallelMesh
+from trainforge.precision.hardware import cpu_compile_unavailable
 
 
 def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims, section,
@@ -47,6 +49,9 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
                               loss_parallel=section.loss_parallel)
     apply_activation_checkpointing(model, section.activation_checkpointing)
     if section.compile:
+        if torch.device(device).type == "cpu" and (why := cpu_compile_unavailable()):
+            raise ConfigError(f"parallel.compile = true: {why}; install g++ (Debian/Ubuntu: apt install g++) "
+                              "or set parallel.compile = false (~1.0x on CPU anyway)")
         # Per block, not the whole model: one compiled graph reused by every block, and
         # FSDP's per-block hooks stay outside the compiled regions.
         for block in model.layers.values():

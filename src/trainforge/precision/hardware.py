@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,3 +221,14 @@ def resolve_compute_dtype(requested: torch.dtype, device: torch.device, force: b
     if log:
         log.warning(msg)
     return fallback, msg
+
+
+def cpu_compile_unavailable() -> str | None:
+    """Why ``torch.compile`` cannot run on this machine's CPU, or None. Inductor's CPU backend
+    compiles its kernels as C++ with ``$CXX``, else ``g++`` (``torch._inductor.config.cpp.cxx``);
+    without one every compiled call raises ``InvalidCxxCompiler`` at its first run, so a
+    command that asks for compile is refused up front instead."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        return f"torch.compile on the CPU needs a C++ compiler ({cxx} is not on PATH)"
+    return None
