@@ -135,3 +135,35 @@ def test_speculative_decoding_and_compile_are_refused_naming_the_key():
         Engine(model, EngineConfig(compile=True))
     with pytest.raises(ConfigError, match="model.hourglass.*speculative"):
         Engine(model, EngineConfig(), drafter=Drafter())
+
+
+@pytest.mark.parametrize("mode", ["q8_0", "q4_0"])
+def test_block_quantised_weights_decode_rows_at_different_phases(mode):
+    """A block-quantised model (its embedding table in blocks too) through the mixed-phase step:
+    prompts of 3 and 4 tokens sit at different phases of k = 2, so every step is mixed. Each
+    request gets the greedy tokens of the quantised model's own forward, and every step's logits
+    are that forward's. (The mixed step once gathered the embedding's block codes as floats: both
+    requests ended with finish_reason "abort" after one token.)"""
+    from trainforge.infer.quantize import quantize_model
+
+    model = hourglass_model("1@1 2@2/2 1@1", "linear")
+    assert quantize_model(model, mode, group_size=32)["embedding"] == mode
+    prepare_model(model)  # fusion and the block kernels: the engine's fast step
+    engine = Engine(model, EngineConfig(max_batch_size=2, block_size=4, max_context=40))
+    assert isinstance(engine.runner.decoder, HourglassDecoder)
+    phases, seen = [], []
+    set_decode, decode = engine.hourglass.set_decode, engine.runner.decode
+    engine.hourglass.set_decode = lambda ids, pos: phases.append(pos.copy()) or set_decode(ids, pos)
+    engine.runner.decode = lambda B, S: seen.append(decode(B, S).clone()) or seen[-1]
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    reqs = engine.generate(prompts, params)
+    assert [r.finish_reason for r in reqs] == ["length", "length"]
+    assert all(len(set((pos % 2).tolist())) == 2 for pos in phases)  # every step mixed
+    with torch.no_grad():
+        full = [model(torch.tensor([p + r.output_ids]))[0] for p, r in zip(prompts, reqs)]
+    for i, logits in enumerate(seen):  # decode step i: row r's token at position len(prompt_r) + i
+        want = torch.stack([f[len(p) + i] for f, p in zip(full, prompts)])
+        assert (logits - want).abs().max() < 1e-5
+    for prompt, req in zip(prompts, reqs):
+        assert req.output_ids == argmax_loop(model, prompt, params.max_new_tokens)

@@ -140,7 +140,7 @@ class Engine:
         n_blocks = config.n_blocks or R * -(-(self.max_context + self.lookahead) // bs) + 1
         self.pool = KVPool.for_model(cfg, n_blocks, bs, emb.dtype, self.device)
         self.runner = ModelRunner(model, self.pool, R, self.max_context, lookahead=self.lookahead)
-        self.hourglass = self.runner.hourglass  # an hourglass model's shortened depths (hourglass_pools.py)
+        self.hourglass = self.runner.extra_pools  # an hourglass model's shortened depths (hourglass_pools.py)
         # Packed prefill (step 2) needs one paged cache of per-head keys/values: a drafter prefills
         # its own state per prompt, and hourglass and latent caches prefill one prompt at a time.
         self._packs_prompts = drafter is None and self.hourglass is None and not self.runner.cache.latent

@@ -18,31 +18,34 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   into one row of sum(T_i) tokens, prompt i at positions 0..T_i-1 and attending to itself
   only (``PagedCache.set_packed_prefill``); returns each prompt's last logits. The matrix
   products then run on hundreds of rows rather than tens, and the Python dispatch of one
-  forward is paid once (the engine's step 2 has the figures). Not for hourglass or
-  latent-attention models (their caches prefill one prompt at a time).
+  forward is paid once (the engine's step 2 has the figures). Only where the model's cache
+  packs prompts (``packs_prompts``; some caches prefill one prompt at a time).
 - ``decode(B, S)``: one token for each of B sequences of different lengths. Inputs are
   buffers the engine fills: ``tokens``, ``positions`` and the cache's ``slots``, ``gather``,
-  ``bias`` (each row's first S slots and its mask). The step is the model's
-  allocation-free decode path (``model/fast_decode.py``: each module's ``decode_calls``,
-  no allocation in float32), or, for a model whose modules have none (latent attention's
-  absorbed form, ``model/mla.py``, has none), its plain forward on (B, 1) tokens with the
-  same cache.
-- ``verify(tokens, positions, S)``: speculative decoding's verification, T tokens for each of
-  B rows in one forward; the runner's ``slots`` then hold B * T slots. Built with
-  ``lookahead = k`` so a row's context has room for its k drafts. Where the model has the
-  fast decode step, the B * T tokens run as B * T one-token rows of it (row b's token j
+  ``bias`` (each row's first S slots and its mask). The step is the decoder
+  ``model/decoders.py`` makes for the model (its modules' ``decode_calls``, bound once per
+  shape, no allocation in float32), or, where some module has none, the model's plain forward
+  on (B, 1) tokens with the same cache.
+- ``verify(tokens, positions, S)``: T tokens for each of B rows in one forward (the last
+  accepted token and T - 1 proposed ones); the runner's ``slots`` then hold B * T slots. Built
+  with ``lookahead = k`` so a row's context has room for k proposed tokens. Where the model's
+  decoder gives one-token row steps, the B * T tokens run as B * T one-token rows (row b's token j
   attends to row b's context up to itself, its own gather and mask; the keys/values of a
   layer are all written before any row reads them), in a second workspace of
   ``max_rows * (k + 1)`` rows: the plain forward costs ~2x a fast step on small models
-  (Python dispatch), which made speculation slower than plain decoding. Else the plain
+  (Python dispatch), which made verifying slower than plain decoding. Else the plain
   forward (``PagedCache.set_verify``).
+
+The runner never asks what kind of model it drives: ``model/decoders.make_decoder`` says which
+fast step the model supports, ``model_pools.extra_pools`` which pools it keeps beyond the
+paged one (with the cache the model then attends through).
 - ``compile()``: ``torch.compile`` of that same forward at one static shape.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,12 +53,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from trainforge.infer.cpu_kernels.decode_ops import decode_kernels
 from trainforge.infer.kv_pool import KVPool
-from trainforge.model.attention_cache import PagedCache
-from trainforge.model.fast_decode import FastDecoder
+from trainforge.infer.model_pools import extra_pools
+from trainforge.model.attention_cache import PagedCache, verify_bias
+from trainforge.model.decoders import Decoder, make_decoder
 from trainforge.model.llama import Transformer
-
-if TYPE_CHECKING:
-    from trainforge.infer.hourglass_pools import HourglassPools
 
 
 class ModelRunner:
@@ -70,56 +71,42 @@ class ModelRunner:
             raise ValueError(f"max_context={max_context} exceeds the model's max_seq_len={cfg.max_seq_len}")
         self.model, self.pool, self.cfg = model, pool, cfg
         self.max_rows, self.max_context = max_rows, max_context
-        # Gathers cover whole blocks, so the context in slots is max_context rounded up; a
-        # speculative engine's rows hold up to ``lookahead`` draft tokens past it.
+        # Gathers cover whole blocks, so the context in slots is max_context rounded up; a row
+        # of a verifying engine holds up to ``lookahead`` proposed tokens past it.
         self.context_slots = -(-(max_context + lookahead) // pool.block_size) * pool.block_size
-        self.device = model.tok_embeddings.weight.device
+        self.device = model.norm.weight.device  # not the embedding's: a quantised table's weight is its codes
         self.cache = PagedCache(pool.k, pool.v, max_rows, self.context_slots, max_tokens_per_row=lookahead + 1)
-        # What the model attends through: the paged cache, or for an hourglass model the
-        # HourglassCache around it and the shortened depths' pools (hourglass_pools.py).
-        self.hourglass: HourglassPools | None = None
-        self.model_cache = self.cache
-        if cfg.is_hourglass:  # imported here: a Llama's decode process never maps the hourglass code
-            from trainforge.infer.hourglass_pools import HourglassPools
-
-            self.hourglass = HourglassPools(cfg, self.cache, max_rows, max_context, pool.n_blocks, pool.block_size,
-                                            pool.k.dtype, self.device)
-            self.model_cache = self.hourglass.cache
+        # The model's pools beyond ``pool`` (None for most), and the cache it attends through:
+        # theirs, wrapping the paged one, or the paged one.
+        self.extra_pools: Any | None = extra_pools(cfg, self.cache, max_rows, max_context, pool.n_blocks,
+                                                   pool.block_size, pool.k.dtype, self.device)
+        self.model_cache = self.extra_pools.cache if self.extra_pools is not None else self.cache
         # Decode inputs, filled by the engine (host views of these on CPU).
         self.tokens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(max_rows, dtype=torch.long, device=self.device)
         self.slots, self.gather, self.bias = self.cache.slots, self.cache.gather, self.cache.bias
-        kernels = decode_kernels(model)
-        self.decoder = FastDecoder(model, self.cache, self.tokens, self.positions, kernels) \
-            if FastDecoder.supports(model) else None
-        if self.hourglass is not None:
-            from trainforge.model.hourglass_decode import HourglassDecoder
-
-            if HourglassDecoder.supports(model):
-                self.decoder = HourglassDecoder(model, self.hourglass.cache, self.tokens, self.positions, kernels)
-        self._verifier: FastDecoder | None = None  # the fast verification step (module docstring)
-        if lookahead and self.decoder is not None:
+        self.decoder: Decoder | None = make_decoder(model, self.model_cache, self.tokens, self.positions,
+                                                    decode_kernels(model))
+        # The fast verification step (module docstring), where the decoder gives one-token rows.
+        rows = self.decoder is not None and self.decoder.one_token_rows
+        self._verifier: Decoder | None = None
+        if lookahead and rows:
             n = max_rows * (lookahead + 1)
-            self._verifier = self._one_token_rows(n, self.context_slots, torch.zeros(n, dtype=torch.long,
-                                                                                     device=self.device), kernels)
-        # Short prompts (module docstring): up to ``_prefill_rows`` tokens; the step is built by
-        # the first one (``_prompt_step``).
-        self._prefiller: FastDecoder | None = None
-        self._prefill_rows = min(self.FAST_PREFILL_TOKENS, max_context) \
-            if self.hourglass is None and isinstance(self.decoder, FastDecoder) else 0
-        self._kernels = kernels
+            self._verifier = self.decoder.rows_step(n, self.context_slots,
+                                                    torch.zeros(n, dtype=torch.long, device=self.device))
+        # Short prompts (module docstring): up to ``_prefill_rows`` tokens, where the decoder gives
+        # one-token rows; the step is built by the first one (``_prompt_step``).
+        self._prefiller: Decoder | None = None
+        self._prefill_rows = min(self.FAST_PREFILL_TOKENS, max_context) if rows else 0
         self._compiled = None
         self.compile_s: float | None = None
         self.static_shape: tuple[int, int] | None = None  # (rows, context) the compiled step runs at
 
-    def _one_token_rows(self, rows: int, context_slots: int, positions: torch.Tensor, kernels,
-                        **kw) -> FastDecoder:
-        """A fast step of its own over ``rows`` one-token rows (verification, short prompts): its
-        own cache metadata and tokens over the same pool, the decoder's rope tables shared."""
-        cache = PagedCache(self.pool.k, self.pool.v, rows, context_slots)
-        tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
-        rope = (self.decoder.rope_cos, self.decoder.rope_sin) if isinstance(self.decoder, FastDecoder) else None
-        return FastDecoder(self.model, cache, tokens, positions, kernels, rope=rope, **kw)
+    @property
+    def packs_prompts(self) -> bool:
+        """Whether ``prefill_packed`` may run: the model attends through a cache that packs
+        prompts (some prefill one prompt at a time)."""
+        return self.model_cache.packs_prompts
 
     @property
     def workspace_bytes(self) -> int:
@@ -128,7 +115,7 @@ class ModelRunner:
             if step is not None:
                 c = step.cache
                 own += step.nbytes + sum(t.nbytes for t in (step.tokens, step.positions, c.slots, c.gather, c.bias))
-        own += self.hourglass.cache.nbytes if self.hourglass is not None else 0
+        own += self.model_cache.nbytes if self.model_cache is not self.cache else 0
         return own + (self.decoder.nbytes if self.decoder is not None else 0)
 
     # -- decode -----------------------------------------------------------------------------
@@ -156,7 +143,7 @@ class ModelRunner:
         """tokens, positions: (B, T), the T consecutive tokens of each row (``slots`` holds
         their B * T slots, ``gather`` / ``bias`` each row's first S slots, the new ones
         included); returns logits (B, T, V), or (logits, h) with ``hidden``: h (B, T, dim) the
-        last block's output (an MTP drafter's input). The fast step where the runner has one
+        last block's output (the input of a head that proposes tokens). The fast step where the runner has one
         (workspace views, valid until the next verify), else the plain forward."""
         if self._verifier is None:
             return self.verify_forward(tokens, positions, S, hidden)
@@ -168,11 +155,7 @@ class ModelRunner:
         self._verifier.positions[:n].copy_(positions.reshape(-1))
         c.slots[:n].copy_(self.slots[:n])  # row-major, as the rows below
         c.gather[:n * S].view(B, T, S).copy_(self.gather[:B * S].view(B, 1, S).expand(B, T, S))
-        bias = self.bias[:B * S].view(B, 1, S)
-        # Row b's T new tokens are its last T valid slots: token j sees slots up to valid - T + j.
-        limit = (bias == 0).sum(-1, keepdim=True) - T + torch.arange(T, device=bias.device).view(1, T, 1)
-        seen = torch.arange(S, device=bias.device).view(1, 1, S) <= limit  # (B, T, S)
-        c.bias[:n * S].view(B, T, S).copy_(bias.masked_fill(~seen, float("-inf")))
+        c.bias[:n * S].view(B, T, S).copy_(verify_bias(self.bias[:B * S].view(B, S), T))
         logits = self._verifier.step(n, S).view(B, T, -1)
         return (logits, self._verifier.hidden(n).view(B, T, -1)) if hidden else logits
 
@@ -216,7 +199,7 @@ class ModelRunner:
         logits = step.step(T, S)
         return (logits, step.hidden(T)) if hidden else logits
 
-    def _prompt_step(self, T: int) -> FastDecoder:
+    def _prompt_step(self, T: int) -> Decoder:
         """The short-prompt step for T tokens, built for the next power of two rows (at most
         ``_prefill_rows``) by the first prompt, rebuilt larger by a longer one: ``generate`` of a
         1-token prompt then holds a 1-row workspace, not a 16-row one (1.7 MiB of the 90m model's
@@ -224,9 +207,9 @@ class ModelRunner:
         if self._prefiller is None or self._prefiller.cache.max_rows < T:
             n = min(self._prefill_rows, 1 << (T - 1).bit_length())
             self._prefiller = None  # the smaller step's workspace is freed before the larger one is made
-            self._prefiller = self._one_token_rows(n, -(-n // self.pool.block_size) * self.pool.block_size,
-                                                   torch.from_numpy(np.arange(n)).to(self.device), self._kernels,
-                                                   last_logits_only=True)
+            self._prefiller = self.decoder.rows_step(n, -(-n // self.pool.block_size) * self.pool.block_size,
+                                                     torch.from_numpy(np.arange(n)).to(self.device),
+                                                     last_logits_only=True)
         return self._prefiller
 
     @torch.no_grad()
@@ -235,9 +218,9 @@ class ModelRunner:
         ``lengths[i]`` tokens. Writes their keys and values into the pool; returns logits
         (n, V), row i prompt i's last position (``prefill`` of each prompt alone, to float
         rounding)."""
-        if self.hourglass is not None or self.cache.latent:
-            raise ValueError("prefill_packed: an hourglass or latent-attention (MLA) model prefills one prompt at a "
-                             "time (prefill)")
+        if not self.packs_prompts:
+            raise ValueError(f"prefill_packed: this model's {type(self.model_cache).__name__} prefills one prompt at "
+                             "a time (prefill)")
         for T in lengths:
             if not 0 < T <= self.max_context:
                 raise ValueError(f"prompt of {T} tokens: must be 1..{self.max_context} (max_context)")

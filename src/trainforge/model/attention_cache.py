@@ -99,12 +99,29 @@ def latent_attention(q: torch.Tensor, k: torch.Tensor, r: int, mask: torch.Tenso
     return torch.bmm(probs.view(B, H * T, S), k[..., :r]).view(B, H, T, r)
 
 
+def verify_bias(bias: torch.Tensor, T: int) -> torch.Tensor:
+    """The additive mask (B, T, S) of T new tokens per row from each row's context mask
+    ``bias`` (B, S) (0 over its valid slots, the T new ones included, -inf past them). The new
+    tokens are each row's last T valid slots: new token j (of T) sees slots up to
+    valid - T + j, so the causal limit comes from the row's mask, no extra metadata. Used by the
+    verification forward (``PagedCache.set_verify``) and by a step that runs the B * T tokens
+    as one-token rows (``infer/runner.py``)."""
+    B, S = bias.shape
+    bias = bias.view(B, 1, S)
+    valid = (bias == 0).sum(-1, keepdim=True)  # (B, 1, 1)
+    limit = valid - T + torch.arange(T, device=bias.device).view(1, T, 1)  # (B, T, 1)
+    seen = torch.arange(S, device=bias.device).view(1, 1, S) <= limit  # (B, T, S)
+    return bias.masked_fill(~seen, float("-inf"))
+
+
 class AttentionCache:
     """What ``Transformer.forward`` needs of a cache: a per-layer view whose ``attend``
     takes rotated q (B, H, T, D), k and v (B, H_kv, T, D) and returns (B, H, T, D)."""
 
     n_layers: int
     latent = False  # True: stores MLA's latent; the module calls ``attend_latent``
+    # Whether several prompts may prefill in one forward (``PagedCache.set_packed_prefill``).
+    packs_prompts = False
 
     def __init__(self, n_layers: int):
         self.n_layers = n_layers
@@ -263,6 +280,11 @@ class PagedCache(AttentionCache):
         self._prefill_slots, self._packed_lengths = None, None
         self._shape, self._verify_tokens = (rows, context), tokens_per_row
 
+    @property
+    def packs_prompts(self) -> bool:
+        """Per-head keys and values pack prompts; a latent cache prefills one prompt at a time."""
+        return not self.latent
+
     def attend(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
         if self.latent:
@@ -316,14 +338,7 @@ class PagedCache(AttentionCache):
 
     def _verify_mask(self, B: int, S: int) -> torch.Tensor:
         """(B, 1, T, S) additive mask of a verification forward's T new tokens per row."""
-        T = self._verify_tokens
-        bias = self.bias[:B * S].view(B, 1, S)
-        # The new tokens are each row's last T valid slots: new token j (of T) sees slots up to
-        # valid - T + j, so the causal limit comes from the row's mask, no extra metadata.
-        valid = (bias == 0).sum(-1, keepdim=True)  # (B, 1, 1)
-        limit = valid - T + torch.arange(T, device=bias.device).view(1, T, 1)  # (B, T, 1)
-        seen = torch.arange(S, device=bias.device).view(1, 1, S) <= limit  # (B, T, S)
-        return bias.masked_fill(~seen, float("-inf")).unsqueeze(1)
+        return verify_bias(self.bias[:B * S].view(B, S), self._verify_tokens).unsqueeze(1)
 
     def attend_latent(self, index: int, q_latent: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor,
                       k_pe: torch.Tensor, scale: float) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainforge.model.attention_cache import PagedCache
+from trainforge.model.decode_plans import PlanCache
 from trainforge.model.llama import RopeInto, Transformer, rope_tables_folded
 
 
@@ -229,7 +230,13 @@ class DecodeWorkspace:
         return RopeInto(x, tmp, self._cos[:B].view(B, 1, D), self._sin[:B].view(B, 1, D))
 
 
-def _gather(embedding: nn.Module, tokens: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
+def blocks_have_decode_calls(model: nn.Module) -> bool:
+    """Whether every module of every block, and the final norm, has ``decode_calls``."""
+    return all(hasattr(m, "decode_calls") for b in model.layers.values() for m in (
+        b, b.attention_norm, b.attention, b.ffn_norm, b.feed_forward)) and hasattr(model.norm, "decode_calls")
+
+
+def embedding_call(embedding: nn.Module, tokens: torch.Tensor, out: torch.Tensor) -> Callable[[], None]:
     """The step's embedding lookup of ``tokens`` (B,) into ``out`` (B, dim): the module's own
     ``bind_gather`` when it has one (a quantised table dequantises only the rows; the model layer
     knows it only by that method), else a row gather of the float table."""
@@ -245,6 +252,7 @@ class FastDecoder:
     modify the model."""
 
     MAX_PLANS = 64  # decode shapes whose bound calls are kept
+    one_token_rows = True  # a row holds nothing but its pool slots (``decoders.py``)
 
     def __init__(self, model: Transformer, cache: PagedCache, tokens: torch.Tensor, positions: torch.Tensor,
                  kernels=None, last_logits_only: bool = False, rope: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -263,19 +271,30 @@ class FastDecoder:
         n = min(cache.context_slots, model.rope_cos.shape[0])
         self.rope_cos, self.rope_sin = rope if rope is not None else \
             rope_tables_folded(model.rope_cos[:n], model.rope_sin[:n], self.ws.dtype)
-        self._plans: dict[tuple[int, int | None], list[Callable[[], None]]] = {}  # oldest first
+        self._plans = PlanCache(self.MAX_PLANS, getattr(kernels, "compile", None))
         # The cache's context tensor, written each step (through numpy on CPU: a tensor write costs ~2 us).
         self._context = cache.context.numpy() if cache.context.device.type == "cpu" else cache.context
         self.plan(1, 1)  # binds every linear now (``linears`` lists them)
 
     @staticmethod
     def supports(model: nn.Module) -> bool:
-        """Whether every module on the decode path has ``decode_calls`` (an hourglass trunk's
-        shortenings have none: it decodes through the plain forward)."""
+        """Whether every module on the decode path has ``decode_calls`` and the blocks run one
+        after another (a model with a trunk between them, ``hourglass_decode.py``, has its own
+        decoder: ``decoders.make_decoder`` chooses)."""
         if getattr(model, "hourglass", None) is not None:
             return False
-        return all(hasattr(m, "decode_calls") for b in model.layers.values() for m in (
-            b, b.attention_norm, b.attention, b.ffn_norm, b.feed_forward)) and hasattr(model.norm, "decode_calls")
+        return blocks_have_decode_calls(model)
+
+    def rows_step(self, rows: int, context_slots: int, positions: torch.Tensor,
+                  last_logits_only: bool = False) -> FastDecoder:
+        """A step of its own over ``rows`` one-token rows of this model (a speculative
+        verification's B x T tokens, a short prompt's T tokens): its own cache metadata and
+        tokens over the same pool, the workspace sized for it, the rotary tables shared.
+        ``positions`` (rows,): the buffer its rows read their positions from."""
+        cache = PagedCache(self.cache.k, self.cache.v, rows, context_slots)
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.tokens.device)
+        return FastDecoder(self.model, cache, tokens, positions, self.ws.kernels, last_logits_only=last_logits_only,
+                           rope=(self.rope_cos, self.rope_sin))
 
     @property
     def linears(self) -> dict[int, LinearInto]:
@@ -291,16 +310,7 @@ class FastDecoder:
         (rows, None) when no call read the context (they then serve every S: rebinding and
         compiling every block of tokens cost ~5 ms, ~0.3 ms a step), else (rows, context). With
         kernels that can ``compile`` (the C++ call program), the calls are compiled once here."""
-        calls = self._plans.get((rows, None)) or self._plans.get((rows, context))
-        if calls is None:
-            if len(self._plans) >= self.MAX_PLANS:
-                self._plans.pop(next(iter(self._plans)))
-            calls = self._bind(rows, context)
-            compile_calls = getattr(self.ws.kernels, "compile", None)
-            if compile_calls is not None:
-                calls = compile_calls(calls)
-            self._plans[(rows, context if self.ws.context_read else None)] = calls
-        return calls
+        return self._plans.get((rows,), (context,), lambda: (self._bind(rows, context), self.ws.context_read))
 
     def _bind(self, B: int, S: int) -> list[Callable[[], None]]:
         ws, model, p = self.ws, self.model, functools.partial
@@ -308,7 +318,7 @@ class FastDecoder:
         x = ws.residual()
         h, _ = ws.hidden(B)
         pos = self.positions[:B]
-        calls = [_gather(model.tok_embeddings, self.tokens[:B], x),
+        calls = [embedding_call(model.tok_embeddings, self.tokens[:B], x),
                  p(torch.ops.aten.index_select.out, self.rope_cos, 0, pos, out=ws._cos[:B]),
                  p(torch.ops.aten.index_select.out, self.rope_sin, 0, pos, out=ws._sin[:B])]
         for name, block in model.layers.items():
@@ -350,7 +360,7 @@ class FastMTPStep:
         self.positions = torch.zeros(R, dtype=torch.long, device=ws.device)
         self.x, self._emb, self._pair = ws._x, torch.empty(R, d, **f), torch.empty(R, 2 * d, **f)
         self.rope_cos, self.rope_sin = rope_tables_folded(model.rope_cos, model.rope_sin, ws.dtype)
-        self._plans: dict[tuple[int, int], list[Callable[[], None]]] = {}
+        self._plans = PlanCache(FastDecoder.MAX_PLANS)
 
     @staticmethod
     def supports(model: nn.Module, depth: int = 1) -> bool:
@@ -369,7 +379,7 @@ class FastMTPStep:
         ws.begin(B, S)
         h, _ = ws.hidden(B)
         pos = self.positions[:B]
-        calls = [_gather(model.tok_embeddings, self.tokens[:B], self._emb[:B]),
+        calls = [embedding_call(model.tok_embeddings, self.tokens[:B], self._emb[:B]),
                  p(torch.index_select, self.rope_cos, 0, pos, out=ws._cos[:B]),
                  p(torch.index_select, self.rope_sin, 0, pos, out=ws._sin[:B])]
         calls += self.module.decode_calls(ws, self.x[:B], self._emb[:B], self._pair[:B], self.cache.layer(self.layer))
@@ -379,11 +389,8 @@ class FastMTPStep:
 
     def step(self, rows: int, context: int) -> torch.Tensor:
         """One step; returns logits (B, V), a view of the workspace."""
-        calls = self._plans.get((rows, context))
-        if calls is None:
-            if len(self._plans) >= FastDecoder.MAX_PLANS:
-                self._plans.pop(next(iter(self._plans)))
-            calls = self._plans[(rows, context)] = self._bind(rows, context)
-        for call in calls:
+        # Kept per context length even where no binding reads it, as before: this step's owner
+        # writes no ``context`` tensor.
+        for call in self._plans.get((rows, context), (), lambda: (self._bind(rows, context), False)):
             call()
         return self.ws.logits[:rows]
