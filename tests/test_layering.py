@@ -24,6 +24,7 @@ from importlinter.contracts.layers import LayersContract
 import trainforge
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+LAYERED_PACKAGES = ("model",)  # subpackages whose modules a layers contract lists
 CONTRACT_TYPES = {"layers": LayersContract, "forbidden": ForbiddenContract, "acyclic_siblings": AcyclicSiblingsContract}
 
 
@@ -74,6 +75,9 @@ def _mirror(tmp_path: Path, root: str) -> Path:
             (pkg / p.name / "__init__.py").write_text("")
         elif p.suffix == ".py" and p.name != "__init__.py":
             (pkg / p.name).write_text("")
+    for sub in LAYERED_PACKAGES:  # packages with a layers contract of their own: their modules too
+        for p in (src / sub).glob("*.py"):
+            (pkg / sub / p.name).touch()
     (pkg / "__main__.py").write_text(f"import {root}.cli\n")
     return pkg
 
@@ -90,6 +94,11 @@ CASES = {
     "a cycle inside train": ({"train/a.py": "import {root}.train.b", "train/b.py": "import {root}.train.a"},
                              ["acyclic"]),
     "a new package outside the layers": ({"plugins/__init__.py": ""}, ["layers"]),
+    "a model module imports the decode step": ({"model/norm.py": "import {root}.model.fast_decode"},
+                                                ["model-layers"]),
+    "a model family imports a cache lazily": ({"model/llama.py": "def f():\n    import {root}.model.hourglass_cache"},
+                                               ["model-layers"]),
+    "a new model module outside the layers": ({"model/plugin.py": ""}, ["model-layers"]),
 }
 
 

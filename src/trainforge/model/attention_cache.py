@@ -24,7 +24,7 @@ where keys and values live and which of them a query sees.
 ``PagedCache.decode_calls`` is the allocation-free form of its ``attend`` for one token per
 row (see ``fast_decode.py``), with a parity test against ``attend``.
 
-Latent attention (MLA, ``mla.py``) over a paged pool: ``cache_layout(cfg)`` says what a
+Latent attention (MLA, ``mla.py``) over a paged pool: ``cache_layout(cfg)`` (``cache_layout.py``) says what a
 config stores per token and layer. For MLA that is one "head" of width kv_lora_rank +
 qk_rope_head_dim (the normalised latent c_kv, then the rotated shared rotary key k_pe) and no
 values; a ``PagedCache`` built without ``v`` is such a latent cache (``latent`` is True) and
@@ -36,55 +36,19 @@ in latent space. ``StaticCache`` and training keep the naive form (per-head k / 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
+# What a pool stores per token, from the config alone (the config layer's memory estimates read
+# it too): re-exported here, where the caches that hold it live.
+from trainforge.model.cache_layout import CacheLayout, cache_layout, cached_layers, kv_bytes_per_token
+
 if TYPE_CHECKING:
-    from trainforge.model.fast_decode import DecodeWorkspace
+    from trainforge.model.decode_workspace import DecodeWorkspace
 
-
-class CacheLayout(NamedTuple):
-    """Per token and layer, what a paged pool stores: ``heads`` x ``k_width`` key values and
-    ``heads`` x ``v_width`` value values (``v_width`` 0: no value tensor, MLA's latent)."""
-
-    heads: int
-    k_width: int
-    v_width: int
-
-    @property
-    def values_per_token_layer(self) -> int:
-        return self.heads * (self.k_width + self.v_width)
-
-
-def cache_layout(cfg) -> CacheLayout:
-    """The paged pool's per-token shape for ``cfg``: standard attention (GQA) keeps
-    ``n_kv_heads`` keys and values of ``head_dim``; latent attention (``cfg.is_mla``) one
-    latent of ``kv_lora_rank + qk_rope_head_dim`` (c_kv, then k_pe) and no values. For an
-    hourglass model it is the full-rate blocks' shape (its shortened depths have pools of
-    their own, ``infer/hourglass_pools.py``)."""
-    if cfg.is_mla:
-        return CacheLayout(1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, 0)
-    return CacheLayout(cfg.n_kv_heads, cfg.head_dim, cfg.head_dim)
-
-
-def cached_layers(cfg) -> int:
-    """Blocks whose keys/values the engine's main pool holds: all, or an hourglass model's
-    full-rate ones."""
-    if getattr(cfg, "is_hourglass", False):
-        return sum(cfg.layer_stage(j).shorten == 1 for j in range(cfg.n_layers))
-    return cfg.n_layers
-
-
-def kv_bytes_per_token(cfg, element_size: int) -> float:
-    """Paged-pool bytes one token takes over all layers; an hourglass block at rate 1/s and
-    width dim/r stores one entry of 1/r the width every s tokens."""
-    if getattr(cfg, "is_hourglass", False):
-        per_layer = cache_layout(cfg).values_per_token_layer
-        return element_size * sum(per_layer / cfg.layer_stage(j).width_ratio / cfg.layer_stage(j).shorten
-                                  for j in range(cfg.n_layers))
-    return cfg.n_layers * cache_layout(cfg).values_per_token_layer * element_size
+__all__ = ["CacheLayout", "cache_layout", "cached_layers", "kv_bytes_per_token"]  # with the caches below
 
 
 def latent_attention(q: torch.Tensor, k: torch.Tensor, r: int, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ from trainforge.model.llama import RMSNorm, TransformerBlock, attend, attention_
 
 if TYPE_CHECKING:
     from trainforge.model.attention_cache import LayerCache
-    from trainforge.model.fast_decode import DecodeWorkspace
+    from trainforge.model.decode_workspace import DecodeWorkspace
 
 
 def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

@@ -35,10 +35,11 @@ import torch
 from torch import nn
 
 from trainforge.model.decode_plans import PlanCache
-from trainforge.model.fast_decode import DecodeWorkspace, blocks_have_decode_calls, embedding_call
+from trainforge.model.decode_workspace import DecodeWorkspace, rope_tables_folded
+from trainforge.model.fast_decode import blocks_have_decode_calls, embedding_call
 from trainforge.model.hourglass_cache import HourglassCache, block_depths
 from trainforge.model.hourglass_spec import shortening_spans
-from trainforge.model.llama import Transformer, rope_tables_folded
+from trainforge.model.llama import Transformer
 
 Calls = list[Callable[[], None]]
 

@@ -36,43 +36,11 @@ from trainforge.model.swiglu import FeedForward
 
 if TYPE_CHECKING:
     from trainforge.model.attention_cache import AttentionCache, LayerCache
-    from trainforge.model.fast_decode import DecodeWorkspace
+    from trainforge.model.decode_workspace import DecodeWorkspace
 
 # The decode step's residual add as the operator itself (a bound ``x.add_`` is the same op): a
 # ``functools.partial`` of an operator is what the C++ call program runs (infer/cpu_kernels/call_program.py).
 add_ = torch.ops.aten.add_.Tensor
-
-
-def rope_tables_folded(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables ``RopeInto`` reads: rotate-half's sign folded into the sine, so that
-    rotate_half(x) * sin == [x2, x1] * sin' term by term (negation is exact). Float32 CPU
-    tables are folded in numpy: a decode process runs no other clone or negation of ATen, whose
-    code each would map into it (issue 24's memory bound)."""
-    half = sin.shape[1] // 2
-    if sin.device.type == "cpu" and sin.dtype == dtype == torch.float32:
-        folded = sin.numpy().copy()
-        folded[:, :half] *= -1
-        return cos, torch.from_numpy(folded)
-    sin = sin.to(dtype).clone()
-    sin[:, :half].neg_()
-    return cos.to(dtype), sin
-
-
-class RopeInto:
-    """``apply_rope`` in place, without allocation: x (B, n, D) <- x*cos + [x2, x1]*sin'
-    (tables from ``rope_tables_folded``, indexed by each row's position; ``tmp`` like x)."""
-
-    def __init__(self, x: torch.Tensor, tmp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        half = x.shape[-1] // 2
-        self.x, self.t, self.cos, self.sin = x, tmp, cos, sin
-        self.pairs = ((tmp[..., :half], x[..., half:]), (tmp[..., half:], x[..., :half]))
-
-    def __call__(self) -> None:
-        for dst, src in self.pairs:
-            dst.copy_(src)
-        self.t.mul_(self.sin)
-        self.x.mul_(self.cos)
-        self.x.add_(self.t)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -257,9 +225,9 @@ class Transformer(nn.Module):
         embed = self.tok_embeddings is not None and not tokens.is_floating_point()
         h = self.tok_embeddings(tokens) if embed else tokens  # (B, T, dim)
         if self.hourglass is not None:
-            from trainforge.model.hourglass_cache import HourglassCache
-
-            if not isinstance(cache, HourglassCache) and (cache is not None or positions is not None):
+            # The trunk needs a cache that does its shortening's bookkeeping (``shorten``, ``upsample``:
+            # hourglass_cache.py, a layer above the model, so asked by what it does, not its class).
+            if not hasattr(cache, "shorten") and (cache is not None or positions is not None):
                 raise ConfigError(f"model.hourglass = {self.cfg.hourglass!r}: an hourglass model decodes through an "
                                   f"HourglassCache (model/hourglass_cache.py; the inference engine builds one), not "
                                   f"a {type(cache).__name__}: its middle stages keep their own state at the "

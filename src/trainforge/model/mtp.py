@@ -31,7 +31,7 @@ from trainforge.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from trainforge.model.attention_cache import LayerCache
-    from trainforge.model.fast_decode import DecodeWorkspace
+    from trainforge.model.decode_workspace import DecodeWorkspace
 
 
 class MTPModule(nn.Module):

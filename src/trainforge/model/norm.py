@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from trainforge.model.fast_decode import DecodeWorkspace
+    from trainforge.model.decode_workspace import DecodeWorkspace
 
 
 class RMSNorm(nn.Module):

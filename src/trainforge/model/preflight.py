@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainforge.errors import ConfigError, TrainforgeError
+from trainforge.model.cache_layout import kv_bytes_per_token
 
 if TYPE_CHECKING:
     from trainforge.model.config import ModelConfig
@@ -274,8 +275,6 @@ def inference_estimate(cfg: "ModelConfig", param_bytes: float, kv_slots: int, kv
     ``quantized_bytes`` per linear and routed-expert weight of a quantised checkpoint), rotary
     tables and a KV pool of ``kv_slots`` token slots at ``kv_bytes`` per element. MoE routers
     are counted in fp32 (inference keeps them so, unquantised)."""
-    from trainforge.model.attention_cache import kv_bytes_per_token
-
     n = cfg.num_params()
     emb = cfg.vocab_size * cfg.dim
     router = cfg.n_moe_layers * cfg.dim * cfg.n_routed_experts
