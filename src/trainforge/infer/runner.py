@@ -35,11 +35,11 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   ``max_rows * (k + 1)`` rows: the plain forward costs ~2x a fast step on small models
   (Python dispatch), which made verifying slower than plain decoding. Else the plain
   forward (``PagedCache.set_verify``).
+- ``compile()``: ``torch.compile`` of that same forward at one static shape.
 
 The runner never asks what kind of model it drives: ``model/decoders.make_decoder`` says which
 fast step the model supports, ``model_pools.extra_pools`` which pools it keeps beyond the
 paged one (with the cache the model then attends through).
-- ``compile()``: ``torch.compile`` of that same forward at one static shape.
 """
 
 from __future__ import annotations
