@@ -1,4 +1,4 @@
-"""Load a model for inference from a trainforge checkpoint (float or quantised by
+"""Load a model (for inference, or as a training run's starting weights) from a trainforge checkpoint (float or quantised by
 ``trainforge quantize``) or a Hugging Face directory (``config.json`` + ``*.safetensors``,
 sharded or not) in the ``LlamaForCausalLM`` layout (``model/hf.py``) or, when config.json's
 ``model_type`` is ``deepseek_v3``, the ``DeepseekV3ForCausalLM`` one (``model/hf_deepseek.py``;
@@ -12,6 +12,12 @@ memory and never copied again (a float cast to ``dtype`` is the only extra copy,
 when the file's dtype differs). Rotary tables are recomputed on the device. On CUDA each
 tensor is read into pinned host memory and copied asynchronously, so the copy of one
 overlaps the read of the next; the weights then stay resident on the device.
+
+Quantised checkpoints (``trainforge quantize``, compressed-tensors int8/int4, GGUF Q8_0/Q4_0)
+are read here too, but the modules that hold their stored form are the engine's kernels
+(``infer/quantize/``), which this package sits below: the caller passes ``swap_quantized``
+(``infer/loading.py`` does). A reader without one (``model.init_from``: training starts from
+float weights) gets ``QuantizedCheckpointError`` before any module is built.
 """
 
 from __future__ import annotations
@@ -38,6 +44,17 @@ from trainforge.storage.safetensors_stream import map_safetensors
 
 # The KV pool a caller will allocate, in token slots, given the model's config.
 KVSlots = Callable[[ModelConfig], int]
+# Replaces, in place, the layers a quantised checkpoint stores quantised (its quantization info)
+# with modules holding the stored form, on the meta-device model, given the float dtype of the rest.
+SwapQuantized = Callable[[Transformer, dict[str, Any], torch.dtype], None]
+
+
+class QuantizedCheckpointError(CheckpointError):
+    """A quantised checkpoint given to a reader of float weights (no ``swap_quantized``)."""
+
+    def __init__(self, message: str, mode: str | None):
+        super().__init__(message)
+        self.mode = mode
 
 
 @dataclass
@@ -113,23 +130,23 @@ def _no_init():
 
 
 def _materialise(cfg: ModelConfig, sd: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 quantization: dict[str, Any] | None, what: str, kv_slots: KVSlots | None = None) -> Transformer:
+                 quantization: dict[str, Any] | None, what: str, kv_slots: KVSlots | None = None,
+                 swap_quantized: SwapQuantized | None = None) -> Transformer:
     """The model of ``cfg`` holding ``sd``. With the caller's KV pool (``kv_slots``), the rotary
     tables stop at its size: no sequence in a pool of that many slots reaches a later position,
     and ``generate``'s pool is its prompt and new tokens (the 90m model's full tables are 1 MiB,
     issue 24's memory bound)."""
-    from trainforge.infer.quantize import BlockEmbedding, swap_quantized_linears
-
+    if quantization and swap_quantized is None:
+        mode = quantization.get("mode") if isinstance(quantization, dict) else None
+        raise QuantizedCheckpointError(f"{what} is quantised ({mode}); this reader takes float weights", mode)
     with torch.device("meta"), _no_init():
         model = Transformer(cfg)
     if quantization:
         try:
-            swap_quantized_linears(model, quantization)
+            swap_quantized(model, quantization, dtype)
         except Exception as e:  # meta.json's quantization info is input too: KeyError, TypeError, ValueError
             raise CheckpointError(f"{what}: the quantization info in meta.json does not fit the model "
                                   f"({error_detail(e)})") from None
-        if isinstance(model.tok_embeddings, BlockEmbedding):  # its rows in the float dtype of the rest
-            model.tok_embeddings.dtype = dtype
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     # MoE routers stay fp32 whatever ``dtype`` (as training's precision rule keeps ``*.gate``):
     # top-k over near-tied scores would flip with bf16 weights.
@@ -167,11 +184,11 @@ def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tor
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None,
-               mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None
-               ) -> LoadedModel:
+               mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None,
+               swap_quantized: SwapQuantized | None = None) -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
     directory (newest checkpoint), a Hugging Face directory (Llama, DeepSeek-V3, Glm4Moe, Mixtral;
-    float or compressed-tensors int8/int4), or a llama.cpp ``.gguf`` file (Llama; ``gguf_loading.py``). ``dtype`` is the float
+    float or compressed-tensors int8/int4), or a llama.cpp ``.gguf`` file (Llama; ``gguf.py``). ``dtype`` is the float
     dtype of the parameters (default float32). Raises ``CheckpointError`` naming the file.
 
     Before any weight is read, the shape is validated and the memory of the weights, the
@@ -185,16 +202,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     itself (``trainforge export`` hashes them beside the conversion and commits nothing on a
     mismatch). A caller that quantises the float weights after loading (``--quantize``) passes
     ``quantize_to`` (``{"mode", "group_size"}``): the memory check then counts the weights at that
-    size, and runs for a mapped load that has a KV pool (``kv_slots``) to hold."""
+    size, and runs for a mapped load that has a KV pool (``kv_slots``) to hold. ``swap_quantized``
+    builds the modules of a quantised checkpoint's layers (the engine's: ``infer/loading.py``);
+    without it a quantised checkpoint raises ``QuantizedCheckpointError``."""
     path = Path(path)
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
     mapped = mapped and device.type == "cpu"
-    if path.suffix == ".gguf":  # llama.cpp's single-file format (gguf_loading.py)
-        return _load_gguf(path, device, dtype, kv_slots)
+    if path.suffix == ".gguf":  # llama.cpp's single-file format (gguf.py)
+        return _load_gguf(path, device, dtype, kv_slots, swap_quantized)
     if is_hf_dir(path):
-        return _load_hf(path, device, dtype, kv_slots, mapped, quantize_to)
-    return _load_trainforge(path, device, dtype, kv_slots, mapped, verify, quantize_to)
+        return _load_hf(path, device, dtype, kv_slots, mapped, quantize_to, swap_quantized)
+    return _load_trainforge(path, device, dtype, kv_slots, mapped, verify, quantize_to, swap_quantized)
 
 
 def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
@@ -233,8 +252,8 @@ def trainforge_model_config(path: Path, verify: bool = False) -> tuple[Path, dic
 
 
 def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
-                     mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None
-                     ) -> LoadedModel:
+                     mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None,
+                     swap_quantized: SwapQuantized | None = None) -> LoadedModel:
     from trainforge.data.tokenizer import eos_id, load_tokenizer
     from trainforge.storage import checkpoint_format as ckpt
 
@@ -248,7 +267,7 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
                               f"--resume` on 1 process and let it save, or use a single-process checkpoint)")
     sd, _ = _read_safetensors([weights], device, mapped)
     quantization = meta.get("quantization")
-    model = _materialise(cfg, sd, device, dtype, quantization, str(weights), kv_slots)
+    model = _materialise(cfg, sd, device, dtype, quantization, str(weights), kv_slots, swap_quantized)
     tok, eos = None, ()
     tok_file = ck / ckpt.TOKENIZER_FILE
     if tok_file.is_file():
@@ -258,8 +277,9 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
     return LoadedModel(model, tok, eos, name, "trainforge", quantization, ck)
 
 
-def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None) -> LoadedModel:
-    from trainforge.infer import gguf_loading as gg
+def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
+               swap_quantized: SwapQuantized | None = None) -> LoadedModel:
+    from trainforge.loading import gguf as gg
 
     header, cfg, mode = gg.open_gguf(path)
     build_tok, eos = gg.gguf_tokenizer(header, path, cfg.vocab_size)  # before any weight is read: a refusal costs nothing
@@ -267,7 +287,7 @@ def _load_gguf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: K
                str(path))
     sd, quantization = gg.read_gguf(header.tensors, cfg, path)
     model = _materialise(cfg, {k: v.to(device) for k, v in sd.items()}, device, dtype, quantization, str(path),
-                         kv_slots)
+                         kv_slots, swap_quantized)
     return LoadedModel(model, None, eos, path.stem, "gguf", quantization, path, build_tok)
 
 
@@ -293,8 +313,8 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
     placeholder ``P.weight`` of the right shape for every quantised module so the family's
     renaming applies unchanged; the quantization info ``swap_quantized_linears`` takes; each
     quantised layer's stored form under our names, rows back in our order)."""
-    from trainforge.infer.quantize import QuantExperts
-    from trainforge.infer.quantize import compressed_tensors_format as ct
+    from trainforge.quant_formats import compressed_tensors as ct
+    from trainforge.quant_formats.layers import expert_buffer_name
 
     mode, group_size = ct.read_quantization_config(hf_config["quantization_config"], f"{where}")
     # int4: a module named by a config group of its own has that group size (the per-layer fallback).
@@ -352,7 +372,7 @@ def _split_compressed(sd: dict[str, torch.Tensor], cfg: ModelConfig, hf_config: 
                                   "are quantised; trainforge reads all of a layer's experts quantised, or none")
         module, proj = stacked.rsplit(".", 1)
         for s in per[0]:
-            stored[f"{module}.{QuantExperts.buffer_name(proj, s)}"] = torch.stack([per[e][s] for e in range(len(per))])
+            stored[f"{module}.{expert_buffer_name(proj, s)}"] = torch.stack([per[e][s] for e in range(len(per))])
         modules.setdefault(module, set()).add(proj)
     partial = [m for m, projs in modules.items() if projs != {"w1", "w2", "w3"}]
     if partial:
@@ -424,7 +444,8 @@ def hf_model_config(path: Path) -> tuple[dict[str, Any], ModelConfig, list[Path]
 
 
 def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
-             mapped: bool = False, quantize_to: dict[str, Any] | None = None) -> LoadedModel:
+             mapped: bool = False, quantize_to: dict[str, Any] | None = None,
+             swap_quantized: SwapQuantized | None = None) -> LoadedModel:
     config_file = path / "config.json"
     from trainforge.model import hf_deepseek, hf_moe
 
@@ -450,7 +471,7 @@ def _load_hf(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVS
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
     sd.update(stored)  # the quantised layers' stored form replaces their placeholders
-    model = _materialise(cfg, sd, device, dtype, quantization, str(path), kv_slots)
+    model = _materialise(cfg, sd, device, dtype, quantization, str(path), kv_slots, swap_quantized)
     tok, eos = None, []
     eos_cfg = hf_config.get("eos_token_id")
     if eos_cfg is not None:
