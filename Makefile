@@ -44,13 +44,13 @@ prometheus:
 # run one at a time, each already using every core.
 test: install prometheus
 	$(BIN)/lint-imports --no-cache --no-logo
-	$(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 	$(BIN)/python -m pytest -q -n auto --dist loadfile -m "not slow" --durations=20
 	$(BIN)/python -m pytest -q -m slow --durations=40
 
 # The user manual (docs/, mkdocs.yml) as a static site in site/.
 docs: install
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: install
 	$(BIN)/python bench/train_throughput.py
