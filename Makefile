@@ -1,5 +1,5 @@
 # Two commands: `make run` (install, prepare the built-in corpus, train `tiny`,
-# checkpoint, print a sample) and `make test` (install, check the import layering, run the whole suite).
+# checkpoint, print a sample) and `make test` (install, check the import layering, build the manual strictly, run the whole suite).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
