@@ -142,7 +142,6 @@ NAMES_FAMILIES = {
     "pipeline.py": "not yet a plan: which stage holds the MTP modules and hourglass levels",
     "pipeline_stage.py": "not yet a plan: the MTP last stage's call arguments",
     "shared_embedding.py": "not yet a plan: the MTP last stage's embedding copy",
-    "activation_checkpoint.py": "not yet a plan: the MTP modules' blocks",
 }
 
 
