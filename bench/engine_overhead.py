@@ -3,9 +3,9 @@ trees (``bench/ab_worktree.py --script_root``):
 
     python bench/engine_overhead.py --json out.json
 
-The runner's ``decode`` is replaced by a function that returns fixed logits, so what is timed
-is the engine around it (prefill is stubbed the same way): scheduling, the batch layout, sampling, reading tokens, stop checks,
-rows leaving. Reported in microseconds of this process's CPU time per decode step (lower is
+The runner's ``decode`` (and its prefill) is replaced by a function that returns fixed logits,
+so what is timed is the engine around it: scheduling, the batch layout, sampling, reading
+tokens, stop checks, rows leaving. Reported in microseconds of this process's CPU time per decode step (lower is
 better), for one request and for a batch of 32 joining and leaving, best of ``--repeats``.
 On a shared machine the end-to-end probe (``bench/engine_speed.py``) moves by more than the
 engine's share of a step; this isolates that share. Uses only APIs old trees have too.
