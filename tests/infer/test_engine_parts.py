@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.infer.helpers import model_for
 from trainforge.infer import engine_parts
@@ -103,3 +104,8 @@ def test_a_pool_members_reservations_gate_admission():
         engine.step()
         assert len(gate.held) <= 2
     assert all(len(r.output_ids) == 6 for r in reqs) and not gate.held
+
+
+def test_an_unknown_engine_option_is_refused_naming_it():
+    with pytest.raises(TypeError, match="'drafer'.*drafter"):
+        Engine(model_for("gqa2"), EngineConfig(max_context=32), drafer=object())

@@ -68,8 +68,14 @@ class RequestTooLong(ValueError):
 
 
 class Engine:
-    """``options`` choose the step kind (``engine_parts.choose_step`` lists them); the parts a
-    family or a mode adds are reported by name as attributes (``engine_parts``)."""
+    """Continuous batching of ``model`` (module docstring). ``tokenizer`` (None: token ids only)
+    detokenises and finds stop strings; ``eos_ids`` end a request unless it ignores them.
+    Keyword ``options`` choose the step kind (``engine_parts.choose_step`` lists them; an
+    unknown one is a TypeError); the parts a family or a mode adds are readable by the name
+    ``engine_parts`` gives them (None where this engine has none).
+
+    ``submit`` / ``abort`` / ``load`` from any thread; ``step`` (or ``start``'s thread, or
+    ``generate``) in one thread; ``stats`` for the counters."""
 
     def __init__(self, model: Transformer, config: EngineConfig | None = None, tokenizer=None,
                  eos_ids: tuple[int, ...] | list[int] = (), **options):

@@ -26,9 +26,11 @@ from trainforge.infer.pool_set import PoolMember
 from trainforge.infer.row_state import RowState
 
 
-def choose_step(model, config: EngineConfig, drafter=None) -> tuple[EngineStep, dict[str, Any]]:
+def choose_step(model, config: EngineConfig, drafter=None, **unknown) -> tuple[EngineStep, dict[str, Any]]:
     """The step kind for ``config`` and the options, and the parts it names for reporting
     (``Engine.drafter``). Raises for combinations the model or the kind does not support."""
+    if unknown:
+        raise TypeError(f"Engine() got an unexpected keyword argument {next(iter(unknown))!r} (its options: drafter)")
     step: EngineStep
     if drafter is not None:
         from trainforge.infer.speculative_step import SpeculativeStep
