@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.errors import TrainforgeError
 
@@ -40,10 +40,11 @@ class AdviseOptions:
 
 
 SECTIONS = {"advise": AdviseOptions}
+COMMAND = Command("advise", DESCRIPTION, SECTIONS)
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge advise", DESCRIPTION, SECTIONS, argv)
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     a = parsed.section(AdviseOptions)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.errors import TrainforgeError
 
@@ -34,10 +34,11 @@ class ExportOptions:
 
 
 SECTIONS = {"export": ExportOptions}
+COMMAND = Command("export", DESCRIPTION, SECTIONS, model="checkpoint")
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge export", DESCRIPTION, SECTIONS, argv, model="checkpoint")
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     a = parsed.section(ExportOptions)

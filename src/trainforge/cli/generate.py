@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.errors import TrainforgeError
 from trainforge.infer.session_options import SessionOptions
@@ -30,10 +30,11 @@ class GenerateOptions:
 
 
 SECTIONS = {"model and engine": SessionOptions, "generation": GenerateOptions}
+COMMAND = Command("generate", DESCRIPTION, SECTIONS, model="checkpoint")
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge generate", DESCRIPTION, SECTIONS, argv, model="checkpoint")
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     opts, g = parsed.section(SessionOptions), parsed.section(GenerateOptions)

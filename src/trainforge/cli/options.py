@@ -30,6 +30,7 @@ from typing import Any, Literal
 from trainforge.cli.help import ArgumentParser
 from trainforge.errors import ConfigError
 
+_MODEL = "MODEL"  # the positional's dest: a name no option has (plan has a --model)
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -137,7 +138,7 @@ def build_parser(prog: str, description: str, options: list[Option], model: bool
     ``model``: the checkpoint may be given as the first positional argument too."""
     p = ArgumentParser(prog=prog, description=description, usage=usage)
     if model:
-        p.add_argument("model", nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
+        p.add_argument(_MODEL, nargs="?", default=argparse.SUPPRESS, metavar="MODEL",
                        help="the model: a trainforge checkpoint or run directory, a Hugging Face directory or a "
                             "GGUF file (the same as --checkpoint)")
     for o in options:
@@ -313,11 +314,12 @@ def parse(parser: argparse.ArgumentParser, sections: dict[str, type], argv: list
     options = options_of(sections)
     ns, extra = parser.parse_known_args(normalise(argv, options, ["--config", "--print_config", "--help"]))
     reject_unknown(extra, parser)
-    given = {k: v for k, v in vars(ns).items() if k not in ("config", "print_config", "model")}
-    if model and getattr(ns, "model", None) is not None:
-        if given.get(model) not in (None, ns.model):
-            raise ConfigError(f"the model is given twice ({ns.model} and --{model} {given[model]}); give one")
-        given[model] = ns.model
+    given = {k: v for k, v in vars(ns).items() if k not in ("config", "print_config", _MODEL)}
+    positional = getattr(ns, _MODEL, None)
+    if model and positional is not None:
+        if given.get(model) not in (None, positional):
+            raise ConfigError(f"the model is given twice ({positional} and --{model} {given[model]}); give one")
+        given[model] = positional
     values = {o.name: (os.environ.get(o.meta["env"], o.default) if o.meta.get("env") else o.default)
               for o in options}
     if ns.config:
@@ -348,13 +350,24 @@ def options_toml(parsed: Parsed, sections: dict[str, type], command: str) -> str
     return "".join(lines)
 
 
-def run_options(prog: str, description: str, sections: dict[str, type], argv: list[str],
-                model: str | None = None, usage: str | None = None) -> Parsed | None:
-    """Parse a command's argv; ``None`` when ``--print_config`` printed the options (the command
-    then does nothing more)."""
-    parser = build_parser(prog, description, options_of(sections), model=model is not None, usage=usage)
-    parsed = parse(parser, sections, argv, model)
-    if parsed.print_config:
-        print(options_toml(parsed, sections, prog.split()[-1]), end="")
-        return None
-    return parsed
+@dataclass(frozen=True)
+class Command:
+    """A command whose options are typed sections: ``sections`` (help group title -> dataclass),
+    ``model``: the option a positional MODEL stands for (``checkpoint``), if any."""
+    name: str
+    description: str
+    sections: dict[str, type]
+    model: str | None = None
+
+    def parser(self) -> argparse.ArgumentParser:
+        return build_parser(f"trainforge {self.name}", self.description, options_of(self.sections),
+                            model=self.model is not None)
+
+    def parse(self, argv: list[str]) -> Parsed | None:
+        """argv -> the options; ``None`` when ``--print_config`` printed them (the command then
+        does nothing more)."""
+        parsed = parse(self.parser(), self.sections, argv, self.model)
+        if parsed.print_config:
+            print(options_toml(parsed, self.sections, self.name), end="")
+            return None
+        return parsed

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.errors import ConfigError
 from trainforge.model.config import FLAVORS
@@ -42,10 +42,11 @@ class PlanOptions:
 
 
 SECTIONS = {"plan": PlanOptions}
+COMMAND = Command("plan", DESCRIPTION, SECTIONS)
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge plan", DESCRIPTION, SECTIONS, argv)
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     a = parsed.section(PlanOptions)

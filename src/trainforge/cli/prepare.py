@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 
 DESCRIPTION = "Tokenise text into memory-mappable shards with a manifest."
@@ -26,10 +26,11 @@ class PrepareArgs:
 
 
 SECTIONS = {"prepare": PrepareArgs}
+COMMAND = Command("prepare", DESCRIPTION, SECTIONS)
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge prepare", DESCRIPTION, SECTIONS, argv)
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     from trainforge.data.prepare import PrepareOptions, prepare

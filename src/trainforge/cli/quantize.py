@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.errors import TrainforgeError
 from trainforge.infer.session_options import GROUP_SIZE_HELP
@@ -27,10 +27,11 @@ class QuantizeOptions:
 
 
 SECTIONS = {"quantisation": QuantizeOptions}
+COMMAND = Command("quantize", DESCRIPTION, SECTIONS, model="checkpoint")
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge quantize", DESCRIPTION, SECTIONS, argv, model="checkpoint")
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     a = parsed.section(QuantizeOptions)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.monitor.report import COMPARE_FILE
 
@@ -26,10 +26,11 @@ class ReportOptions:
 
 
 SECTIONS = {"report": ReportOptions}
+COMMAND = Command("report", DESCRIPTION, SECTIONS)
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge report", DESCRIPTION, SECTIONS, argv)
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     a = parsed.section(ReportOptions)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainforge.cli.options import run_options
+from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.errors import TrainforgeError
 from trainforge.infer.session_options import SessionOptions
@@ -43,10 +43,11 @@ class ServerOptions:
 
 
 SECTIONS = {"model and engine": SessionOptions, "batching and KV cache": EngineOptions, "server": ServerOptions}
+COMMAND = Command("serve", DESCRIPTION, SECTIONS, model="checkpoint")
 
 
 def run(argv: list[str]) -> int:
-    parsed = run_options("trainforge serve", DESCRIPTION, SECTIONS, argv, model="checkpoint")
+    parsed = COMMAND.parse(argv)
     if parsed is None:
         return 0
     opts, eo, so = parsed.section(SessionOptions), parsed.section(EngineOptions), parsed.section(ServerOptions)
