@@ -194,3 +194,18 @@ def test_every_command_has_typed_options_but_train():
         dests = {a.dest for a in parser._actions} - {"help", "config", "print_config", "MODEL"}
         assert dests == fields, name
     assert set(MODULES) | {"train"} == set(COMMANDS)
+
+
+def test_choices_written_out_for_a_torch_free_help_match_their_modules():
+    """export's --dtype, report's --x and advise's file name are spelled in cli/ so that --help
+    imports no torch; they must stay the modules' own."""
+    import typing
+
+    from trainforge.infer.hf_export import DTYPES
+    from trainforge.monitor.report import X_AXES
+    from trainforge.plan.advise import ADVISED_FILE
+
+    hints = {cls: typing.get_type_hints(cls) for cls in (export.ExportOptions, report.ReportOptions)}
+    assert set(typing.get_args(hints[export.ExportOptions]["dtype"])) == set(DTYPES)
+    assert typing.get_args(hints[report.ReportOptions]["x"]) == X_AXES
+    assert advise.ADVISED_FILE == ADVISED_FILE

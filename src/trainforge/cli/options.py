@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import difflib
 import os
-import tomllib
 import types
 import typing
 from dataclasses import dataclass
@@ -114,7 +113,8 @@ def help_text(o: Option) -> str:
 
 def _convert(o: Option, tp: Any):
     def convert(text: str) -> Any:
-        if o.optional and text.lower() in ("none", "null"):
+        # --group_size none unsets a number; text stays text (--prompt none is the word "none")
+        if o.optional and tp is not str and text.lower() in ("none", "null"):
             return None
         try:
             return tp(text)
@@ -242,7 +242,7 @@ def reject_unknown(extra: list[str], parser: argparse.ArgumentParser) -> None:
     if not extra:
         return
     arg = extra[0]
-    flags = [s for a in parser._actions for s in a.option_strings]
+    flags = [s for a in parser._actions if a.help != argparse.SUPPRESS for s in a.option_strings]
     if not arg.startswith("-"):
         raise ConfigError(f"unexpected argument {arg!r} (see {parser.prog} --help)")
     name = arg.split("=", 1)[0]
@@ -291,17 +291,11 @@ def read_options_file(path: str, options: list[Option]) -> dict[str, Any]:
 
 @dataclass
 class Parsed:
-    """The resolved options: ``values`` by name (also readable as attributes) and one instance of
-    each section dataclass (``section(cls)``)."""
+    """The resolved options: ``values`` by name and one instance of each section dataclass
+    (``section(cls)``)."""
     values: dict[str, Any]
     sections: dict[type, Any]
     print_config: bool
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.__dict__["values"][name]
-        except KeyError:
-            raise AttributeError(name) from None
 
     def section(self, cls: type) -> Any:
         return self.sections[cls]
