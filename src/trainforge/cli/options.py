@@ -147,8 +147,8 @@ def build_parser(prog: str, description: str, options: list[Option], model: bool
             p.add_argument(o.name, nargs=nargs, metavar=o.meta.get("metavar", o.name.upper()),
                            default=argparse.SUPPRESS, help=help_text(o))
     p.add_argument("--config", default=None, metavar="FILE",
-                   help=f"TOML file of these options (key = value, a key is an option's name); the command line "
-                        f"overrides it")
+                   help="TOML file of these options (key = value, a key is an option's name); the command line "
+                        "overrides it")
     p.add_argument("--print_config", action="store_true",
                    help="print the resolved options as TOML (what --config reads back) and exit")
     groups: dict[str, Any] = {}
@@ -168,7 +168,10 @@ def build_parser(prog: str, description: str, options: list[Option], model: bool
         tp = o.tp
         if typing.get_origin(tp) is list:
             tp = typing.get_args(tp)[0]
-            kw["nargs" if not o.meta.get("append") else "action"] = "append" if o.meta.get("append") else "+"
+            if o.meta.get("append"):
+                kw["action"] = "append"  # --stop A --stop B
+            else:
+                kw["nargs"] = "+"  # --input A B
         if typing.get_origin(tp) is Literal:
             kw["choices"] = list(typing.get_args(tp))
             kw["metavar"] = o.meta.get("metavar", "{" + ",".join(kw["choices"]) + "}")
