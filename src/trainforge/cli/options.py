@@ -20,13 +20,13 @@ import argparse
 import dataclasses
 import difflib
 import os
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from trainforge.cli.help import ArgumentParser
+from trainforge.config_args import _plain  # the type without | None, as the config keys read it
 from trainforge.errors import ConfigError
 
 _MODEL = "MODEL"  # the positional's dest: a name no option has (plan has a --model)
@@ -51,12 +51,6 @@ class Option:
     @property
     def negatable(self) -> bool:  # --compile / --no-compile (a --no_fuse has no --no-no_fuse)
         return self.tp is bool and not self.name.startswith("no_")
-
-
-def _plain(tp: Any) -> tuple[Any, bool]:
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return next(a for a in typing.get_args(tp) if a is not type(None)), True
-    return tp, False
 
 
 def options_of(sections: dict[str, type]) -> list[Option]:
