@@ -49,7 +49,7 @@ engine): fp32 64 tok/s, int4 245 tok/s. Unmeasured on CUDA here (no GPU on this 
 vCPUs), 2 threads, 2026-12-07, 7 rounds: AVX-512 0.81 vs 0.75 ms; with both held to AVX2
 (``TRAINFORGE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2``) 0.87 vs 1.53 ms. In the 90m model's decode
 (``bench/inference.py``, x the plain fp32 loop): ``int4pack_cpu`` 5.06x with AVX-512 and 2.74x
-with AVX2, ``blocks`` 4.96x and 4.73x (BENCHMARKS.md, issue 24). So the CPU default is ``blocks``,
+with AVX2, ``blocks`` 4.96x and 4.73x (docs/benchmarks-archive.md, issue 24). So the CPU default is ``blocks``,
 then ``int4pack_cpu`` for a layer it does not take.
 """
 
