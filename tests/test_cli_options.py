@@ -128,7 +128,8 @@ def test_options_spelled_with_dashes_or_underscores_are_the_same(capsys):
                 "--num_speculative_tokens", "3")
     assert a == b and a["max_new_tokens"] == 5 and a["no_fuse"] is True and a["num_speculative_tokens"] == 3
     # train too: its own options and the config keys
-    rc, out, err = run(capsys, "train", "--print-config", "--training.warmup-steps", "7", "--no-parallel.compile")
+    rc, out, err = run(capsys, "train", "--print-config", "--training.warmup-steps", "7", "--no-parallel.compile",
+                       "--no-sample", "--run-dir", "somewhere")
     assert rc == 0, err
     assert tomllib.loads(out)["training"]["warmup_steps"] == 7
 

@@ -46,7 +46,7 @@ def run(argv: list[str]) -> int:
     from trainforge.train.resume import resolve
 
     p = parser()
-    a, extra = p.parse_known_args(join_values(dash_names(argv)))
+    a, extra = p.parse_known_args(join_values(dash_names(argv, OWN_OPTIONS)))
     reject_unknown(extra, OWN_OPTIONS)
     rest = [f"--{key}={raw}" for key, raw in overrides_from(a)]
     start = resolve(a.run_dir, a.resume, a.from_step)
