@@ -188,7 +188,7 @@ class Engine:
 
     # -- the step (one thread) --------------------------------------------------------------
 
-    @torch.inference_mode()  # no autograd dispatch at all (the CLI's load runs in it too: ``cli._inference``)
+    @torch.inference_mode()  # no autograd dispatch at all (the CLI's load runs in it too: ``infer/session.inference_mode``)
     def step(self) -> None:
         """One scheduler iteration: reap aborts, admit, one step of the step kind, callbacks."""
         self._reap()

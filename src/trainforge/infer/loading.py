@@ -17,12 +17,6 @@ import torch
 from trainforge.loading import loader
 from trainforge.loading.loader import KVSlots, LoadedModel
 
-# shim: remove after merge -- the reader's names at their old path, for callers not yet moved to
-# trainforge.loading (the CLI, the server, tests).
-from trainforge.loading.loader import *  # noqa: F401,F403,E402
-from trainforge.loading.loader import (MAX_CONFIG_DEPTH, QuantizedCheckpointError, SwapQuantized,  # noqa: F401,E402
-                                       hf_model_config, json_depth, trainforge_model_config)
-
 
 def swap_engine_modules(model: torch.nn.Module, quantization: dict[str, Any], dtype: torch.dtype) -> None:
     """``loading.loader.SwapQuantized`` for the engine: the quantised linears and experts of

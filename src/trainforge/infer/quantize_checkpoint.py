@@ -33,8 +33,8 @@ def quantize_checkpoint(checkpoint: str, output: str, mode: str, group_size: int
     except ValueError as e:
         raise TrainforgeError(f"--{e}") from None
     lines = []
-    if mode == "int4":  # the per-layer group sizes, in the words export uses (quantize/int4_groups.py)
-        from trainforge.infer.quantize.int4_groups import fallback_lines
+    if mode == "int4":  # the per-layer group sizes, in the words export uses (quant_formats/int4_groups.py)
+        from trainforge.quant_formats.int4_groups import fallback_lines
 
         dims = {n: (sd[f"{n}.weight"].shape[1],) for n in linear_names(model)}
         dims.update({n: (sd[f"{n}.w1"].shape[2],) for n in expert_names(model)})  # the hidden dim is padded
