@@ -55,7 +55,7 @@ def test_version(capsys):
     (["train", "--training.step=5"], ["unknown config key 'training.step'", "did you mean 'training.steps'"]),
     (["train", "--data.cache.memroy_mb", "1"], ["'data.cache.memroy_mb'", "did you mean 'data.cache.memory_mb'"]),
     (["train", "--trainig.steps", "5"], ["unknown config section 'trainig'", "did you mean 'training'"]),
-    (["train", "--print-config"], ["unknown option '--print-config'", "did you mean '--print_config'"]),
+    (["train", "--print_confg"], ["unknown option '--print_confg'", "did you mean '--print_config'"]),
     (["train", "--parallel.no-compile"], ["--no-parallel.compile"]),
     (["train", "--no-model.flavor"], ["'model.flavor' is not a boolean"]),
     (["train", "--training.steps"], ["override --training.steps has no value"]),
@@ -174,13 +174,17 @@ def test_bare_boolean_does_not_swallow_the_next_override(capsys):
 
 
 @pytest.mark.parametrize("command, option, needle", [
-    ("generate", "--max_new_tokens", "(default: 64)"),
-    ("generate", "--device", "(default: cpu)"),
-    ("serve", "--port", "(default: 8000)"),
-    ("serve", "--max_batch_size", "(default: 8)"),
-    ("prepare", "--vocab_size", "(default: 8192)"),
+    ("generate", "--max_new_tokens", "(int; default: 64)"),
+    ("generate", "--device", "(str; default: cpu)"),
+    ("generate", "--dtype", "(one of: float32, bfloat16, float16; default: float32)"),
+    ("serve", "--port", "(int; default: 8000)"),
+    ("serve", "--max_batch_size", "(int; default: 8)"),
+    ("prepare", "--vocab_size", "(int; default: 8192)"),
     ("quantize", "--group_size", "default: a QAT checkpoint's, else 128"),  # the help's own words, not "None"
-    ("export", "--max_shard_gb", "(default: 5.0)"),
+    ("quantize", "--mode", "(one of: int8, int4, q8_0, q4_0; required)"),
+    ("export", "--max_shard_gb", "(float; default: 5.0)"),
+    ("plan", "--top", "(int; default: 10)"),
+    ("advise", "--memory_limit_gb", "default: the GPU's, or this host's RAM"),
     ("report", "--out", "(default RUN_DIR/report.html; several runs"),
     ("report", "--x", "(default step)"),
 ])
@@ -190,5 +194,5 @@ def test_every_command_help_shows_defaults(capsys, monkeypatch, command, option,
     rc, out, _ = run(capsys, command, "--help")
     assert rc == 0
     assert needle in _blocks(out)[option]
-    assert "(default: None)" not in out and "(default: False)" not in out
+    assert "default: None" not in out and "default: False" not in out and "default: ()" not in out
     assert "s3cret" not in out  # serve's --api_key default comes from the environment: never printed

@@ -116,11 +116,18 @@ def test_checkpoint_holds_no_pickled_code(tmp_path, small_data):
     assert state["step"] == 2 and set(state) == {"step", "optimizer", "scheduler", "data", "rng"}
 
 
-def test_extending_a_run_on_resume_follows_the_new_schedule(tmp_path, small_data):
+def test_extending_a_run_on_resume_follows_the_new_schedule(tmp_path, small_data, capsys):
     run_dir = tmp_path / "run"
     run(debug_config(small_data, "--training.steps", "10", "--training.warmup_steps", "2"), run_dir)
+    capsys.readouterr()
     t = Trainer(debug_config(small_data, "--training.steps", "20", "--training.warmup_steps", "2"), run_dir,
                 resume=True, progress=False)
+    # Said in words (it printed the two schedules' attribute dicts): what changed and the LR now.
+    # Cosine 2 -> 10 has reached its floor (0.1 x 1e-3) at step 10; over 20 steps it is at 6.3e-4.
+    said = [line for line in capsys.readouterr().err.splitlines() if "LR schedule changed" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "LR schedule changed on resume: steps 10 -> 20: cosine follows the new schedule from step 10, "
+        "lr 1.0e-4 -> 6.3e-4"), said
     assert len({g["lr"] for g in t.optimizer.param_groups}) == 1  # decayed and non-decayed groups alike
     t.fit()
     assert len({g["lr"] for g in t.optimizer.param_groups}) == 1

@@ -185,7 +185,7 @@ def test_a_run_that_crashes_is_failed_in_mlflow_not_finished(small_data, tmp_pat
     exception shows FAILED in MLflow (it showed FINISHED, like a completed run)."""
     from mlflow.tracking import MlflowClient
 
-    from trainforge.cli import _fit as cli_fit
+    from trainforge.train.resume import fit as cli_fit
     from trainforge.train.stop_signals import StopSignals
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

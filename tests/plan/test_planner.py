@@ -136,3 +136,18 @@ def test_cli_calibrate_plans_on_the_calibrated_machine(monkeypatch, capsys):
                  probe.cluster_from_profile(_profile(n=2)))
     # the calibration's overheads and efficiency slow every layout down against the bare probe
     assert min(r["step_s"] for r in out["layouts"]) > min(e.step_s for e in plain if e.feasible)
+
+
+def test_render_is_callable_without_the_cli():
+    """plan/render.py: an infeasible layout's infinite time and memory are JSON null (not Infinity,
+    which json.loads of other languages refuses), and the label names the degrees above 1."""
+    from trainforge.plan.render import estimate_json, layout_label, plan_json
+
+    work = Workload(FLAVORS["llama-405b"], seq_len=8192, global_batch=16, flavor="llama-405b")
+    ranked = plan(work, cluster("h100", 8), top=3)
+    doc = plan_json(ranked, work, cluster("h100", 8), 8)
+    assert json.loads(json.dumps(doc, allow_nan=False)) == doc  # no NaN / Infinity anywhere
+    bad = estimate_json(ranked[0])
+    assert not bad["feasible"] and bad["why"] and bad["step_s"] is None
+    assert "dp_shard=" in layout_label(ranked[0].layout)
+    assert doc["model"] == "llama-405b" and doc["gpus"] == 8 and len(doc["layouts"]) == 3

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import StopAt, debug_config
-from trainforge.cli import _load_for_engine
+from trainforge.infer.session import load_for_engine as _load_for_engine
 from trainforge.errors import ConfigError, TrainforgeError
 from trainforge.infer.quantize import Int4Linear, Int8Linear, linear_names
 from trainforge.infer.quantize.int4 import dequantize_int4, quantize_int4

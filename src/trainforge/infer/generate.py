@@ -1,6 +1,6 @@
 """Generation through the engine for one prompt, on a model that may still be training:
 the sample printed after ``trainforge train``. ``generate`` leaves the model as it found it
-(no fusion: the engine runs the model as it is). ``trainforge generate`` (cli.py) builds
+(no fusion: the engine runs the model as it is). ``trainforge generate`` (cli/generate.py) builds
 its engine itself: it loads a checkpoint it owns, so it prepares it (``prepare.prepare_model``:
 fusion, quantised kernels), may compile, and reports the engine's statistics."""
 

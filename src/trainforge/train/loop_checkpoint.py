@@ -26,7 +26,7 @@ from trainforge.errors import CheckpointError
 from trainforge.train import checkpoint as ckpt
 from trainforge.train import dist_checkpoint as dckpt
 from trainforge.train.component import Stop, StopKind
-from trainforge.train.lr_schedule import follow_schedule, warmup_decay
+from trainforge.train.lr_schedule import describe_change, follow_schedule, warmup_decay
 from trainforge.train.state_checks import check_resume_fields
 
 
@@ -141,8 +141,9 @@ def _keep_configured_schedule(loop: Any) -> None:
     have = loop.schedulers[0].lr_lambdas[0]
     if vars(have) == vars(want) and loop.schedulers[0].base_lrs[0] == lr:
         return
-    loop.log.info(f"LR schedule changed on resume: {vars(have)} lr {loop.schedulers[0].base_lrs[0]} -> "
-                  f"{vars(want)} lr {lr}")
+    step = loop.schedulers[0].last_epoch  # optimizer steps taken: the step the run continues from
+    loop.log.info("LR schedule changed on resume: "
+                  + describe_change(have, loop.schedulers[0].base_lrs[0], want, lr, step))
     loop.schedulers = [follow_schedule(s, o, want, lr) for s, o in zip(loop.schedulers, loop.optimizers)]
 
 

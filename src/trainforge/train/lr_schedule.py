@@ -114,6 +114,29 @@ def warmup_decay(kind: str = "cosine", warmup_steps: int = 0, total_steps: int =
     return WarmupDecay(kind, warmup_steps, total_steps, min_lr_ratio, decay_steps, decay_shape)
 
 
+def _short_e(x: float) -> str:
+    """``1.0e-4`` (not Python's ``1.0e-04``)."""
+    mantissa, exp = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exp)}"
+
+
+# The multiplier's attributes by the config key that sets them ([training]); an old WarmupCosine lacks the last three.
+_SCHEDULE_KEYS = (("total_steps", "steps"), ("warmup_steps", "warmup_steps"), ("kind", "lr_schedule"),
+                  ("min_lr_ratio", "min_lr_ratio"), ("decay_steps", "decay steps"), ("decay_shape", "decay_shape"))
+_OLD_DEFAULTS = {"kind": "cosine", "decay_steps": 0, "decay_shape": "linear"}
+
+
+def describe_change(old, old_lr: float, new: WarmupDecay, new_lr: float, step: int) -> str:
+    """A resumed run's schedule change in words, e.g. ``steps 50 -> 100: cosine follows the new
+    schedule from step 50, lr 1.0e-4 -> 8.3e-4`` (the LR at ``step`` under each schedule)."""
+    changed = [f"{name} {getattr(old, attr, _OLD_DEFAULTS.get(attr))} -> {getattr(new, attr)}"
+               for attr, name in _SCHEDULE_KEYS if getattr(old, attr, _OLD_DEFAULTS.get(attr)) != getattr(new, attr)]
+    if old_lr != new_lr:
+        changed.append(f"peak lr {_short_e(old_lr)} -> {_short_e(new_lr)}")
+    return (f"{', '.join(changed)}: {new.kind} follows the new schedule from step {step}, "
+            f"lr {_short_e(old_lr * old(step))} -> {_short_e(new_lr * new(step))}")
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, kind: str = "cosine", warmup_steps: int = 0,
                     total_steps: int = 1, min_lr_ratio: float = 0.0, decay_ratio: float = 0.1,
                     decay_shape: str = "linear") -> LambdaLR:

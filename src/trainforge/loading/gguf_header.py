@@ -177,7 +177,7 @@ def gguf_package():
     Where nothing imported gguf yet, its ``__init__`` is deferred: it also imports the reader and
     writer, every architecture's tensor-name tables, the vocab helpers and, for model-card
     metadata, yaml, 1.6 MiB of a decode process that no load uses (issue 24's memory bound;
-    BENCHMARKS.md). The package is then a module of its own whose first read of any other name
+    docs/benchmarks-archive.md). The package is then a module of its own whose first read of any other name
     (``gguf.GGUFWriter``, ``from gguf import ...``) runs that ``__init__`` in it (PEP 562
     ``__getattr__``), so later users see the whole package. ``ImportError`` when not installed."""
     import importlib

@@ -2,7 +2,7 @@
 F32 / F16 / BF16 / Q8_0 / Q4_0. The header is read with every count and offset bounded
 (``gguf_header.py``); the block types and decoders are llama.cpp's own (the ``gguf`` package).
 
-Q8_0 and Q4_0 blocks become our ``q8_0`` / ``q4_0`` stored forms (``quantize/blocks.py``) by
+Q8_0 and Q4_0 blocks become our ``q8_0`` / ``q4_0`` stored forms (``infer/quantize/blocks.py``) by
 reinterpreting their bytes, never by re-quantising: a GGUF Q8_0 block is 34 bytes (fp16 d, 32
 int8 codes), a Q4_0 block 18 bytes (fp16 d, 16 bytes of nibbles, byte j = element j low,
 element j + 16 high: our order), so the scale column is split out and the codes kept as they are.
@@ -21,7 +21,7 @@ applies to a quantised tensor's rows of blocks unchanged.
 Mixed files: linears in the file's majority block type load quantised under that mode; linears in
 the other block type (llama.cpp's q4_0 files often keep ``output.weight`` in Q8_0) or in a float
 type are dequantised to float and listed in ``info["skipped"]``. A Q8_0 / Q4_0 token embedding of
-a quantised file, untied, loads byte for byte as a ``BlockEmbedding`` (``quantize/block_embedding.py``,
+a quantised file, untied, loads byte for byte as a ``BlockEmbedding`` (``infer/quantize/block_embedding.py``,
 ``info["embedding"]``: the rows dequantised as they are read, the table never); tied, or in another
 type, it is dequantised to float, and so is ``output.weight`` when it is in another type gguf-py
 decodes (llama-quantize's Q4_0 preset writes it in Q6_K). Other types (Q4_K, Q6_K, ... in a linear)
@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from trainforge.errors import CheckpointError
-from trainforge.infer.gguf_header import FileTensor, GGUFFile, read_header, typed
-from trainforge.infer.gguf_header import gguf_package as _gguf
+from trainforge.loading.gguf_header import FileTensor, GGUFFile, read_header, typed
+from trainforge.loading.gguf_header import gguf_package as _gguf
 from trainforge.model.config import ModelConfig
 from trainforge.model.hf import model_config_from_hf
 from trainforge.safe_unpickle import error_detail
