@@ -17,11 +17,12 @@ from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.sampling import SamplingParams
 
 INFER = Path(engine_parts.__file__).parent
-# The engine and its generic parts; a family's or a mode's own files (hourglass_pools.py,
-# speculative_step.py, ...), the user-facing options (engine_config.py) and the one file
-# that maps them onto the parts (engine_parts.py) are where those names belong.
+# The engine, its generic parts and the runner; a family's or a mode's own files
+# (hourglass_pools.py, speculative_step.py, ...), the user-facing options (engine_config.py)
+# and the files that map them onto the parts (engine_parts.py, model_pools.py) are where
+# those names belong.
 GENERIC = ["engine.py", "scheduler.py", "pool_set.py", "row_state.py", "engine_step.py", "output_processor.py",
-           "prompt_prefill.py"]
+           "prompt_prefill.py", "runner.py"]
 VARIANT = re.compile(r"hourglass|\bmtp|\bmla\b|latent|draft|speculat|\bmoe\b|deepseek|mixture|expert", re.IGNORECASE)
 
 
