@@ -60,18 +60,15 @@ class ModelParts:
 
 def model_parts(runner) -> ModelParts:
     """The parts the runner's model brings (``runner``: the engine's ``ModelRunner``)."""
-    # The model's pools beyond the paged one (``runner.extra_pools``; ``runner.hourglass`` in a
-    # runner that still names the one family that has them): an hourglass model's shortened depths.
-    extra = getattr(runner, "extra_pools", None)
-    if extra is None:
-        extra = getattr(runner, "hourglass", None)
+    # The model's pools beyond the paged one (``infer/model_pools.py``): an hourglass model's
+    # shortened depths.
+    extra = runner.extra_pools
     parts = ModelParts(named={"hourglass": extra})
     if extra is not None:
         parts.pool_members.append(extra)
         parts.row_states.append(extra)
         parts.decode_hooks.append(extra.before_decode)
     # Packed prefill needs one paged cache of per-head keys/values; hourglass and latent (MLA)
-    # caches prefill one prompt at a time.
-    packs = getattr(runner, "packs_prompts", None)
-    parts.packs_prompts = packs if packs is not None else extra is None and not runner.cache.latent
+    # caches prefill one prompt at a time (the cache says: ``AttentionCache.packs_prompts``).
+    parts.packs_prompts = runner.packs_prompts
     return parts
