@@ -62,6 +62,9 @@ def test_openapi_lists_every_endpoint_with_its_request_model_and_docs_need_no_ke
     temperature = next(s for s in completion["properties"]["temperature"]["anyOf"] if s.get("type") == "number")
     assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
     assert "max_tokens" in completion["properties"] and "messages" in schemas["ChatCompletionRequest"]["properties"]
+    assert spec["components"]["securitySchemes"]["api_key"]["scheme"] == "bearer"  # /docs' "Authorize"
+    assert spec["paths"]["/v1/completions"]["post"]["security"] == [{"api_key": []}]
+    assert "security" not in spec["paths"]["/health"]["get"]
     docs = httpx.get(server.url + "/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
 

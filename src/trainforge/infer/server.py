@@ -56,7 +56,7 @@ from trainforge.errors import ConfigError
 from trainforge.infer.engine import Engine
 from trainforge.infer.listen import bind_socket
 from trainforge.infer.openai_schema import APIError
-from trainforge.infer.server_extras import Gate, banner, engine_record
+from trainforge.infer.server_extras import Gate, banner, document_api_key, engine_record
 from trainforge.infer.server_limits import header_deadline_protocol
 
 __all__ = ["APIError", "ServerConfig", "create_app", "engine_record", "serve", "uvicorn_config"]
@@ -114,6 +114,8 @@ def create_app(engine: Engine, tokenizer, config: ServerConfig | None = None):
     app.state.server = state
     app.add_middleware(Gate, api_key=config.api_key, registry=state.metrics, access_log=config.access_log)
     install_error_handlers(app)
+    if config.api_key:
+        document_api_key(app)
     for module in (server_generate, server_tokenize, server_info):
         app.include_router(module.router)
     return app

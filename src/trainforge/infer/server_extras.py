@@ -96,6 +96,25 @@ class Gate:
                 self.log.info(f"{client[0]} {scope['method']} {path} {status[0]} {ms:.1f} ms{what}")
 
 
+def document_api_key(app) -> None:
+    """Declare the gate's bearer key in ``/openapi.json`` (every path but ``Gate.OPEN``), so
+    the ``/docs`` page offers "Authorize" and its "Try it out" requests carry the key."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()  # FastAPI caches it in app.openapi_schema; annotated in place, once
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "api_key": {"type": "http", "scheme": "bearer", "description": "the server's --api_key"}}
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    if path not in Gate.OPEN:
+                        operation["security"] = [{"api_key": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 SPEC_KEYS = ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")
 
 
