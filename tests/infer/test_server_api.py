@@ -117,7 +117,8 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("path,body,param,says", [
-    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature", "'temperature' must be a number in [0, 2]"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature",
+     "'temperature' must be a number in [0, 2], got 'hot'"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, "max_tokens", "'max_tokens' must be an integer >= 1"),
     ("/v1/completions", {"prompt": "x", "n": "2"}, "n", "'n' must be an integer >= 1, got '2'"),
     ("/v1/completions", {"prompt": {"text": "x"}}, "prompt", "'prompt' must be a string, a list of token ids"),

@@ -22,7 +22,8 @@ import reprlib
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WrapValidator, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from trainforge.infer.openai_schema import APIError
@@ -38,6 +39,11 @@ INVALID = "invalid_field"  # the error type of a refused value (message: "must b
 RULE = "field_rule"  # a rule between fields or an unsupported option (ctx "param" names the field)
 
 
+def invalid(want: str, value: Any) -> PydanticCustomError:
+    """A refused value: "must be ``want``, got ``value``" (shortened)."""
+    return PydanticCustomError(INVALID, "must be {want}, got {got}", {"want": want, "got": _short.repr(value)})
+
+
 def checked(type_: Any, want: str, **constraints: Any) -> Any:
     """``type_`` with pydantic ``constraints``; any failure is one error "must be ``want``,
     got ``value``" (not pydantic's one error per member of a union)."""
@@ -45,8 +51,7 @@ def checked(type_: Any, want: str, **constraints: Any) -> Any:
         try:
             return handler(value)
         except ValidationError:
-            raise PydanticCustomError(INVALID, "must be {want}, got {got}",
-                                      {"want": want, "got": _short.repr(value)}) from None
+            raise invalid(want, value) from None
     return Annotated[type_, Field(**constraints), WrapValidator(wrap)]
 
 
@@ -77,7 +82,7 @@ def _an_object(value: Any) -> Any:
     """Before a nested object's fields are validated: a clear error if it is no object (then
     its fields' own errors name them: ``stream_options.include_usage``)."""
     if not isinstance(value, dict):
-        raise PydanticCustomError(INVALID, "must be {want}, got {got}", {"want": "an object", "got": _short.repr(value)})
+        raise invalid("an object", value)
     return value
 
 
@@ -120,8 +125,7 @@ class _Sampling(_Body):
     @classmethod
     def _stop(cls, stop):
         if isinstance(stop, list) and (len(stop) > 4 or not all(stop)) or stop == "":
-            raise PydanticCustomError(INVALID, "must be {want}, got {got}",
-                                      {"want": "a non-empty string or a list of at most 4", "got": _short.repr(stop)})
+            raise invalid("a non-empty string or a list of at most 4", stop)
         return stop
 
     @field_validator("presence_penalty", "frequency_penalty")
@@ -186,8 +190,7 @@ class CompletionRequest(_Sampling):
             prompt = prompt[0]
         if isinstance(prompt, str) or prompt and all(isinstance(t, int) for t in prompt):
             return prompt
-        raise PydanticCustomError(INVALID, "must be {want}, got {got}", {
-            "want": "a string, a list of token ids, or a one-element list of either", "got": _short.repr(prompt)})
+        raise invalid("a string, a list of token ids, or a one-element list of either", prompt)
 
     @field_validator("echo")
     @classmethod
@@ -234,8 +237,7 @@ def _non_empty(messages: Any) -> Any:
     """Before the items are validated: a clear error for a missing or empty list (then each
     message's own errors name it: ``messages[1].role``)."""
     if not isinstance(messages, list) or not messages:
-        raise PydanticCustomError(INVALID, "must be {want}, got {got}",
-                                  {"want": "a non-empty list of messages", "got": _short.repr(messages)})
+        raise invalid("a non-empty list of messages", messages)
     return messages
 
 
