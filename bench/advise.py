@@ -27,7 +27,7 @@ Cases (each plants one cause; the advice must name it):
 
 Not in the default set (``--cases pipeline-split``): an even split of a heavy-head model,
 0.95x after re-splitting (a 2-process pipeline here is bound by the machine's total CPU;
-BENCHMARKS.md). Measured and dropped (2026-12-02): a 2-stage pipeline of ``tiny`` -> DDP over
+docs/benchmarks-archive.md). Measured and dropped (2026-12-02): a 2-stage pipeline of ``tiny`` -> DDP over
 the same 2 ranks, 1.00x on a quiet machine; activation checkpointing on -> off, ~1.0x (the
 recompute costs ~0.09 s of a 1.2 s ``tiny`` step); ``bf16-mixed`` on this AMX CPU, 0.94-1.2x;
 ``microbatches`` 2 -> 8 on that pipeline, 0.85x; the monitor at ``interval_steps = 1`` with
@@ -89,7 +89,7 @@ CASES = {
     "fsdp": {"nproc": 2, "cause": "layout-ddp",
              "args": [*TINY_2RANK, "--parallel.dp_shard", "2", "--training.batch_size", "4"]},
     # Its planted cause costs nothing measurable here: advise shows it and applies nothing.
-    # Not in the default set: measured no real gain on 2 cores (BENCHMARKS.md).
+    # Not in the default set: measured no real gain on 2 cores (docs/benchmarks-archive.md).
     "pipeline-split": {"nproc": 2, "cause": "pipeline-split",
                        "args": [*HEAVY_HEAD, "--parallel.pp", "2", "--parallel.pp_split", "even",
                                 "--parallel.microbatches", "8", "--training.batch_size", "16",

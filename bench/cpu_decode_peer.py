@@ -50,7 +50,7 @@ those same prompt ids. Reported: the generated tokens equal before the first dif
 file (the issue's claim: all 128) and on the q8_0 file (no bound). Flash attention is off because
 llama.cpp's CPU flash attention (its default, ``auto``) rounds through fp16 even with an f32 cache:
 on the f32 file its logits were up to 4.4e-3 from an fp64 forward of the same weights (logits up
-to 2.8), 1.1e-6 with it off; ours were 2.0e-6 (BENCHMARKS.md, 2026-12-04). The f32 comparison is
+to 2.8), 1.1e-6 with it off; ours were 2.0e-6 (docs/benchmarks-archive.md, 2026-12-04). The f32 comparison is
 run once more with ``-fa auto``, for the record, and for both the bench counts at how many of
 llama.cpp's positions an fp64 forward of the same weights, fed llama.cpp's tokens, picks
 llama.cpp's token (``exact_picks``). The speed tests keep llama.cpp's defaults.

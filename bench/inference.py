@@ -450,7 +450,7 @@ def report(results: dict, machine: dict, trained: dict | None, modes: list[str])
             print(f"  {size}: {what}: {'PASS' if ok else 'FAIL'}")
     # The agreement target is judged on a trained model only: random weights give near-uniform next-token
     # distributions whose argmax a quantisation error flips (int8 read 68.8% there and 98.8% on the trained
-    # checkpoint, BENCHMARKS.md), so their figure is printed above as a pessimistic proxy, not judged.
+    # checkpoint, docs/benchmarks-archive.md), so their figure is printed above as a pessimistic proxy, not judged.
     if trained:
         ok = min(trained[m]["teacher_forced"] for m in modes) >= TARGETS["agreement"]
         print(f"  trained checkpoint: quantised agreement >= 95% (teacher-forced): {'PASS' if ok else 'FAIL'}")

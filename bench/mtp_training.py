@@ -11,7 +11,7 @@ cross-entropy for the other), backward, clip, step. Samples alternate A B B A ..
 ratio time(MTP) / time(plain) is paired per sample pair; its median and IQR are the
 result, beside the analytic ratio of training FLOPs per token (``ModelConfig.flops_per_token``).
 The validation-loss comparison needs real training: the trainforge CLI runs recorded in
-BENCHMARKS.md. A benchmark, not a test: it prints a line (and ``--json``) and exits 0.
+docs/benchmarks-archive.md. A benchmark, not a test: it prints a line (and ``--json``) and exits 0.
 """
 
 from __future__ import annotations

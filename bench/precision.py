@@ -6,7 +6,7 @@ after a fixed budget, each measured on trainforge's real ``Trainer``.
     python bench/precision.py --json out.json # also keep every sample
     python bench/precision.py --parts memory --mem_batch 8   # memory only, at the trainer's default shape
     python bench/precision.py --parts memory --mem_batch 8 --mem_seq 1024 --loss_chunk_tokens 1024 \
-        --mmap_threshold_kb 1024                         # the headline memory shape (BENCHMARKS.md)
+        --mmap_threshold_kb 1024                         # the headline memory shape (docs/benchmarks-archive.md)
 
 Policies (``[precision]`` overrides; each resolved by the hardware probe like a run is):
 
@@ -171,7 +171,7 @@ def run_worker(kind: str, policy: str, args) -> dict:
     env = dict(os.environ)
     if args.mmap_threshold_kb:
         # glibc: blocks at least this large are mmap'd and unmapped on free, so peak RSS
-        # follows live tensors instead of what the heap kept (see BENCHMARKS.md).
+        # follows live tensors instead of what the heap kept (see docs/benchmarks-archive.md).
         env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold_kb * 1024)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:

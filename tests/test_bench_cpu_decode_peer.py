@@ -1,5 +1,5 @@
 """The parts of ``bench/cpu_decode_peer.py`` that turn the two engines' output into figures, on
-canned output (no llama.cpp, no model): a misread here would put a wrong number in BENCHMARKS.md."""
+canned output (no llama.cpp, no model): a misread here would put a wrong number in docs/benchmarks.md."""
 
 import json
 import struct

@@ -330,7 +330,7 @@ def _inference():
     in the same mode, ``Engine.step``): torch's inference mode. Besides skipping autograd's
     bookkeeping, ops then bypass the Autograd and ADInplaceOrView dispatch kernels, whose libtorch
     code pages each distinct op would otherwise map into the process: the 90m q4_0 GGUF's
-    generate peaked 1.4 MiB lower (1.3-1.8 over 4 interleaved pairs; BENCHMARKS.md, issue 24).
+    generate peaked 1.4 MiB lower (1.3-1.8 over 4 interleaved pairs; docs/benchmarks-archive.md, issue 24).
     The model's tensors become inference tensors, which nothing outside inference mode may modify
     in place: the engine never does."""
     import torch

@@ -55,7 +55,7 @@ SHAPE = ["--model.flavor", "tiny", "--model.dim", "128", "--model.n_heads", "4",
 # 4.4598. Pooled seed std 0.049 nats (1.1%); paired regret int4+EF +0.030 (+0.028 to
 # +0.033), adaptive +0.027 (+0.023 to +0.031). A difference of two 3-run means has a
 # standard error of sqrt(2/3) = 0.82 seed std, so K_STD = 4 sits ~4.9 standard errors out.
-# On the 256-wide ``tiny`` (BENCHMARKS.md: seed std 0.060, regret +0.044, +0.038) a
+# On the 256-wide ``tiny`` (docs/benchmarks-archive.md: seed std 0.060, regret +0.044, +0.038) a
 # simulation (a true regret of +0.044 kept, seed std 0.06-0.10, the std itself estimated
 # from 9 runs as here) gave an honest codec failing the bound on ~0.4% of machine kinds
 # (K_STD = 3: ~1.4%); SHAPE's regret is a smaller fraction of its seed std (0.6 vs 0.7),

@@ -74,7 +74,7 @@ def test_a_billion_hidden_layers_in_config_json_is_refused_in_constant_time(hf_d
 
 
 def test_a_billion_layers_in_a_checkpoint_meta_json_is_refused(tmp_path):
-    from trainforge.infer.loading import trainforge_model_config
+    from trainforge.loading.loader import trainforge_model_config
     from trainforge.model import FLAVORS
     from trainforge.storage.checkpoint_format import META, write_meta
 

@@ -18,7 +18,7 @@ from trainforge.errors import CheckpointError
 from trainforge.infer.hf_export import export
 from trainforge.infer.loading import load_model
 from trainforge.infer.quantize import QuantLinear, quantize_model
-from trainforge.infer.quantize import compressed_tensors_format as ctf
+from trainforge.quant_formats import compressed_tensors as ctf
 from trainforge.infer.quantize.int4 import dequantize_int4, quantize_int4
 from trainforge.infer.quantize.int8 import dequantize_int8, quantize_int8
 from trainforge.model.hf import key_map

@@ -129,7 +129,7 @@ def _gguf_dequantised(path, name):
 
 @pytest.mark.parametrize("qtype,mode", [(Q.Q8_0, "q8_0"), (Q.Q4_0, "q4_0")])
 def test_block_types_load_byte_for_byte(tmp_path, model, qtype, mode):
-    from trainforge.infer.gguf_loading import _unpermute
+    from trainforge.loading.gguf import _unpermute
 
     path = write_gguf(tmp_path / f"{mode}.gguf", model, linear_type=qtype, embd_type=qtype)
     loaded = load_model(path)
@@ -160,7 +160,7 @@ def test_block_types_load_byte_for_byte(tmp_path, model, qtype, mode):
 
 
 def test_unpermute_inverts_llama_cpp_permute():
-    from trainforge.infer.gguf_loading import _unpermute
+    from trainforge.loading.gguf import _unpermute
 
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)  # 8 heads of head_dim 16
     for n_head, n_kv in ((8, 8), (8, 2)):
@@ -239,7 +239,7 @@ def test_generate_with_ids_in_and_out_builds_no_tokenizer(tmp_path, monkeypatch,
     import dataclasses
 
     from trainforge.cli import main
-    from trainforge.infer import gguf_loading
+    from trainforge.loading import gguf as gguf_loading
 
     tok = _bpe(300)
     m = build_model(dataclasses.replace(CFG, vocab_size=tok.get_vocab_size()), seed=5).eval()
@@ -325,7 +325,7 @@ def test_q6_k_output_of_a_q4_0_preset_loads_as_float(tmp_path):
 def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, model):
     """The weights are read after the reader is dropped (``FileTensor``): a file cut in between
     (a copy still being written) is refused naming the tensor, not read as zeros."""
-    from trainforge.infer import gguf_loading as gg
+    from trainforge.loading import gguf as gg
 
     path = write_gguf(tmp_path / "late.gguf", model)
     header, cfg, _ = gg.open_gguf(path)
@@ -339,7 +339,7 @@ def test_file_cut_after_its_header_was_read_names_the_tensor(tmp_path, model):
 
 def test_a_load_imports_only_the_reader_and_gguf_stays_whole_for_later_users(tmp_path, model):
     """In a fresh process (nothing imported gguf yet) a load imports gguf's reader, constants and
-    quants, not its writer, tensor-name tables or yaml (``gguf_loading._gguf``); a later
+    quants, not its writer, tensor-name tables or yaml (``loading/gguf.py``'s ``_gguf``); a later
     ``import gguf`` then still sees the whole package."""
     import subprocess
     import sys

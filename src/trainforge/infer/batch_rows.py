@@ -11,7 +11,7 @@ pushed to the device in one copy per buffer (``HostBuffer``), so a step costs no
 device writes.
 
 The engine (engine.py) decides which request is in which row; this only keeps their layout,
-and moves a row when the engine moves a request (``move``, the last row into a hole).
+and moves a row when the engine moves a request (``move_row``, the last row into a hole).
 """
 
 from __future__ import annotations
@@ -141,11 +141,12 @@ class BatchRows:
         self.mask[row, length:] = -np.inf
         self.pos[row] = length
 
-    def move(self, src: int, dst: int) -> None:
+    # A row-state participant (row_state.py): the engine's scheduler moves the last row into a hole.
+    def move_row(self, src: int, dst: int) -> None:
         self.pos[dst] = self.pos[src]
         self.index[dst] = self.index[src]
         self.mask[dst] = self.mask[src]
 
-    def clear(self, row: int) -> None:
+    def clear_row(self, row: int) -> None:
         self.index[row] = self._pad_index
         self.mask[row] = -np.inf

@@ -4,7 +4,7 @@ A decode step's float linear multiplies 1-8 activation rows by a weight read onc
 memory: a weight stream. ``f32_linear`` sums one weight row after another, each thread's
 share of rows one sequential stream for the hardware prefetcher, and writes into the decode
 workspace (``bind_into``), where the row-block ``bmm`` of ``RowBlockLinear`` (its base)
-streamed less (BENCHMARKS.md, "fp32 GEMV"). Above 8 rows (a prompt) the base's path runs.
+streamed less (docs/benchmarks-archive.md, "fp32 GEMV"). Above 8 rows (a prompt) the base's path runs.
 Swapped in from outside by ``prepare_model`` when the C++ kernels build; same ``weight``
 and name, so a tied output stays tied.
 

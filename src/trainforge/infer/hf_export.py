@@ -160,11 +160,11 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     ``generation_config.json``, the weights (``model.safetensors``, or shards + index above
     ``max_shard_bytes``) in ``dtype``, and the tokenizer (``tokenizer.json`` +
     ``tokenizer_config.json``). ``quantize``: int8 (per channel) or int4 (per group) linear
-    weights in the compressed-tensors format (``quantize/compressed_tensors_format.py``), on the grid of
+    weights in the compressed-tensors format (``quant_formats/compressed_tensors.py``), on the grid of
     ``trainforge quantize``; embeddings, norms, routers, routed experts and latent attention's
     ``wkv_b`` stay float (listed in ``quantization_config.ignore``), as does a tied output head.
 
-    int4 groups each layer as ``trainforge quantize`` does (``quantize/int4_groups.py``: ``group_size``
+    int4 groups each layer as ``trainforge quantize`` does (``quant_formats/int4_groups.py``: ``group_size``
     where it divides the input dim, else the largest multiple of 32 below it that does, else float;
     ``result.notes`` says which layers fell back, in ``quantize``'s words). Routed experts take one
     size dividing both their dims (the Hugging Face layout has no padding of the hidden dim). With
@@ -176,8 +176,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     are converted and written one at a time (``storage/safetensors_stream.py``)."""
     from trainforge.infer.loading import load_model
     from trainforge.infer.quantize import linear_names, quantize_state_dict
-    from trainforge.infer.quantize import compressed_tensors_format as ct
-    from trainforge.infer.quantize.int4_groups import fallback_lines, group_size_for, why_float
+    from trainforge.quant_formats import compressed_tensors as ct
+    from trainforge.quant_formats.int4_groups import fallback_lines, group_size_for, why_float
 
     out_dir = Path(out_dir)
     quantize = None if quantize == "none" else quantize

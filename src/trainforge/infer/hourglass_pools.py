@@ -59,7 +59,7 @@ class HourglassPools:
         caches = [full] + [self.caches.get(d) for d in range(1, max(depths) + 1)]
         self.cache = HourglassCache(cfg, caches, max_rows, dtype, device)
 
-    # -- requests ---------------------------------------------------------------------------
+    # -- requests: a member of the engine's pool set (pool_set.py) ---------------------------
 
     def entries(self, d: int, n_tokens: int) -> int:
         return -(-n_tokens // self.rates[d])
@@ -102,6 +102,12 @@ class HourglassPools:
             c.gather[:n * S].copy_(torch.from_numpy(np.ascontiguousarray(self._index_rows[d][rows, :S]).reshape(-1)))
             c.bias[:n * S].copy_(torch.from_numpy(self._bias_rows[d][rows, :S].reshape(-1)))
             c.set_decode(n, S)
+
+    def before_decode(self, seq_ids: list[int], positions: np.ndarray) -> None:
+        """The engine's decode hook (engine_parts.py): ``set_decode`` before each decode forward."""
+        self.set_decode(seq_ids, positions)
+
+    # -- a row-state participant (row_state.py) ---------------------------------------------
 
     def move_row(self, src: int, dst: int) -> None:
         """The sequence in row ``src`` moves to row ``dst`` (``src`` is then empty)."""

@@ -14,7 +14,7 @@ map, freed at once, the block scales too; the q4_0 peak fell 331 -> 313 MiB, and
 for a 287M-parameter model, whose 17 MiB of scales sat in heap holes), and once the model is ready
 ``release_freed_memory`` fixes it at glibc's ceiling and trims. Left low for the whole run, every
 large activation would be a fresh ``mmap`` whose pages fault in again: a 512-token prefill ran
-10-30% slower (BENCHMARKS.md, issue 24); from the heap they are reused.
+10-30% slower (docs/benchmarks-archive.md, issue 24); from the heap they are reused.
 """
 
 from __future__ import annotations

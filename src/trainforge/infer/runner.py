@@ -12,7 +12,7 @@ Nothing here computes a layer: the runner wraps the pool's tensors in a ``PagedC
   forward's Python dispatch cost a 1-token prompt as much as ~5 decode steps, and its ATen ops
   (sdpa, rope's cat, the norm's reductions, ...) are used nowhere else in a CPU decode
   process, whose peak RSS each raised by ~0.3-1 MiB of libtorch code pages mapped on first
-  use (4.1 MiB on the 90m q4_0 model: BENCHMARKS.md, issue 24). That workspace is sized by the
+  use (4.1 MiB on the 90m q4_0 model: docs/benchmarks-archive.md, issue 24). That workspace is sized by the
   first short prompt (the next power of two rows) and grows with a longer one.
 - ``prefill_packed(tokens, slots, lengths)``: several prompts in one forward, concatenated
   into one row of sum(T_i) tokens, prompt i at positions 0..T_i-1 and attending to itself

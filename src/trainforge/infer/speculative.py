@@ -1,6 +1,6 @@
 """Drafters for speculative decoding, and the ``--speculative`` option.
 
-Each speculative step of the engine (``Engine._speculative_step``):
+Each speculative step of the engine (``speculative_step.SpeculativeStep``):
 
 1. the engine hands every running row k + 1 slots (positions p..p+k) in the paged pool;
 2. the drafter proposes k tokens per row (``Drafter.propose``) and, for sampled rows, the
@@ -118,6 +118,9 @@ class Drafter:
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``src``'s request now sits in row ``dst`` (for drafters with per-row state)."""
+
+    def clear_row(self, row: int) -> None:
+        """``row`` holds no request any more (a drafter is a row-state participant: row_state.py)."""
 
     @property
     def nbytes(self) -> int:

@@ -358,7 +358,7 @@ FLAVORS: dict[str, ModelConfig] = {
     # shortened), mean pooling: tiny's parameters, 0.69x its FLOPs/token at seq_len 256. With
     # only the middle 4 shortened ("2@1 4@2 2@1", 0.79x) the FLOPs bound 1.26x was below the 1.3x
     # training target, and at 600 steps 1@1 6@2 1@1 reached the lower validation loss of the two
-    # (BENCHMARKS.md "Hourglass vs dense").
+    # (docs/benchmarks-archive.md "Hourglass vs dense").
     "hourglass-tiny": ModelConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=8192, ffn_hidden_dim=704,
                                   hourglass="1@1 6@2 1@1"),
     # small's width, shortened twice (k = 2, then 2) with the 8 innermost blocks at half the width

@@ -1,6 +1,6 @@
 """Conversion between trainforge's DeepSeek-V3 models (latent attention + sigmoid-routed MoE
 + MTP) and Hugging Face's ``DeepseekV3ForCausalLM``: ``config.json`` <-> ``ModelConfig`` and
-state dicts both ways. ``infer/loading.py`` reads such directories, ``infer/hf_export.py``
+state dicts both ways. ``loading/loader.py`` reads such directories, ``infer/hf_export.py``
 writes them.
 
 Experts: the released files (and transformers' ``save_pretrained``) store one tensor per
@@ -375,7 +375,7 @@ _YARN_KEYS = (("rope_factor", "factor", 1.0), ("rope_original_max_seq_len", "ori
 
 
 def compressed_tensors(d: dict[str, Any]) -> bool:
-    """Whether config.json's weights are in the compressed-tensors format (``infer/loading.py``
+    """Whether config.json's weights are in the compressed-tensors format (``loading/loader.py``
     reads its int8/int4 schemes and refuses the others by name)."""
     qc = d.get("quantization_config")
     return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"

@@ -1,6 +1,6 @@
 """Conversion between trainforge's mixture-of-experts models with standard (GQA) attention
 and two Hugging Face classes: ``config.json`` <-> ``ModelConfig`` and state dicts both ways.
-``infer/loading.py`` reads such directories, ``infer/hf_export.py`` writes them. (Latent
+``loading/loader.py`` reads such directories, ``infer/hf_export.py`` writes them. (Latent
 attention converts as DeepSeek-V3, ``model/hf_deepseek.py``; dense models as Llama, ``model/hf.py``.)
 
 Which class (the router decides; each computes exactly what our ``MoE`` does):

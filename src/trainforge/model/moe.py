@@ -50,6 +50,10 @@ class Router(nn.Module):
     ``gate`` is an ``nn.Linear`` so the precision rule ``*.gate`` keeps it in fp32 (top-k
     over near-ties flips in bf16). Returns (weights (N, k) in fp32, expert ids (N, k))."""
 
+    # Buffers that count this rank's own tokens (summed over micro-batches until the balance
+    # component all-reduces them): data parallelism must not overwrite them with rank 0's.
+    rank_local_buffers = ("load", "eval_load", "aux_loss_sum")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.k = cfg.n_routed_experts, cfg.n_activated_experts

@@ -16,7 +16,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
 
     In numpy, not torch: a decode process runs no other cos / sin / pow, and torch's would map
     ~1.4 MiB of libtorch code into it for good (the 90m q4_0 GGUF's generate peaked 1.3-1.4 MiB
-    lower; issue 24's memory bound, BENCHMARKS.md). The values are the exact ones rounded:
+    lower; issue 24's memory bound, docs/benchmarks-archive.md). The values are the exact ones rounded:
     torch's fp32 cos / sin (SLEEF, 1 ulp) differ from them by 1 ulp in ~5% of entries."""
     # fp32 exponents and inverse frequencies, as ``1 / theta ** (arange(0, d, 2).float() / d)``.
     exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)

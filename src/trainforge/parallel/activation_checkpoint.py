@@ -14,7 +14,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
         return
     if mode != "full":
         raise ValueError(f"parallel.activation_checkpointing = {mode!r}: use none or full")
-    for name, block in list(model.layers.items()):
-        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
-    for module in getattr(model, "mtp", nn.ModuleDict()).values():  # multi-token prediction (model/mtp.py)
-        module.block = checkpoint_wrapper(module.block, preserve_rng_state=False)
+    # Every block of the kinds the model's layers are, wherever it sits: the trunk's, and any
+    # a family keeps elsewhere (a prediction head around a block of its own).
+    kinds = {type(block) for block in model.layers.values()}
+    blocks = [name for name, m in model.named_modules() if type(m) in kinds]
+    for name in blocks:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, child, checkpoint_wrapper(owner.get_submodule(child), preserve_rng_state=False))

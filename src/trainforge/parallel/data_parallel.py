@@ -30,7 +30,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.parallel.dims import ParallelDims, ParallelMesh
-from trainforge.model.moe import routers
 
 
 def data_parallel_kind(dims: ParallelDims) -> str:
@@ -91,10 +90,10 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compre
         # on gloo once there is more than one bucket: give it one bucket.
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         kw["bucket_cap_mb"] = n_bytes / 2**20 + 1
-    # DDP broadcasts rank 0's buffers at every forward; a MoE router's token counts (and
-    # auxiliary-loss sums) are this rank's own: they add up over micro-batches until the
-    # balance component all-reduces them.
-    ignored += [f"{fqn}.{name}" for fqn, _ in routers(model) for name in ("load", "eval_load", "aux_loss_sum")]
+    # DDP broadcasts rank 0's buffers at every forward; a module's ``rank_local_buffers`` (a
+    # router's token counts and auxiliary-loss sums) are this rank's own: they add up over
+    # micro-batches until their owner all-reduces them.
+    ignored += [f"{fqn}.{name}" for fqn, m in model.named_modules() for name in getattr(m, "rank_local_buffers", ())]
     if ignored:  # one call: each call replaces the model's ignore list
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),

@@ -10,34 +10,19 @@
   norms are SequenceParallel, so between the blocks' matmuls the residual stream is
   (B, T/tp, dim) on each rank and norms / residual adds run on a 1/tp slice of the tokens.
   Without it the stream is the full (B, T, dim) on every rank and the norms run replicated.
-  Latent attention (MLA) has its own attention plan (``_mla_plan``): the head projections
-  split as above, the low-rank ones replicated.
 - ``norm``: as the block norms; ``output``: ColwiseParallel, vocab sharded. With loss
   parallel the logits stay a Shard(-1) DTensor and the cross-entropy is computed on the
   shards (never materialising (B, T, vocab) on one rank); otherwise they are all-gathered
   into an ordinary replicated tensor.
-- ``mtp`` (multi-token prediction, model/mtp.py; ``_mtp_plan``): depth k runs on its whole
-  sequence of T - k positions, replicated on every rank. Its block is split like the main
-  ones (heads, FFN hidden dim) with the stream Replicate, as without sequence parallel;
-  ``enorm`` / ``hnorm`` / ``norm`` run replicated and ``proj`` is row-parallel. Its logits
-  come from the shared ``output``, vocab-sharded like the main ones, so each depth's loss is
-  the same loss-parallel cross-entropy. Why replicated: the shift by k positions does not
-  commute with a sequence shard (rank r's shard of h[:, :T-k] is not a slice of its shard of
-  h), and re-sharding T - k positions would need padding, since tp cannot divide both T and
-  T - 1. The gather is paid once per depth: depth 1's h is the slice of the trunk's output
-  (the last block's, or an hourglass's outermost upsampling's when its last stage has no
-  blocks), presented as the Shard(1) DTensor it is, which DTensor all-gathers, and the
-  shifted tokens' embeddings, which the shared embedding reduce-scatters, are all-gathered
-  back. Inside the module an all-reduce replaces sequence parallel's all-gather +
-  reduce-scatter (the same bytes); the cost is that its norms and residual adds run on all
-  T - k positions on every rank, for the few MTP blocks only. Without sequence parallel
-  every tensor involved is already replicated and the hooks are not installed.
-- ``hourglass`` (model/hourglass.py; ``_parallelize_hourglass``): the shortened stages run
-  on their whole, replicated shortened sequence, their blocks split as above with the stream
-  Replicate (as the MTP modules'); the pool and up-projections run replicated. Under sequence
-  parallel the outermost shortening all-gathers its input and its upsampling hands each rank
-  its own sequence shard back, because the shift by k-1 and the pooling of k neighbours do
-  not commute with a sequence shard.
+
+Each model family declares which of these its modules take, as data beside its modules
+(``model/llama_tp.py`` holds the vocabulary; ``model/tp_plans.py`` maps module types to plans).
+This file applies plans and names no family: it turns style names into DTensor styles,
+decides per module whether it runs on a sequence shard or, as a plan may declare
+(``sequence: whole``), on the whole replicated sequence, and installs the hooks a plan names
+(gathering a sequence shard before a module, handing shards back after one) under sequence
+parallel. A module that reads the trunk's last hidden state on the whole sequence gets it as
+the Shard(1) DTensor it is (``reads_trunk_output``), which DTensor all-gathers.
 
 Nothing here is hand-written communication: every collective comes from DTensor. Every
 parameter becomes a DTensor (foreach ops reject a mix of Tensors and DTensors). Gradients
@@ -49,7 +34,7 @@ them itself, a plain optimizer pays the deferred reductions.
 Contract for callers (trainer, pipeline stages):
 
 - With sequence parallel the token count T must be divisible by ``tp`` (checked on the
-  model's forward; the MTP depths' T - k positions need not be), and activations passed
+  model's forward; a whole-sequence module's shorter sequences need not be), and activations passed
   *between pipeline stages* are the local sequence shard (B, T/tp, dim): a stage without
   ``tok_embeddings`` takes, and one without ``output`` returns, that shard as a plain tensor.
 - The loss is computed as ``with loss_context(lp): loss = cross_entropy_loss(logits,
@@ -59,6 +44,8 @@ Contract for callers (trainer, pipeline stages):
 from __future__ import annotations
 
 import contextlib
+from fnmatch import fnmatchcase
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +65,7 @@ from torch.distributed.tensor.parallel import (
 from trainforge.errors import ConfigError
 from trainforge.model.config import ModelConfig
 from trainforge.model.llama import Transformer
+from trainforge.model.tp_plans import tp_plan
 from trainforge.parallel.dims import ParallelDims
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "cross_entropy_loss", "loss_context"]
@@ -106,8 +94,8 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
 
     With ``loss_parallel`` the model returns logits as a DTensor sharded on the vocab dim;
     use ``loss_context`` / ``cross_entropy_loss``. Otherwise it returns a plain (B, T, vocab)
-    tensor, replicated over the TP ranks. The same holds for the MTP depths' logits
-    (B, T-k, vocab) of ``model(tokens, mtp=True)``.
+    tensor, replicated over the TP ranks. The same holds for the logits of every module that
+    shares the output projection.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"apply_tensor_parallel needs a 1-D mesh (mesh['tp']), got {tp_mesh.ndim} dims")
@@ -116,44 +104,29 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
     tied = (model.cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
 
-    # Layout of the residual stream between the blocks' matmuls: (B, T/tp, dim) or (B, T, dim).
-    stream = Shard(1) if sequence_parallel else Replicate()
-
-    top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    if model.norm is not None:
-        # Returned as a plain tensor when this stage ends at the norm (no output projection).
-        top["norm"] = _norm_style(sequence_parallel, use_local_output=model.output is None)
-    if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=stream,
-                                        output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                        use_local_output=not loss_parallel)
-    if top:
-        parallelize_module(model, tp_mesh, top)
-
-    # Block inputs: only x is a tensor to lay out; cos/sin (T, head_dim) stay plain
-    # replicated tensors and the attention cache is None in training. Redistributing x to Replicate once here
-    # (an all-gather with SP, a no-op otherwise) lets wq/wk/wv (w1/w3) share one DTensor
-    # input, so their input-gradients are summed locally and all-reduced/reduce-scattered once.
-    for name, block in model.layers.items():
-        # An hourglass model's shortened blocks run on the whole, replicated shortened sequence
-        # (_parallelize_hourglass), as without sequence parallel.
-        sp = sequence_parallel and model.cfg.layer_stage(int(name)).shorten == 1
-        parallelize_module(block, tp_mesh, _block_plan(block, model.cfg.is_mla, sp))
-    if getattr(model, "hourglass", None) is not None:
-        _parallelize_hourglass(model.hourglass, tp_mesh, sequence_parallel)
-    mtp = getattr(model, "mtp", None) or {}
-    for module in mtp.values():
-        # Replicated sequence, split matmuls (see _mtp_plan); the block as without SP.
-        parallelize_module(module, tp_mesh, _mtp_plan(module, model.cfg.is_mla))
-        if sequence_parallel:
-            module.register_forward_pre_hook(_replicate_mtp_inputs(tp_mesh))
-    if mtp and sequence_parallel and model.layers:
-        # The trunk's last (B, T/tp, dim) shard, presented as the (B, T, dim) Shard(1) DTensor it
-        # is, so Transformer.mtp_hidden's shift h[:, :T-1] slices the global sequence. The final
-        # norm (SequenceParallel) takes the DTensor as it took the shard.
-        _last_full_rate_module(model).register_forward_hook(_sequence_shard_output(tp_mesh))
+    plans = _collect_plans(model)
+    whole = _whole_sequence_paths(model, plans)
+    for path, module, plan in plans:
+        # A module on the whole, replicated sequence (and everything inside it) lays out the
+        # stream Replicate, as without sequence parallel.
+        sp = sequence_parallel and not _inside(path, whole)
+        styles = {}
+        for name, style in plan.get("styles", {}).items():
+            for target in _targets(module, name):
+                styles[target] = _style(style, sp, loss_parallel)
+        if styles:
+            parallelize_module(module, tp_mesh, styles)
+    if sequence_parallel:
+        for path, module, plan in plans:
+            for name, hook, arg in plan.get("hooks", ()):
+                for target in _targets(module, name):
+                    _install_hook(module.get_submodule(target), hook, arg, tp_mesh)
+        if any(plan.get("reads_trunk_output") for _, _, plan in plans) and model.layers:
+            # The trunk's last (B, T/tp, dim) shard, presented as the (B, T, dim) Shard(1) DTensor it
+            # is, so a shift such as h[:, :T-1] slices the global sequence. The final norm
+            # (SequenceParallel) takes the DTensor as it took the shard. Installed after the
+            # plans' own hooks: a module that hands shards back runs its hook first.
+            _trunk_output_module(model, plans).register_forward_hook(_sequence_shard_output(tp_mesh))
 
     if tied:
         # parallelize_module registered a fresh Parameter on each module; both are the same
@@ -172,49 +145,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, *, sequence_p
             block.register_forward_pre_hook(_unwrap_sequence_shard)
 
 
-def _block_plan(block: nn.Module, mla: bool, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """A ``TransformerBlock``'s plan: heads and the FFN hidden dim split, the residual stream
-    between the matmuls Shard(1) (sequence parallel) or Replicate."""
-    stream = Shard(1) if sequence_parallel else Replicate()
-    return {
-        "attention": PrepareModuleInput(input_layouts=(stream, None, None, None),
-                                        desired_input_layouts=(Replicate(), None, None, None)),
-        **(_mla_plan(block.attention) if mla else {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-        }),
-        "attention.wo": RowwiseParallel(output_layouts=stream),
-        "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-        "feed_forward.w3": ColwiseParallel(),
-        "attention_norm": _norm_style(sequence_parallel),
-        "ffn_norm": _norm_style(sequence_parallel),
-    }
-
-
-def _mtp_plan(module: nn.Module, mla: bool) -> dict[str, ParallelStyle]:
-    """A multi-token prediction module (model/mtp.py) on its whole, replicated sequence of
-    T - k positions: ``enorm`` / ``hnorm`` / ``norm`` replicated; ``proj`` (2 dim -> dim)
-    row-parallel, each rank multiplying its slice of the concatenation and the partial sums
-    all-reduced (slicing a replicated input is free; its input-gradient is then an
-    all-gather of 2 dim, where a column split's would be an all-reduce); the block with the
-    main blocks' split of heads and FFN hidden dim, its stream replicated as without
-    sequence parallelism. The final ``norm`` returns a Replicate DTensor, which the shared
-    ``output`` projection (planned for a Shard(1) input) takes without redistributing."""
-    return {"enorm": _ReplicateParallel(), "hnorm": _ReplicateParallel(),
-            "proj": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "norm": _ReplicateParallel(),
-            **{f"block.{name}": style for name, style in _block_plan(module.block, mla, False).items()}}
-
-
-def _replicate_mtp_inputs(tp_mesh: DeviceMesh):
-    """Forward pre-hook of an MTP module under sequence parallel: its inputs as plain,
-    replicated (B, T - k, dim) tensors. h: depth 1 gets the main model's hidden state as the
-    DTensor the shift sliced (``_sequence_shard_output``); deeper depths the replicated
-    output of the depth before. emb: the shared embedding reduce-scattered the T - k rows
-    over the ranks (unevenly when tp does not divide T - k), so it is gathered back."""
+def _gather_whole_inputs(tp_mesh: DeviceMesh):
+    """Forward pre-hook of a whole-sequence module taking (h, emb, ...) under sequence
+    parallel: both as plain, replicated (B, T', dim) tensors. h: the trunk's hidden state as
+    the DTensor a shift sliced (``_sequence_shard_output``), or already a replicated tensor
+    (the output of a whole-sequence module before). emb: embeddings the shared embedding
+    reduce-scattered over the ranks (unevenly when tp does not divide T'), gathered back."""
     def hook(module, args):
         h, emb, *rest = args
         if isinstance(h, DTensor):
@@ -225,47 +161,11 @@ def _replicate_mtp_inputs(tp_mesh: DeviceMesh):
     return hook
 
 
-def _last_full_rate_module(model: nn.Module) -> nn.Module:
-    """The module whose output is the trunk's last full-rate hidden state: the last block, or,
-    in an hourglass whose last stage has no blocks, the outermost upsampling (the last block is
-    then a shortened one, its output the replicated shortened sequence). A pipeline stage ends
-    at the full rate (pipeline.check_hourglass_split), so its last block closes the outermost
-    level or none; the upsampling's own hook (``_shard_sequence_output``) runs first and hands
-    this one the sequence shard."""
-    last = next(reversed(model.layers.keys()))
-    trunk = getattr(model, "hourglass", None)
-    if trunk is not None and trunk.spans and trunk.spans[0][1] - 1 == int(last):
-        return trunk.upsample["0"]
-    return model.layers[last]
-
-
 def _sequence_shard_output(tp_mesh: DeviceMesh):
     """Forward hook: a block's local (B, T/tp, dim) output as the (B, T, dim) Shard(1) DTensor."""
     def hook(module, args, out):
         return out if isinstance(out, DTensor) else DTensor.from_local(out, tp_mesh, (Shard(1),), run_check=False)
     return hook
-
-
-def _parallelize_hourglass(trunk: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """An hourglass trunk (model/hourglass.py): its shortened stages run replicated, on the
-    whole shortened sequence on every rank, with their blocks' heads and FFN hidden dim split
-    as usual (stream Replicate, as the MTP modules run). Why: the shift by k-1 and the pooling
-    of k neighbours do not commute with a sequence shard, and the shortened sequence (T/k) is
-    short, so its norms and residual adds cost little replicated. The pool and up-projections
-    (small) run replicated. Under sequence parallel the outermost shortening all-gathers its
-    (B, T/tp, dim) input, and its upsampling gathers the residual and hands each rank its own
-    shard of the result back; inner levels see replicated tensors only. Every collective is
-    DTensor's, so the backward is its too."""
-    for module in (*trunk.shorten.values(), *trunk.upsample.values()):
-        if module.proj is not None:
-            parallelize_module(module.proj, tp_mesh, _ReplicateParallel(use_local_output=True))
-    if not sequence_parallel or "0" not in trunk.shorten:
-        # Without the outermost level (a pipeline stage holding only full-rate blocks; a stage
-        # holds a level whole or not at all) the stage's stream never leaves its sequence shard.
-        return
-    trunk.shorten["0"].register_forward_pre_hook(_gather_sequence_arg(tp_mesh, 0))
-    trunk.upsample["0"].register_forward_pre_hook(_gather_sequence_arg(tp_mesh, 1))
-    trunk.upsample["0"].register_forward_hook(_shard_sequence_output(tp_mesh))
 
 
 def _gather_sequence_arg(tp_mesh: DeviceMesh, index: int):
@@ -287,28 +187,105 @@ def _shard_sequence_output(tp_mesh: DeviceMesh):
     return hook
 
 
-def _mla_plan(attention: nn.Module) -> dict[str, ParallelStyle]:
-    """Latent attention (model/mla.py): the head-producing projections (``wq`` or ``wq_b``,
-    ``wkv_b``) are column-parallel, so each rank computes whole heads (the forward derives
-    the head count from their output sizes); the low-rank projections and their norms
-    (``wq_a``, ``q_norm``, ``wkv_a``, ``kv_norm``) are small and run replicated.
+def _collect_plans(model: nn.Module) -> list[tuple[str, nn.Module, dict[str, Any]]]:
+    """(path, module, plan) of every module of ``model`` whose type has a plan, outside in."""
+    return [(path, m, plan) for path, m in model.named_modules() if (plan := tp_plan(m)) is not None]
 
-    ``wkv_a``'s output is split inside the forward into the latent (into ``kv_norm`` ->
-    ``wkv_b``) and the rotary key shared by all heads (concatenated with this rank's plain
-    per-head keys), so it leaves as a plain tensor. Either part's gradient on a rank covers
-    that rank's heads only: a partial sum over the TP ranks. ``partial_grad`` keeps it one
-    across the plain/DTensor boundaries, so it is reduced once, by DTensor, in ``wkv_a``'s
-    backward (its weight gradient arrives Partial, as the norms' do)."""
-    if hasattr(attention, "wq"):
-        query = {"attention.wq": ColwiseParallel()}
+
+def _whole_sequence_paths(model: nn.Module, plans) -> set[str]:
+    """Paths of the modules that run on the whole, replicated sequence (the plans' ``sequence:
+    whole`` and ``whole_sequence_layers``)."""
+    whole = {path for path, _, plan in plans if plan.get("sequence") == "whole"}
+    for _, _, plan in plans:
+        whole |= {f"layers.{name}" for name in plan.get("whole_sequence_layers", ()) if name in model.layers}
+    return whole
+
+
+def _inside(path: str, roots: set[str]) -> bool:
+    return any(path == r or path.startswith(r + ".") for r in roots)
+
+
+def _targets(module: nn.Module, name: str) -> list[str]:
+    """The submodules of ``module`` a plan entry names: ``""`` (the module itself), a dotted
+    name, or an fnmatch pattern. A name this instance lacks (another variant's projection, a
+    part a pipeline stage dropped, a projection set to None) names none."""
+    if name == "":
+        return [""]
+    names = [n for n, _ in module.named_modules() if n]
+    if any(c in name for c in "*?["):
+        return [n for n in names if fnmatchcase(n, name)]
+    return [name] if name in names else []
+
+
+def _style(name: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle:
+    """The DTensor style a plan's style name stands for (vocabulary: ``model/llama_tp.py``),
+    for a module whose residual stream is a sequence shard (``sequence_parallel``) or whole."""
+    stream = Shard(1) if sequence_parallel else Replicate()
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=stream)
+    if name == "rowwise_from_replicated":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "stream_input":
+        return _StreamInput(stream)
+    if name in ("norm", "norm_local"):
+        return _norm_style(sequence_parallel, use_local_output=name == "norm_local")
+    if name == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if name == "output":
+        return ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    replicate = {"replicate": {}, "replicate_local": {"use_local_output": True},
+                 "replicate_partial_grad": {"partial_grad": True},
+                 "replicate_local_partial_grad": {"use_local_output": True, "partial_grad": True}}
+    if name in replicate:
+        return _ReplicateParallel(**replicate[name])
+    raise ValueError(f"tensor-parallel plan style {name!r} is not one parallel/tensor_parallel.py applies "
+                     "(model/llama_tp.py lists them)")
+
+
+def _install_hook(module: nn.Module, hook: str, arg: Any, tp_mesh: DeviceMesh) -> None:
+    """A plan's named hook (installed under sequence parallel only)."""
+    if hook == "gather_sequence_arg":
+        module.register_forward_pre_hook(_gather_sequence_arg(tp_mesh, arg))
+    elif hook == "shard_sequence_output":
+        module.register_forward_hook(_shard_sequence_output(tp_mesh))
+    elif hook == "gather_whole_inputs":
+        module.register_forward_pre_hook(_gather_whole_inputs(tp_mesh))
     else:
-        # DTensors from wq_a through q_norm into wq_b: DTensor tracks the partial gradient itself.
-        query = {"attention.wq_a": _ReplicateParallel(), "attention.q_norm": _ReplicateParallel(),
-                 "attention.wq_b": ColwiseParallel()}
-    return {**query,
-            "attention.wkv_a": _ReplicateParallel(use_local_output=True, partial_grad=True),
-            "attention.kv_norm": _ReplicateParallel(partial_grad=True),
-            "attention.wkv_b": ColwiseParallel()}
+        raise ValueError(f"tensor-parallel plan hook {hook!r} is not one parallel/tensor_parallel.py installs")
+
+
+def _trunk_output_module(model: nn.Module, plans) -> nn.Module:
+    """The module whose output is the trunk's last full-rate hidden state: the model plan's
+    ``trunk_output`` (its last block), unless a plan says another module's output follows
+    that block (``output_after_layer``: the block then runs on a
+    replicated shorter sequence). A pipeline stage ends at the full rate, so its last block
+    closes such a module's span or none."""
+    path = next(plan["trunk_output"] for p, _, plan in plans if p == "" and plan.get("trunk_output"))
+    last = path.rsplit(".", 1)[1]
+    for p, module, plan in plans:
+        after = plan.get("output_after_layer", {})
+        if last in after and after[last] in dict(module.named_modules()):
+            return module.get_submodule(after[last])
+    return model.get_submodule(path)
+
+
+class _StreamInput(PrepareModuleInput):
+    """The module's first input from the stream's layout to Replicate (an all-gather under
+    sequence parallel), as ``PrepareModuleInput`` does; the other inputs (rotary tables, a
+    cache) pass through untouched, whatever their number. Redistributing once here lets the
+    column-parallel projections share one DTensor input, so their input-gradients are summed
+    locally and all-reduced / reduce-scattered once."""
+
+    def __init__(self, stream):
+        super().__init__(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+
+    def _prepare_input_fn(self, inputs, device_mesh):
+        first, *rest = inputs if isinstance(inputs, tuple) else (inputs,)
+        return (self._prepare_input_arg(first, device_mesh, self.input_layouts[0], self.desired_input_layouts[0]),
+                *rest)
 
 
 def _norm_style(sequence_parallel: bool, use_local_output: bool = False) -> ParallelStyle:
@@ -318,7 +295,7 @@ def _norm_style(sequence_parallel: bool, use_local_output: bool = False) -> Para
 
 
 class _ReplicateParallel(ParallelStyle):
-    """A module run replicated (a norm without sequence parallel, MLA's low-rank projections):
+    """A module run replicated (a norm without sequence parallel, small low-rank projections):
     it computes on the full, replicated input, but its weights still become Replicate
     DTensors. Left plain tensors, they would make the parameter list a mix of Tensors and
     DTensors, which foreach ops reject

@@ -33,7 +33,7 @@ MIN_SPEEDUP = 1.03
 
 # Pipeline: slowest stage / mean stage above 1.15 costs >= 13% of the step (a 1F1B step
 # runs at the pace of the slowest stage); the auto split reaches 1.0-1.1 on the
-# benchmarks' models (BENCHMARKS.md "Pipeline schedules", part 2).
+# benchmarks' models (docs/benchmarks-archive.md "Pipeline schedules", part 2).
 STAGE_IMBALANCE = 1.15
 # Bubble (idle / step, mean over stages) above 0.25, once the idle that imbalance causes is
 # taken out: the analytic 1F1B bubble at the default m = 2p microbatches is 1/3 (p = 2:
@@ -46,7 +46,7 @@ MICROBATCHES_PER_STAGE = 4
 # the dp_replicate all-reduce then buys >= 1.2x with int8 (wire 0.254 of fp32).
 COMM_SHARE_HIGH = 0.25
 # ... and above 0.5 int4 (+ error feedback; wire 0.129 of fp32, no loss regret beyond the
-# seed spread in BENCHMARKS.md "Gradient compression") instead of int8.
+# seed spread in docs/benchmarks-archive.md "Gradient compression") instead of int8.
 COMM_SHARE_INT4 = 0.5
 # Peak memory above 85% of the device's: the allocator's fragmentation and a longer batch
 # (validation, a longer document) leave no more headroom than that.
@@ -58,7 +58,7 @@ DATA_WAIT_HIGH = 0.10
 PROFILE_EVERY_MIN = 20
 PROFILE_EVERY_ADVISED = 100
 # The monitor's own host time (hooks, enrichment, sinks) above 5% of wall time; the
-# default monitor costs 0.6% (BENCHMARKS.md "Monitoring overhead").
+# default monitor costs 0.6% (docs/benchmarks-archive.md "Monitoring overhead").
 MONITOR_SHARE_HIGH = 0.05
 # MFU below half of what a well-shaped micro-batch reaches on the device
 # (predict.MFU_REACHABLE): far from compute-bound, so a larger micro-batch pays; above it

@@ -16,7 +16,7 @@ from typing import Any
 
 # A suggestion is "large" when it predicts at least this speedup (or is needed to fit in
 # memory): 10% is beyond the 2-3% run-to-run spread of tokens/s measured on this machine
-# (BENCHMARKS.md "Monitoring overhead": IQR +-2-3%), so a large one is worth a new run.
+# (docs/benchmarks-archive.md "Monitoring overhead": IQR +-2-3%), so a large one is worth a new run.
 LARGE_SPEEDUP = 1.10
 
 

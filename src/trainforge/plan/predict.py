@@ -22,7 +22,7 @@ from trainforge.parallel.stage_balance import choose_boundaries
 
 # MFU a well-shaped micro-batch reaches, by device: on a CPU `tiny` at 8 x 256 tokens measured
 # 0.13 of the matmul probe on this 2-core Xeon (and about the same at 16 x 256 in
-# BENCHMARKS.md "Training throughput"); on GPUs torchtitan's Llama-3 8B runs reach 0.4-0.5.
+# docs/benchmarks-archive.md "Training throughput"); on GPUs torchtitan's Llama-3 8B runs reach 0.4-0.5.
 # The batch rule grows the micro-batch toward this ceiling and never predicts past it.
 MFU_REACHABLE = {"cpu": 0.15, "cuda": 0.40}
 # Share of a step in matmuls when the run has no profile (monitor.profile_every = 0): the
@@ -30,7 +30,7 @@ MFU_REACHABLE = {"cpu": 0.15, "cuda": 0.40}
 MATMUL_SHARE_DEFAULT = 0.6
 # Extra time of a profiled step over a plain one when the run profiled every step (no plain
 # step to compare): `debug` with profile_every 1 vs 100 measured 0.85-1.27x over 4 pairs on
-# a loaded 2-core machine (bench/advise.py), median ~1.0; BENCHMARKS.md "Monitoring
+# a loaded 2-core machine (bench/advise.py), median ~1.0; docs/benchmarks-archive.md "Monitoring
 # overhead" measured a profiled `tiny` step ~2% longer. 5% is the upper end of that.
 PROFILED_STEP_SLOWDOWN = 0.05
 CODEC_BITS = {"int8": 8, "int4": 4}
@@ -106,7 +106,7 @@ def analytic_bubble(p: int, m: int, schedule: str) -> float:
     cost model's) where that module exists, else the closed forms: (p-1)/(m+p-1) for GPipe
     and 1F1B (what the replay gives exactly); (p-1)/(v m + p-1) interleaved (v = 2); zbv
     and dualpipev (p-1)/(6m + p-1), a fit to the replayed torch action lists
-    (BENCHMARKS.md "Pipeline schedules": 0.020 at p=2, 0.059 at p=4, m=8)."""
+    (docs/benchmarks-archive.md "Pipeline schedules": 0.020 at p=2, 0.059 at p=4, m=8)."""
     if p < 2:
         return 0.0
     try:

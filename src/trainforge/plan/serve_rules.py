@@ -28,7 +28,7 @@ KV_OVERSIZED = 0.25
 # advised: the bar bench/inference.py and the test suite hold int8 / int4 to.
 AGREEMENT_MIN = 0.95
 # int8 weights against fp32 decode when no bench measurement is given: 2.4x on the
-# memory-bound 90m model (BENCHMARKS.md "Inference": 152.5 vs 62.3 tok/s); small models whose
+# memory-bound 90m model (docs/benchmarks-archive.md "Inference": 152.5 vs 62.3 tok/s); small models whose
 # weights fit the cache gain less (tiny 1.5x).
 INT8_DECODE_SPEEDUP = 2.4
 # Speculative decoding that emits under 1.3 tokens per verification forward costs more in

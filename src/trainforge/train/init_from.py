@@ -1,7 +1,7 @@
 """``model.init_from``: start a run from published or earlier weights (fine-tuning).
 
 The directory is a Hugging Face one (``config.json`` + ``*.safetensors``, sharded or not;
-Llama, DeepSeek-V3, Glm4Moe or Mixtral, as ``infer/loading.py`` reads them) or a trainforge
+Llama, DeepSeek-V3, Glm4Moe or Mixtral, as ``loading/loader.py`` reads them) or a trainforge
 checkpoint or run directory (its newest checkpoint). It decides three things, in the order the
 trainer needs them, each before any collective and before anything is written to the run directory:
 
@@ -51,7 +51,7 @@ class InitSource:
 def open_init_source(path: str | Path) -> InitSource:
     """Shape and tokenizer of ``path``; no weight is read. Raises ``CheckpointError`` naming
     the file (unsupported family, unreadable config.json or meta.json)."""
-    from trainforge.infer.loading import hf_model_config, trainforge_model_config
+    from trainforge.loading.loader import hf_model_config, trainforge_model_config
     from trainforge.storage.checkpoint_dirs import is_hf_dir
 
     path = Path(path)
@@ -118,13 +118,15 @@ def load_init_weights(source: InitSource) -> dict[str, torch.Tensor]:
     """The full float32 weights of ``source`` as a ``Transformer`` state dict (on the CPU).
     Raises ``CheckpointError`` naming the file (damaged safetensors, missing or mis-shaped
     tensors, a quantised or multi-process checkpoint)."""
-    from trainforge.infer.loading import load_model
+    from trainforge.loading.loader import QuantizedCheckpointError, load_model
 
     try:
+        # No swap_quantized: training starts from float weights, so a quantised source is refused
+        # before any module is built (and training never imports the engine's quantised kernels).
         loaded = load_model(source.weights, device="cpu", dtype=torch.float32)
+    except QuantizedCheckpointError as e:
+        raise CheckpointError(f"model.init_from = {str(source.path)!r} is quantised "
+                              f"({e.mode}); start from the float checkpoint it was made from") from None
     except CheckpointError as e:
         raise CheckpointError(f"model.init_from = {str(source.path)!r}: {e}") from None
-    if loaded.quantization:
-        raise CheckpointError(f"model.init_from = {str(source.path)!r} is quantised "
-                              f"({loaded.quantization.get('mode')}); start from the float checkpoint it was made from")
     return loaded.model.state_dict()

@@ -19,7 +19,7 @@ The record's ``loss`` stays what was optimised (main + lambda x mtp_loss).
 
 Layouts: the MTP modules are ordinary parameters of the model, so DDP and FSDP2 need
 nothing more (FSDP2 gathers them with the root unit). Tensor parallelism splits them with
-their own plan (``parallel/tensor_parallel.py``: ``_mtp_plan``), and the depths' logits
+their own plan (``model/mtp_tp.py``, applied by ``parallel/tensor_parallel.py``), and the depths' logits
 are vocab-sharded like the main ones, so ``cross_entropy_loss`` computes every depth's loss
 loss-parallel, exactly. Under pipeline parallelism they live on the last stage with a copy
 of the token embedding (parallel/pipeline.py), whose module returns (logits, h);
@@ -63,8 +63,8 @@ def check_mtp_layout(tcfg: Any, model_config: Any, dims: Any) -> None:
         raise ConfigError(f"config key 'model.mtp_depth' = {depth} with parallel.tp = {dims.tp} and parallel.pp = "
                           f"{dims.pp}: multi-token prediction runs under tensor or pipeline parallelism, not both "
                           "at once yet; set parallel.tp = 1 or parallel.pp = 1 (or model.mtp_depth = 0)")
-    # Alone, each needs nothing here: the MTP modules have a TP plan (tensor_parallel.py's
-    # _mtp_plan), and live on the last pipeline stage (pipeline.py). MoE blocks, a MoE config's
+    # Alone, each needs nothing here: the MTP modules have a TP plan (model/mtp_tp.py),
+    # and live on the last pipeline stage (pipeline.py). MoE blocks, a MoE config's
     # MTP block included, are refused under TP for every model by ParallelDims.check_model.
     if tcfg.seq_len <= depth:
         raise ConfigError(f"config key 'training.seq_len' = {tcfg.seq_len}: MTP depth k trains on seq_len - k "

@@ -6,7 +6,7 @@ Why hand-written: torchao's QAT (``QATConfig``) is the ecosystem's tool, but tor
 a dependency (and its CPU paths were unusable with our torch: ``infer/quantize/int4.py``).
 More to the point, the fake quantiser here *is* the export grid: it calls
 ``quantize_int8``/``dequantize_int8`` and ``quantize_int4``/``dequantize_int4`` of
-``infer/quantize`` (what ``trainforge quantize`` and ``--quantize`` run), so the weights a
+``quant_formats/`` (the grids ``trainforge quantize`` and ``--quantize`` store), so the weights a
 QAT run trains against equal the dequantised weights it is served with, bit for bit (fp32
 parameters), and the two grids cannot drift apart.
 
@@ -54,9 +54,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainforge.errors import ConfigError
-from trainforge.infer.quantize import linear_names
-from trainforge.infer.quantize.int4 import dequantize_int4, quantize_int4
-from trainforge.infer.quantize.int8 import dequantize_int8, quantize_int8
+from trainforge.quant_formats.int4 import dequantize_int4, quantize_int4
+from trainforge.quant_formats.int8 import dequantize_int8, quantize_int8
+from trainforge.quant_formats.layers import linear_names
 from trainforge.train.component import Component
 
 

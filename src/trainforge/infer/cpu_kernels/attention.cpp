@@ -1,7 +1,7 @@
 // The decode step's rotary embedding and its attention over a paged KV cache, each as one op.
 // Their torch-op forms (llama.RopeInto, attention_cache.PagedCache.decode_calls) dispatch 20
 // ops per layer on tensors of a few KiB, where each dispatch costs more than its arithmetic:
-// ~1.7 ms of a 4.8 ms batch-1 step of the 90m model on 2 AVX2 cores (BENCHMARKS.md).
+// ~1.7 ms of a 4.8 ms batch-1 step of the 90m model on 2 AVX2 cores (docs/benchmarks-archive.md).
 // Same formulas; parity with those forms in tests/infer/test_cpu_kernels.py.
 #include <torch/library.h>
 #include <ATen/ATen.h>

@@ -44,7 +44,7 @@ _CFLAGS, _LDFLAGS = ["-O3", "-fopenmp"], ["-fopenmp"]
 # How long a process waits for another one's build: 5 files take ~1 min on 2 idle cores and
 # several times that on a loaded machine; past this the holder is hung, not building.
 WAIT_LIMIT_S = 900.0
-# What the fallback costs, for the one line that reports it (measured: BENCHMARKS.md, "Without
+# What the fallback costs, for the one line that reports it (measured: docs/benchmarks-archive.md, "Without
 # a C++ compiler").
 _FALLBACK_COST = ("CPU inference falls back to ATen: decode ~1.5x slower in fp32, ~3x in int4 and ~5-9x in "
                   "q8_0 / q4_0 / GGUF, whose weights are dequantised to fp32 at load (4-7x their memory)")

@@ -95,7 +95,7 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
 def _host(*ts: torch.Tensor) -> bool:
     """Whether numpy can move these tensors' bytes (CPU, a numpy dtype): packing then runs no ATen
     op. A decode process runs no other permuted copy or cat, and torch's would map ~2 MiB of
-    libtorch code into it (the 90m q4_0 GGUF; issue 24's memory bound, BENCHMARKS.md)."""
+    libtorch code into it (the 90m q4_0 GGUF; issue 24's memory bound, docs/benchmarks-archive.md)."""
     return all(t.device.type == "cpu" and t.dtype != torch.bfloat16 for t in ts)
 
 

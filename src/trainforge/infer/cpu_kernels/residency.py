@@ -4,7 +4,7 @@ the next, and the block kernels' prefetch hint that follows (``blocks.cpp``, ``p
 A step reads every weight once. Where the weights outlast the last-level cache, the kernels
 prefetch them non-temporally, so the stream does not evict the KV cache (the default). Where
 they fit, they are prefetched into every level and the next step finds them there: on a Xeon
-with a 300 MiB L3 that made the 90m q4_0 decode 2.8-2.9x faster (BENCHMARKS.md), as non-temporal
+with a 300 MiB L3 that made the 90m q4_0 decode 2.8-2.9x faster (docs/benchmarks-archive.md), as non-temporal
 lines never enter its L3. The hint is one per process (the cache is), so the decision covers
 every prepared model that is alive: a speculative decoder's draft model and target together.
 

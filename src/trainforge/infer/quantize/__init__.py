@@ -36,11 +36,11 @@ from trainforge.infer.quantize.common import QuantLinear, choose_kernel, measure
 from trainforge.infer.quantize.experts import QuantExperts
 from trainforge.infer.quantize.int4 import Int4Linear, quantize_int4
 from trainforge.infer.quantize.int4_experts import Int4Experts
-from trainforge.infer.quantize.int4_groups import group_size_for, why_float
+from trainforge.quant_formats.int4_groups import group_size_for, why_float
 from trainforge.infer.quantize.int8 import Int8Linear, quantize_int8
 from trainforge.infer.quantize.int8_experts import Int8Experts
-from trainforge.model.mla import MLA
 from trainforge.model.moe import GroupedExperts, routers
+from trainforge.quant_formats.layers import expert_names, linear_names
 from trainforge.storage.atomic import atomic_directory
 from trainforge.storage.checkpoint_format import MODEL_FILE, TOKENIZER_FILE, write_meta
 
@@ -51,22 +51,6 @@ METADATA_KEY = "trainforge_quantization"
 __all__ = ["BLOCK_MODES", "BlockEmbedding", "MODES", "Int4Experts", "Int4Linear", "Int8Experts", "Int8Linear", "Q4_0Linear", "Q8_0Linear", "QuantExperts", "QuantLinear",
            "choose_kernel", "expert_names", "linear_names", "measure_kernels", "pack_quantized", "quantize_model",
            "quantize_state_dict", "save_quantized", "swap_quantized_linears"]
-
-
-def linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of the model's ``nn.Linear`` modules, MoE routers' gates and latent
-    attention's ``wkv_b`` left out: the absorbed decode (``model/mla.py``) reads ``wkv_b`` as
-    two per-head matrices folded into the query and the output, never applies it as a linear
-    to a token, so a quantised kernel has nothing to run and a float copy would be needed
-    anyway (it is ~0.15% of DeepSeek-V3's weights)."""
-    gates = {f"{name}.gate" for name, _ in routers(model)}
-    gates |= {f"{name}.wkv_b" for name, m in model.named_modules() if isinstance(m, MLA)}
-    return [name for name, m in model.named_modules() if type(m) is nn.Linear and name not in gates]
-
-
-def expert_names(model: nn.Module) -> list[str]:
-    """Qualified names of the model's routed experts (``GroupedExperts``)."""
-    return [name for name, m in model.named_modules() if isinstance(m, GroupedExperts)]
 
 
 def _int4_group(info: dict[str, Any], name: str, in_dim: int, group_size: int, fallback: bool) -> int | None:

@@ -118,7 +118,7 @@ class _BlockLinear(QuantLinear):
             # The fp32 model's own matmul on the dequantised weight (RowBlockLinear: rows split over
             # the threads), not F.linear: MKL's batch-1 GEMV is the slower one on AMD CPUs, and this
             # is the path every q8_0 / q4_0 / GGUF load takes where the C++ ops do not build
-            # (BENCHMARKS.md, "Without a C++ compiler").
+            # (docs/benchmarks-archive.md, "Without a C++ compiler").
             linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
             linear.weight = nn.Parameter(self.dequantize(), requires_grad=False)
             self._dequant = LinearInto(RowBlockLinear.of(linear), torch.get_num_threads(), None)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainforge.infer.quantize.common import QuantLinear, choose_kernel
+from trainforge.quant_formats.layers import expert_buffer_name
 
 PROJECTIONS = ("w1", "w2", "w3")
 
@@ -94,9 +95,7 @@ class QuantExperts(nn.Module):
         """(out, in) of projection ``p`` in the stored form (hidden padded)."""
         return (self.dim, self.hidden_stored) if p == "w2" else (self.hidden_stored, self.dim)
 
-    @staticmethod
-    def buffer_name(p: str, stored: str) -> str:
-        return p if stored == "weight" else f"{p}_{stored}"
+    buffer_name = staticmethod(expert_buffer_name)
 
     # -- offline: float weights -> stored form ----------------------------------------------
 

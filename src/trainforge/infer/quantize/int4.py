@@ -7,7 +7,7 @@ takes on CUDA), ``<layer>.scales`` fp32 (N, K/group_size) and ``<layer>.zeros`` 
 ((q - 8) - z) * scale, computed as an exact small integer times the fp32 scale. That is
 compressed-tensors' asymmetric int4 grid (signed codes q - 8, zero point z, ``(x_q - zp) *
 scale``), so an exported directory decompresses to these weights bit for bit
-(``compressed_tensors_format.py``), and QAT's fake quantisation (``train/qat.py``) calls the same two
+(``quant_formats/compressed_tensors.py``), and QAT's fake quantisation (``train/qat.py``) calls the same two
 functions. The group's range always contains 0 (min <= 0 <= max), which is what makes the zero
 point an integer inside the code range.
 
@@ -49,7 +49,7 @@ engine): fp32 64 tok/s, int4 245 tok/s. Unmeasured on CUDA here (no GPU on this 
 vCPUs), 2 threads, 2026-12-07, 7 rounds: AVX-512 0.81 vs 0.75 ms; with both held to AVX2
 (``TRAINFORGE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2``) 0.87 vs 1.53 ms. In the 90m model's decode
 (``bench/inference.py``, x the plain fp32 loop): ``int4pack_cpu`` 5.06x with AVX-512 and 2.74x
-with AVX2, ``blocks`` 4.96x and 4.73x (BENCHMARKS.md, issue 24). So the CPU default is ``blocks``,
+with AVX2, ``blocks`` 4.96x and 4.73x (docs/benchmarks-archive.md, issue 24). So the CPU default is ``blocks``,
 then ``int4pack_cpu`` for a layer it does not take.
 """
 
@@ -62,47 +62,11 @@ from trainforge.infer.cpu_kernels.formats import pack_int4_x8
 from trainforge.infer.quantize.blocks import blocks_unavailable
 from trainforge.infer.quantize.common import Kernel, QuantLinear, torchao_available, torchao_linear
 from trainforge.infer.weight_arena import empty_weight
+from trainforge.quant_formats.int4 import dequantize_int4, quantize_int4, unpack_int4, value_zeros
+
+__all__ = ["CPU_GROUP_SIZES", "Int4Linear", "dequantize_int4", "quantize_int4", "unpack_int4", "value_zeros"]
 
 CPU_GROUP_SIZES = (32, 64, 128, 256)
-
-
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (uint8 codes (N, K/2), fp32 scales (N, K/g), int8 zero points (N, K/g))."""
-    n, k = w.shape
-    if k % group_size or k % 2:
-        raise ValueError(f"int4: in_features {k} is not a multiple of group_size {group_size}")
-    g = w.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = torch.aminmax(g, dim=-1, keepdim=True)
-    lo, hi = lo.clamp_(max=0.0), hi.clamp_(min=0.0)
-    scales = (hi - lo).clamp_(min=1e-6) / 15.0
-    zp = torch.round(-lo / scales).clamp_(0, 15)  # unsigned zero point: the code that stands for 0.0
-    q = torch.div(g, scales).round_().add_(zp).clamp_(0, 15).to(torch.uint8).reshape(n, k)
-    packed = (q[:, 0::2] << 4) | q[:, 1::2]
-    return packed, scales.reshape(n, -1), (zp - 8).to(torch.int8).reshape(n, -1)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, K/2) -> int32 codes (N, K)."""
-    return torch.stack((packed >> 4, packed & 15), dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
-
-
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The fp32 (N, K) weight the stored form stands for (int8 zero points, or a pre-2026-12 fp32
-    value-domain zero)."""
-    q = unpack_int4(packed)
-    n, k = q.shape
-    group_size = k // scales.shape[1]
-    q = q.reshape(n, -1, group_size) - 8
-    if zeros.dtype == torch.int8:
-        g = (q - zeros.to(torch.int32)[..., None]).float() * scales[..., None]
-    else:
-        g = q.float() * scales[..., None] + zeros[..., None]
-    return g.reshape(n, k)
-
-
-def value_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The fp32 value-domain zero the aten int4pack kernels take ((q - 8) * scale + zero)."""
-    return -zeros.float() * scales if zeros.dtype == torch.int8 else zeros
 
 
 class Int4Linear(QuantLinear):

@@ -38,18 +38,9 @@ import warnings
 import torch
 
 from trainforge.infer.quantize.common import Kernel, QuantLinear, torchao_available, torchao_linear
+from trainforge.quant_formats.int8 import dequantize_int8, quantize_int8
 
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (int8 weight (N, K), fp32 scales (N,)), per-row absmax."""
-    w = w.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
-
-
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q.float() * scales[:, None]
+__all__ = ["Int8Linear", "dequantize_int8", "quantize_int8"]
 
 
 class Int8Linear(QuantLinear):
