@@ -16,7 +16,7 @@ ACCESS_LOGGER = "trainforge.access"
 
 
 ENDPOINTS = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /tokenize",
-             "POST /detokenize", "GET /health", "GET /metrics")
+             "POST /detokenize", "GET /health", "GET /metrics", "GET /version", "GET /docs")
 
 
 def banner(engine, config, url: str) -> str:
@@ -42,14 +42,17 @@ def banner(engine, config, url: str) -> str:
 
 
 class Gate:
-    """ASGI middleware: API-key check (all paths but /health), request counting by status,
+    """ASGI middleware: API-key check (all paths but ``OPEN``), request counting by status,
     and an access-log line per request (method, path, status, ms, tokens, which the
     handler leaves in ``scope["state"]["tokens"]``). Pure ASGI, not ``BaseHTTPMiddleware``,
     so streamed responses and disconnects pass through; a streamed response is logged when
     it ends, with its whole duration."""
 
     KNOWN = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
-             "/detokenize")
+             "/detokenize", "/version", "/docs", "/openapi.json")
+    # No key: a load balancer's probe, and the API's description (nothing of the model's; a
+    # browser opening /docs cannot send the header, and the page fetches /openapi.json).
+    OPEN = ("/health", "/docs", "/openapi.json")
 
     def __init__(self, app, api_key: str | None, registry, access_log: bool = True):
         self.app, self.api_key, self.registry = app, api_key, registry
@@ -70,7 +73,7 @@ class Gate:
             await send(message)
 
         try:
-            if self.api_key and path != "/health":
+            if self.api_key and path not in self.OPEN:
                 auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
                 if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
                     body = json.dumps(APIError(401, "missing or wrong API key (Authorization: Bearer KEY)",
@@ -91,6 +94,25 @@ class Gate:
                 what = f" prompt={tokens[0]} completion={tokens[1]} tokens" if tokens else ""
                 client = scope.get("client") or ("-", 0)
                 self.log.info(f"{client[0]} {scope['method']} {path} {status[0]} {ms:.1f} ms{what}")
+
+
+def document_api_key(app) -> None:
+    """Declare the gate's bearer key in ``/openapi.json`` (every path but ``Gate.OPEN``), so
+    the ``/docs`` page offers "Authorize" and its "Try it out" requests carry the key."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()  # FastAPI caches it in app.openapi_schema; annotated in place, once
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "api_key": {"type": "http", "scheme": "bearer", "description": "the server's --api_key"}}
+            for path, operations in schema["paths"].items():
+                for operation in operations.values():
+                    if path not in Gate.OPEN:
+                        operation["security"] = [{"api_key": []}]
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 SPEC_KEYS = ("spec_drafted_tokens", "spec_accepted_tokens", "spec_acceptance_rate", "spec_mean_accepted_length")

@@ -44,6 +44,9 @@ UNKNOWN_NAME = "trainforge_record_value"
 # Step and checkpoint times span CPU toy runs (ms) to large jobs (minutes).
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    300.0, 900.0)
+# One decode step: ~0.1 ms (a small model on a GPU) to ~1 s (a large one on a CPU).
+TOKEN_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                         0.25, 0.5, 1.0, 2.5)
 DTYPE_BYTES = {"fp64": 8, "float64": 8, "fp32": 4, "float32": 4, "tf32": 4, "bf16": 2, "bfloat16": 2,
                "fp16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1,
                "float8_e5m2": 1, "int8": 1, "int4": 0.5}
@@ -224,6 +227,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        when=SERVE),
     _s("request_s", "inference_request_seconds", "histogram", "seconds", "framework",
        "per request: submit until its last token", when=SERVE),
+    _s("tpot_s", "inference_time_per_output_token_seconds", "histogram", "seconds", "framework",
+       "per request of 2+ tokens: (last token - first token) / (tokens - 1), the decode pace a client sees "
+       "(vLLM's TPOT)", when=SERVE, buckets=TOKEN_SECONDS_BUCKETS),
     _s("spec_drafted_tokens", "speculative_drafted_tokens_total", "counter", "tokens", "framework",
        "tokens proposed by the drafter (num_speculative_tokens per running request per step)", when=SPEC),
     _s("spec_accepted_tokens", "speculative_accepted_tokens_total", "counter", "tokens", "framework",

@@ -181,6 +181,11 @@ PANELS: tuple[PanelSpec, ...] = (
               ((quantile(0.5, "trainforge_inference_time_to_first_token_seconds", ", job"), "p50 {{job}}"),
                (quantile(0.95, "trainforge_inference_time_to_first_token_seconds", ", job"), "p95 {{job}}")),
               f"Submission to the first sampled token: queueing plus prefill. {SERVE_NOTE}"),
+    PanelSpec("serving", "Time per output token", "s",
+              ((quantile(0.5, "trainforge_inference_time_per_output_token_seconds", ", job"), "p50 {{job}}"),
+               (quantile(0.95, "trainforge_inference_time_per_output_token_seconds", ", job"), "p95 {{job}}")),
+              f"After the first token: (last - first token time) / (tokens - 1), per request of 2+ tokens; the "
+              f"decode pace a streaming client sees. {SERVE_NOTE}"),
     PanelSpec("serving", "Tokens per second", "short",
               ((per_s("trainforge_inference_generated_tokens_total", "job"), "generated {{job}}"),
                (per_s("trainforge_inference_prompt_tokens_total", "job"), "prompt (prefilled) {{job}}")),
