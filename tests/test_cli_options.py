@@ -11,6 +11,8 @@ import pytest
 
 from trainforge.cli import COMMANDS, main
 from trainforge.cli.options import options_of
+
+from tests.test_cli_help import run
 from trainforge.cli import advise, export, generate, plan, prepare, quantize, report, serve
 
 # The typed commands, each with the least it needs to resolve its options.
@@ -27,15 +29,6 @@ MINIMAL = {
 MODULES = {"prepare": prepare, "generate": generate, "quantize": quantize, "serve": serve, "export": export,
            "report": report, "plan": plan, "advise": advise}
 
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        rc = main(list(argv))
-    except SystemExit as e:  # argparse's --help
-        rc = e.code
-    got = capsys.readouterr()
-    return rc, got.out, got.err
 
 
 def printed(capsys, command, *argv) -> dict:

@@ -10,11 +10,11 @@ directly (not the argparse options built from them) so the page depends only on 
 from __future__ import annotations
 
 import dataclasses
-import types
 import typing
 from typing import Any, Literal
 
 from trainforge.config import Config
+from trainforge.config_args import _plain
 
 _HEADER = [
     "# Config keys",
@@ -37,14 +37,6 @@ class KeyDoc:
     allowed: str   # the choices of a Literal, else ""
     default: str   # as written in TOML / on the command line
     meaning: str
-
-
-def _plain(tp: Any) -> tuple[Any, bool]:
-    """(the type without ``| None``, whether None is allowed)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
-    return tp, False
 
 
 def _shown(value: Any) -> str:
