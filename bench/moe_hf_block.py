@@ -1,7 +1,7 @@
 """``transformers``' own MoE blocks built from our ``ModelConfig``, with our weights copied in.
 
 Used by ``bench/moe.py`` (speed against the same block in transformers) and
-``tests/test_moe_hf_block.py`` (output parity). Built offline from a config, no download:
+``bench/tests/test_moe_hf_block.py`` (output parity). Built offline from a config, no download:
 
 * ``score_func = "sigmoid"`` -> ``DeepseekV3MoE``: sigmoid scores, ``e_score_correction_bias``
   added for selection only, groups ranked by the sum of their top-2 biased scores,

@@ -17,7 +17,7 @@ import trainforge.plan
 from bench import gpu_check
 from trainforge.plan.spec import Cluster, LinkTier
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def numbers(x):
