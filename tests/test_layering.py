@@ -140,9 +140,7 @@ FAMILY = re.compile(r"(?<![a-z])(hourglass|mla|mtp|latent|moe|multi-token|mixtur
 # longer names one must leave it (the test says so), and no other file may join it.
 NAMES_FAMILIES = {
     "expert_parallel.py": "expert parallelism is the MoE layer's own parallelism",
-    "section.py": "parallel.ep's help text names the MoE layers it splits",
     "tp2d/apply.py": "2-D tensor parallelism refuses the families it does not support, naming them to the user",
-    "dims.py": "layout checks per model kind (latent heads, expert counts): not yet declared by the families",
     "apply.py": "not yet a plan: the hourglass pipeline-cut check",
     "pipeline.py": "not yet a plan: which stage holds the MTP modules and hourglass levels",
     "pipeline_stage.py": "not yet a plan: the MTP last stage's call arguments",

@@ -77,3 +77,31 @@ def test_plan_modules_import_nothing():
     for p in plan_files:
         imports = [n for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
         assert all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in imports), p.name
+
+
+def _layout(tp: int):
+    from types import SimpleNamespace
+
+    from trainforge.parallel.dims import ParallelDims
+    return ParallelDims.resolve(SimpleNamespace(dp_replicate=1, dp_shard=1, tp=tp, pp=1), tp)
+
+
+def test_the_sizes_parallel_tp_must_divide_are_the_ones_the_familys_plan_splits():
+    """debug has 4 query heads and 2 KV heads: the dense plan splits both, so tp = 4 is refused naming
+    the KV heads; latent attention has no KV heads to split, so the same sizes fit."""
+    from trainforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'parallel.tp' = 4 must divide model.n_kv_heads = 2 \(each rank holds"):
+        _layout(4).check_model(FLAVORS["debug"])
+    _layout(4).check_model(dataclasses.replace(FLAVORS["debug"], q_lora_rank=32, **MLA))
+
+
+def test_an_hourglass_plan_also_splits_its_narrower_stages_feed_forward():
+    """ffn_hidden_dim 176 splits 16 ways, but the width-ratio-2 stages' 88 does not."""
+    from trainforge.errors import ConfigError
+
+    wide = dict(n_heads=16, n_kv_heads=16, dim=256)
+    _layout(16).check_model(dataclasses.replace(FLAVORS["debug"], **wide))
+    with pytest.raises(ConfigError, match=r"must divide the feed-forward width of the model.hourglass stages at width_ratio 2, "
+                                         r"model.ffn_hidden_dim / 2 = 88"):
+        _layout(16).check_model(dataclasses.replace(FLAVORS["debug"], **wide, **FAMILIES["hourglass"]))

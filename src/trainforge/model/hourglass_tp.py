@@ -31,3 +31,11 @@ def trunk_plan(trunk) -> dict:
                   ("upsample.0", "shard_sequence_output", None)],
         "output_after_layer": {} if last_inner is None else {str(last_inner): "upsample.0"},
     }
+
+
+def split_widths(cfg) -> list[tuple[str, int, str]]:
+    """(what, size, why) of the narrower stages' feed-forward widths, which their blocks split as
+    the full-width ones do: parallel.tp must divide each."""
+    ratios = sorted({s.width_ratio for s in cfg.hourglass_stages} - {1})
+    return [(f"the feed-forward width of the model.hourglass stages at width_ratio {r}, model.ffn_hidden_dim / {r}",
+             cfg.ffn_hidden_dim // r, "each rank holds whole hidden units") for r in ratios]

@@ -28,6 +28,11 @@ FEED_FORWARD = {"w1": "colwise", "w2": "rowwise", "w3": "colwise"}
 # The block's own modules; its attention and feed-forward bring their own plans.
 BLOCK = {"attention": "stream_input", "feed_forward": "stream_input", "attention_norm": "norm", "ffn_norm": "norm"}
 
+# The config sizes these styles split over the TP ranks (``colwise`` heads and hidden units, each
+# rank whole ones): parallel.tp must divide each. (config field, why)
+SPLIT_SIZES = (("n_heads", "each rank holds whole heads"), ("n_kv_heads", "each rank holds whole heads"),
+               ("ffn_hidden_dim", "each rank holds whole hidden units"))
+
 
 def model_plan(model) -> dict:
     """The ``Transformer``'s own modules. A pipeline stage may lack any of them (they are

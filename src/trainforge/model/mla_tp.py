@@ -25,3 +25,7 @@ ATTENTION = {
     "wkv_a": "replicate_local_partial_grad", "kv_norm": "replicate_partial_grad", "wkv_b": "colwise",
     "wo": "rowwise",
 }
+
+# Latent attention has no separate KV heads (one latent and one rotary key serve all heads), so its
+# plan splits the query heads only; the feed-forward's sizes are the dense block's.
+SPLIT_SIZES = (("n_heads", "each rank holds whole heads"), ("ffn_hidden_dim", "each rank holds whole hidden units"))

@@ -43,3 +43,21 @@ def tp_plan(module: nn.Module) -> dict[str, Any] | None:
     by an enclosing module's plan, or left alone)."""
     plan = PLANS.get(type(module))
     return plan(module) if callable(plan) else plan
+
+
+def tp_split_sizes(cfg) -> list[tuple[str, int, str]]:
+    """(what, size, why) for every config size the plans of ``cfg``'s model split over the TP
+    ranks: ``parallel.tp`` must divide each (``parallel/dims.py`` checks, before any collective)."""
+    family = mla_tp if getattr(cfg, "is_mla", False) else llama_tp
+    rules = [(f"model.{name}", getattr(cfg, name), why) for name, why in family.SPLIT_SIZES]
+    if getattr(cfg, "is_hourglass", False):
+        rules += hourglass_tp.split_widths(cfg)
+    return rules
+
+
+def tp_refusal(cfg) -> str | None:
+    """Why ``cfg``'s model has no tensor-parallel plan, or None when it has one."""
+    if getattr(cfg, "is_moe", False):
+        return ("tensor parallelism of mixture-of-experts blocks is not supported (the TP plans shard dense "
+                "feed-forwards); use parallel.tp = 1 and split the experts with parallel.ep")
+    return None

@@ -5,8 +5,8 @@ replicate axis of HSDP: inter-node), ``dp_shard`` (FSDP2: intra-node), ``tp``
 (tensor parallel: innermost, so its heavy collectives stay on the fastest links).
 Their product is the world size. ``ep`` (expert parallel) is not a fifth axis: it splits
 the data-parallel ranks (dp = dp_replicate x dp_shard, flattened) into groups of ``ep``
-neighbouring ranks that share one MoE layer's experts; ``edp`` = dp / ep ranks hold the
-same experts (torchtitan / DeepSeek-V3: expert-parallel ranks read different data too).
+neighbouring ranks that share one expert layer's experts; ``edp`` = dp / ep ranks hold the
+same experts (as in torchtitan: expert-parallel ranks read different data too).
 Validation happens here, before any collective, so a bad layout fails on every rank with
 the same message.
 """
@@ -71,33 +71,19 @@ class ParallelDims:
 
     def check_model(self, model_config) -> None:
         """Shape constraints between the layout and the model, checked before any collective."""
-        mla = getattr(model_config, "is_mla", False)
-        if mla and model_config.n_heads % self.tp:
-            # Latent attention has no separate KV heads: one latent and one rotary key serve all heads.
-            raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide model.n_heads = "
-                              f"{model_config.n_heads} (each rank holds whole heads)")
-        if not mla and (model_config.n_heads % self.tp or model_config.n_kv_heads % self.tp):
-            raise ConfigError(
-                f"config key 'parallel.tp' = {self.tp} must divide model.n_heads = {model_config.n_heads} and "
-                f"model.n_kv_heads = {model_config.n_kv_heads} (each rank holds whole heads)")
-        if model_config.ffn_hidden_dim % self.tp:
-            raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide model.ffn_hidden_dim = "
-                              f"{model_config.ffn_hidden_dim}")
-        for r in sorted({s.width_ratio for s in getattr(model_config, "hourglass_stages", ())} - {1}):
-            if (model_config.ffn_hidden_dim // r) % self.tp:
-                raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide the feed-forward width "
-                                  f"model.ffn_hidden_dim / {r} = {model_config.ffn_hidden_dim // r} of the "
-                                  f"model.hourglass stages at width_ratio {r}")
-        if self.ep > 1 and not model_config.is_moe:
-            raise ConfigError(f"config key 'parallel.ep' = {self.ep} needs a mixture-of-experts model "
-                              "(model.n_routed_experts > 0, e.g. model.flavor = moe-debug); use parallel.ep = 1")
-        if self.ep > 1 and model_config.n_routed_experts % self.ep:
-            raise ConfigError(f"config key 'parallel.ep' = {self.ep} must divide model.n_routed_experts = "
-                              f"{model_config.n_routed_experts} (each rank holds the same number of experts)")
-        if model_config.is_moe and self.tp > 1:
-            raise ConfigError(f"config key 'parallel.tp' = {self.tp}: tensor parallelism of mixture-of-experts "
-                              "blocks is not supported (the TP plans shard dense feed-forwards); use parallel.tp = 1 "
-                              "and split the experts with parallel.ep")
+        # The sizes a model's plans split, and whether it has plans at all, are its family's data
+        # (model/*_tp.py); expert parallelism checks its own layer (expert_parallel.py).
+        from trainforge.model.tp_plans import tp_refusal, tp_split_sizes
+        from trainforge.parallel.expert_parallel import check_expert_layout
+
+        if self.tp > 1:
+            for what, size, why in tp_split_sizes(model_config):
+                if size % self.tp:
+                    raise ConfigError(f"config key 'parallel.tp' = {self.tp} must divide {what} = {size} ({why})")
+        check_expert_layout(model_config, self.ep)
+        refusal = tp_refusal(model_config) if self.tp > 1 else None
+        if refusal:
+            raise ConfigError(f"config key 'parallel.tp' = {self.tp}: {refusal}")
         if self.pp > model_config.n_layers:
             raise ConfigError(f"config key 'parallel.pp' = {self.pp} exceeds model.n_layers = "
                               f"{model_config.n_layers}: every stage needs at least one block")

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from trainforge.errors import ConfigError
 from trainforge.model.moe import GroupedExperts
 
 
@@ -105,6 +106,17 @@ class _ExpertHooks:
             # so this rank still joins both exchanges' backward (collectives).
             y = y + x_local.sum() * 0
         return combine(y, route, self.group)
+
+
+def check_expert_layout(model_config, ep: int) -> None:
+    """``parallel.ep`` against the model, before any collective: it needs routed experts, and
+    each rank holds the same number of them."""
+    if ep > 1 and not model_config.is_moe:
+        raise ConfigError(f"config key 'parallel.ep' = {ep} needs a mixture-of-experts model "
+                          "(model.n_routed_experts > 0, e.g. model.flavor = moe-debug); use parallel.ep = 1")
+    if ep > 1 and model_config.n_routed_experts % ep:
+        raise ConfigError(f"config key 'parallel.ep' = {ep} must divide model.n_routed_experts = "
+                          f"{model_config.n_routed_experts} (each rank holds the same number of experts)")
 
 
 def apply_expert_parallel(model: nn.Module, experts_mesh: DeviceMesh) -> list[nn.Parameter]:

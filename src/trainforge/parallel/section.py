@@ -20,7 +20,7 @@ class ParallelSection:
                                             "over grid rows and columns, batch rows over grid rows, hidden over "
                                             "grid columns; dense Llama models only; parallel/tp2d)")
     pp: int = _f(1, "pipeline stages")
-    ep: int = _f(1, "expert-parallel degree: each MoE layer's routed experts split over this many data-parallel "
+    ep: int = _f(1, "expert-parallel degree: each expert layer's routed experts split over this many data-parallel "
                     "ranks (must divide dp_replicate x dp_shard and model.n_routed_experts)")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev"] = _f(
         "1f1b", "pipeline schedule")
