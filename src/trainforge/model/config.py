@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from trainforge.model.hourglass_spec import (HourglassStage, check_pool, check_spec, format_spec, parse_spec,
-                                             stage_of_layers, stages_from_tables)
+                                             shortening_spans, stage_of_layers, stages_from_tables)
 from trainforge.model.preflight import (MLA_KEYS, MODEL_KEYS, MOE_KEYS, check_mla, check_moe, check_mtp_depth,
                                       check_shape)
 
@@ -105,6 +105,18 @@ class ModelConfig:
             return self
         d, ffn = self.layer_widths(layer)
         return dataclasses.replace(self, dim=d, ffn_hidden_dim=ffn, hourglass="", mtp_depth=0)
+
+    @property
+    def pipeline_spans(self) -> tuple[tuple[int, int], ...]:
+        """[first, last) block ranges a pipeline stage must hold whole, or none: an hourglass
+        level's shortening, blocks and upsampling (the upsampling adds the stream from before
+        the shortening). ``parallel/`` checks stage starts against them without knowing why."""
+        return tuple(shortening_spans(self.hourglass_stages)) if self.is_hourglass else ()
+
+    @property
+    def pipeline_spans_source(self) -> str:
+        """The key that sets ``pipeline_spans``, for the error that names it."""
+        return f"model.hourglass = {self.hourglass!r}"
 
     def hourglass_params(self) -> int:
         """Parameters of the shortenings and upsamplings (hourglass.py): per level, the pool's

@@ -112,16 +112,17 @@ def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size:
     microbatches = section.microbatches or 2 * num_stages
     check_pipeline_config(model_config.n_layers, dims.pp, section.pp_schedule, microbatches, explicit, batch_size,
                           model_config.tie_embeddings, model_config.mtp_depth)
-    if dims.pp > 1 and getattr(model_config, "is_hourglass", False):
+    if dims.pp > 1 and getattr(model_config, "pipeline_spans", ()):
         from trainforge.errors import ConfigError
-        from trainforge.parallel.pipeline import check_hourglass_split, even_boundaries
+        from trainforge.parallel.pipeline import check_stage_starts, even_boundaries
 
         if section.pp_split == "auto":
-            # The profiler times each block on full-rate hidden states, which shortened blocks do not take.
+            # The profiler times each block alone on full-rate hidden states; a span that must run
+            # on one stage holds blocks that do not run so (shortened ones).
             raise ConfigError(f"config key 'parallel.pp_split' = 'auto' (parallel.pp = {dims.pp}) cannot measure "
-                              f"the blocks of model.hourglass = {model_config.hourglass!r}; give the stage starts "
-                              "(parallel.pp_split = 0,...) or even, outside the shortened spans")
-        check_hourglass_split(model_config, explicit or even_boundaries(model_config.n_layers, num_stages), dims.pp)
+                              f"the blocks of {model_config.pipeline_spans_source}; give the stage starts "
+                              "(parallel.pp_split = 0,...) or even, outside the spans a stage must hold whole")
+        check_stage_starts(model_config, explicit or even_boundaries(model_config.n_layers, num_stages), dims.pp)
     return num_stages, microbatches
 
 

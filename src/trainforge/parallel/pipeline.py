@@ -200,24 +200,18 @@ def _check_microbatches(schedule: str, m: int, pp_size: int, num_stages: int) ->
                               f"whole rounds; use a multiple of parallel.pp = {pp_size}")
 
 
-def check_hourglass_split(model_config, starts: Sequence[int], pp_size: int) -> None:
-    """Refuse stage starts that cut an hourglass shortening (model/hourglass.py): the blocks
-    between a shortening and its upsampling, with both of them, must sit on one stage (the
-    upsampling adds the stream from before the shortening). A stage may begin at a level's
-    first block (it shortens first) or right after its last (the stage before upsamples)."""
-    if not getattr(model_config, "is_hourglass", False):
-        return
-    from trainforge.model.hourglass_spec import shortening_spans
-
-    spans = shortening_spans(model_config.hourglass_stages)
+def check_stage_starts(model_config, starts: Sequence[int], pp_size: int) -> None:
+    """Refuse stage starts inside a span of blocks the model needs on one stage
+    (``model_config.pipeline_spans``, e.g. an hourglass level: model/config.py says why). A
+    stage may begin at a span's first block or right after its last."""
+    spans = tuple(getattr(model_config, "pipeline_spans", ()))
     cut = [s for s in starts if any(a < s < b for a, b in spans)]
     if cut:
         allowed = [i for i in range(1, model_config.n_layers) if not any(a < i < b for a, b in spans)]
         raise ConfigError(f"config key 'parallel.pp_split' = {','.join(map(str, starts))} (parallel.pp = {pp_size}) "
-                          f"starts a stage at block(s) {cut}, inside a shortened span of model.hourglass = "
-                          f"{model_config.hourglass!r} (blocks [first, last) per level: {spans}); a stage must "
-                          f"hold a shortening, its blocks and its upsampling whole: start stages only at 0 and "
-                          f"{allowed or 'nowhere else (use parallel.pp = 1)'}")
+                          f"starts a stage at block(s) {cut}, inside a span of blocks that must run on one stage, "
+                          f"set by {model_config.pipeline_spans_source} (blocks [first, last): {list(spans)}): "
+                          f"start stages only at 0 and {allowed or 'nowhere else (use parallel.pp = 1)'}")
 
 
 # ---------------------------------------------------------------- splitting
@@ -237,7 +231,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, boundaries: Sequen
     if not 0 <= pp_rank < pp_size:
         raise ConfigError(f"pipeline rank {pp_rank} is outside parallel.pp = {pp_size}")
     starts = list(boundaries) if boundaries is not None else even_boundaries(cfg.n_layers, num_stages)
-    check_hourglass_split(cfg, starts, pp_size)
+    check_stage_starts(cfg, starts, pp_size)
     ends = starts[1:] + [cfg.n_layers]
     return [_stage_module(model, starts[s], ends[s], s == 0, s == num_stages - 1)
             for s in stage_ids_for_rank(pp_rank, pp_size, schedule, num_stages)]
@@ -251,7 +245,7 @@ def _stage_module(model: nn.Module, start: int, end: int, first: bool, last: boo
     drop = [m for k, m in model.layers.items() if not start <= int(k) < end]
     drop += [] if first or mtp_last else [model.tok_embeddings]
     drop += [] if last else [model.norm, model.output, model.mtp]
-    # An hourglass level belongs to the stage holding its first block (check_hourglass_split
+    # An hourglass level belongs to the stage holding its first block (check_stage_starts
     # keeps its whole span there).
     trunk = getattr(model, "hourglass", None)
     foreign = [] if trunk is None else [str(i) for i, (a, _) in enumerate(trunk.spans) if not start <= a < end]
