@@ -111,7 +111,7 @@ def read_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
 
 def matmul_ceiling_tok_s(engine: Engine, repeats: int = 5) -> float:
     """Tokens/s if a batch-1 decode step were only its linears, run by the engine's own kernel
-    (``fast_decode.LinearInto``) on its own weights: best of 5. What the rest of the step costs is the gap
+    (``decode_workspace.LinearInto``) on its own weights: best of 5. What the rest of the step costs is the gap
     between this and the measured decode speed."""
     calls = []
     for into in engine.runner.decoder.linears.values():

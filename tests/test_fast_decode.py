@@ -17,7 +17,8 @@ from trainforge.infer.cpu_kernels.decode_ops import DecodeKernels
 from trainforge.infer.fusion import fuse_model
 from trainforge.infer.prepare import prepare_model
 from trainforge.model.attention_cache import PagedCache
-from trainforge.model.fast_decode import DecodeWorkspace, FastDecoder, RowBlockLinear
+from trainforge.model.decode_workspace import DecodeWorkspace, RowBlockLinear
+from trainforge.model.fast_decode import FastDecoder
 from trainforge.model.fused import FusedFeedForward, FusedRMSNorm
 
 ATOL = RTOL = 1e-5

@@ -120,7 +120,7 @@ def test_without_the_cpp_ops_the_layer_falls_back_to_a_float_kernel(monkeypatch)
 
 
 @pytest.mark.parametrize("kernel", ["dequant", "reference", "c++ unavailable"])
-@pytest.mark.parametrize("threads", [1, 2])  # 2: the dequantised weight's row-block split (fast_decode.LinearInto)
+@pytest.mark.parametrize("threads", [1, 2])  # 2: the dequantised weight's row-block split (decode_workspace.LinearInto)
 @pytest.mark.parametrize("m", [1, 3])
 def test_the_decode_steps_out_form_runs_on_every_fallback_kernel(monkeypatch, kernel, threads, m):
     # The decode step writes each linear through forward_into / bind_into; on a float kernel

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from trainforge.infer.weight_arena import place_weight
-from trainforge.model.fast_decode import LinearInto, RowBlockLinear
+from trainforge.model.decode_workspace import LinearInto, RowBlockLinear
 
 GEMV_ROWS = 8  # F32_MAX_M in blocks.cpp: the op's own GEMV limit
 SMALL_GEMM_ROWS = 48  # past this oneDNN caught up with the small GEMM (module docstring)

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from trainforge.infer.cpu_kernels import load_kernels
 from trainforge.infer.cpu_linear import GemvLinear
 from trainforge.infer.quantize.common import QuantLinear
-from trainforge.model.fast_decode import RowBlockLinear
+from trainforge.model.decode_workspace import RowBlockLinear
 from trainforge.model.fused import FusedAttention, FusedFeedForward, FusedRMSNorm, FusedTransformerBlock
 from trainforge.model.llama import Attention, FeedForward, RMSNorm
 from trainforge.model.moe import MoE, Router

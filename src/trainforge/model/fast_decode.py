@@ -28,13 +28,10 @@ from torch import nn
 
 from trainforge.model.attention_cache import PagedCache
 from trainforge.model.decode_plans import PlanCache
-# The workspace and the linear into it, where infer/ (quantised layers, the C++ linear) has
-# always imported them from.
-from trainforge.model.decode_workspace import DecodeWorkspace, LinearInto, RowBlockLinear, rope_tables_folded
+from trainforge.model.decode_workspace import DecodeWorkspace, LinearInto, rope_tables_folded
 from trainforge.model.llama import Transformer
 
-__all__ = ["DecodeWorkspace", "FastDecoder", "FastMTPStep", "LinearInto", "RowBlockLinear", "blocks_have_decode_calls",
-           "embedding_call"]
+__all__ = ["FastDecoder", "FastMTPStep", "blocks_have_decode_calls", "embedding_call"]
 
 
 def blocks_have_decode_calls(model: nn.Module) -> bool:

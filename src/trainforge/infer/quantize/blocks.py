@@ -33,7 +33,7 @@ from trainforge.infer.cpu_kernels.formats import (BLOCK, dequantize_q4_0, dequan
                                                   quantize_q4_0, quantize_q8_0)
 from trainforge.infer.quantize.common import Kernel, QuantLinear
 from trainforge.infer.weight_arena import empty_weight
-from trainforge.model.fast_decode import LinearInto, RowBlockLinear
+from trainforge.model.decode_workspace import LinearInto, RowBlockLinear
 
 
 def blocks_unavailable(device: torch.device) -> str | None:
