@@ -139,12 +139,7 @@ FAMILY = re.compile(r"(?<![a-z])(hourglass|mla|mtp|latent|moe|multi-token|mixtur
 # parallel/ files that still name a family, and why. The list may only shrink: a file that no
 # longer names one must leave it (the test says so), and no other file may join it.
 NAMES_FAMILIES = {
-    "expert_parallel.py": "expert parallelism is the MoE layer's own parallelism",
-    "tp2d/apply.py": "2-D tensor parallelism refuses the families it does not support, naming them to the user",
-    "apply.py": "hands model.mtp_depth to the pipeline's own checks (pipeline.py); names expert parallel's MoE layers",
-    "pipeline.py": "not yet a plan: which stage holds the MTP modules and hourglass levels",
-    "pipeline_stage.py": "not yet a plan: the MTP last stage's call arguments",
-    "shared_embedding.py": "not yet a plan: the MTP last stage's embedding copy",
+    "expert_parallel.py": "expert parallelism is the routed-experts layer's own parallelism, not a plan applied to it",
 }
 
 

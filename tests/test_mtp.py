@@ -23,6 +23,7 @@ from trainforge.infer.engine import Engine, EngineConfig
 from trainforge.infer.loading import load_model
 from trainforge.infer.sampling import SamplingParams
 from trainforge.model import FLAVORS, Transformer, build_model
+from trainforge.model.pipeline_plans import split_backward_refusal
 from trainforge.monitor.jsonl import read_jsonl
 from trainforge.parallel.dims import ParallelDims
 from trainforge.parallel.pipeline import check_pipeline_config, split_model
@@ -252,8 +253,9 @@ def test_bad_mtp_settings_are_refused_naming_the_key(small_data):
     # torch's split backward cannot run two depths sharing the embedding (pipeline.py); one depth runs.
     for schedule in ("zbv", "dualpipev"):
         with pytest.raises(ConfigError, match="parallel.pp_schedule"):
-            check_pipeline_config(4, 2, schedule, 4, tie_embeddings=False, mtp_depth=2)
-        check_pipeline_config(4, 2, schedule, 4, mtp_depth=1)
+            check_pipeline_config(4, 2, schedule, 4, tie_embeddings=False,
+                                  split_backward_refusal=split_backward_refusal(mtp_config("debug", 2)))
+        check_pipeline_config(4, 2, schedule, 4, split_backward_refusal=split_backward_refusal(mtp_config("debug", 1)))
 
 
 def _pipeline_stages(cfg, schedule: str = "1f1b"):

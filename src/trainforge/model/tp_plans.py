@@ -61,3 +61,13 @@ def tp_refusal(cfg) -> str | None:
         return ("tensor parallelism of mixture-of-experts blocks is not supported (the TP plans shard dense "
                 "feed-forwards); use parallel.tp = 1 and split the experts with parallel.ep")
     return None
+
+
+def tp2d_refusal(cfg) -> tuple[str, str] | None:
+    """(config key, what) for the first part of ``cfg``'s model that 2-D tensor parallelism
+    (``parallel/tp2d/``, which splits dense blocks only) has no plan for, or None."""
+    kinds = [("model.n_routed_experts", getattr(cfg, "is_moe", False), "mixture-of-experts blocks"),
+             ("model.kv_lora_rank", getattr(cfg, "is_mla", False), "latent attention (MLA)"),
+             ("model.hourglass", getattr(cfg, "is_hourglass", False), "hourglass stages"),
+             ("model.mtp_depth", getattr(cfg, "mtp_depth", 0) > 0, "multi-token prediction")]
+    return next(((key, what) for key, present, what in kinds if present), None)

@@ -5,7 +5,7 @@
 1. pipeline split (each rank keeps its stages; FQNs unchanged)  -- ``pipeline.py``
 2. tensor parallel (DTensor plans; must see plain modules)        -- ``tensor_parallel.py``
    or, with ``parallel.tp_mode = "2d"``, SUMMA on a q x q grid      -- ``tp2d/apply.py``
-   or expert parallel (MoE models; experts sharded over ``ep``,
+   or expert parallel (routed experts sharded over ``ep``,
    token all-to-all hooks; per pipeline stage)                     -- ``expert_parallel.py``
 3. activation checkpointing (wraps whole blocks)                  -- ``activation_checkpoint.py``
 4. compile (optional, per block: ``parallel.compile``; ~1.0x on CPU, real gains on GPU)
@@ -105,20 +105,21 @@ def pipeline_boundaries(model: nn.Module, section, num_stages: int, batch_size: 
 
 def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size: int) -> tuple[int, int]:
     """Validate the pipeline settings before any collective. Returns (stages, microbatches)."""
+    from trainforge.model.pipeline_plans import split_backward_refusal
     from trainforge.parallel.pipeline import check_pipeline_config, stages_per_rank
 
     explicit = explicit_split(section)
     num_stages = stages_per_rank(section.pp_schedule, dims.pp, explicit) * dims.pp
     microbatches = section.microbatches or 2 * num_stages
     check_pipeline_config(model_config.n_layers, dims.pp, section.pp_schedule, microbatches, explicit, batch_size,
-                          model_config.tie_embeddings, model_config.mtp_depth)
+                          model_config.tie_embeddings, split_backward_refusal(model_config))
     if dims.pp > 1 and getattr(model_config, "pipeline_spans", ()):
         from trainforge.errors import ConfigError
         from trainforge.parallel.pipeline import check_stage_starts, even_boundaries
 
         if section.pp_split == "auto":
             # The profiler times each block alone on full-rate hidden states; a span that must run
-            # on one stage holds blocks that do not run so (shortened ones).
+            # on one stage holds blocks that do not run so (ones on a reduced-rate sequence).
             raise ConfigError(f"config key 'parallel.pp_split' = 'auto' (parallel.pp = {dims.pp}) cannot measure "
                               f"the blocks of {model_config.pipeline_spans_source}; give the stage starts "
                               "(parallel.pp_split = 0,...) or even, outside the spans a stage must hold whole")

@@ -15,17 +15,15 @@ model passes hidden states (B, T, dim) through. ``boundaries[i]`` is the first l
 stage i (``boundaries[0] == 0``); None splits the layers evenly, and
 ``trainforge.parallel.stage_balance`` chooses them from measured layer costs.
 
-Multi-token prediction (``model.mtp_depth`` > 0, model/mtp.py). The MTP modules live on the
-last stage, with a copy of ``tok_embeddings`` (same FQN, so checkpoints need no renaming):
-depth k reads the input tokens t + k (k >= 1), which are the targets t + k - 1, so the last
-stage needs nothing more than the targets it already has. Its module is called with
-``return_hidden=True`` and returns (logits, h), h the last block's output before the final
-norm; the loss function runs the MTP chain on h (``train/mtp_loss.py``). The two embedding
-copies' gradients are summed after each backward (``shared_embedding.py``). Every
-schedule's backward reaches the parameters used only in the loss: they are the stage
-module's own, and for the split backward (zbv, dualpipev) each of them meets the stage's
-input on its way to the loss (the MTP projection concatenates the embedding with h). The
-split backward runs one MTP depth only (``check_pipeline_config`` says why).
+Modules outside the blocks. Where the model's other modules go (an extra module on the last
+stage, a copy of the embedding there, modules that belong with a block) is data the model
+declares (``model/pipeline_plans.py``: ``stage_plan``), which ``split_model`` and
+``build_pipeline`` apply: the last stage's module may take call arguments and return
+(logits, extra), which ``loss_fn`` then receives; a module on two stages has its gradients
+summed after each backward (``shared_embedding.py``). Every schedule's backward reaches the
+parameters used only in the loss: they are the stage module's own, and for the split
+backward (zbv, dualpipev) each of them must meet the stage's input on its way to the loss
+(``model/pipeline_plans.split_backward_refusal`` says which models cannot).
 
 Schedules and the stages each rank owns (S = total stages, p = pp_size):
 
@@ -71,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainforge.errors import ConfigError
+from trainforge.model.pipeline_plans import StagePlan, split_backward_refusal, stage_plan
 
 if TYPE_CHECKING:
     from trainforge.parallel.pipeline_stage import TimedStage
@@ -135,9 +134,12 @@ def _check_schedule(schedule: str) -> None:
 
 def check_pipeline_config(n_layers: int, pp_size: int, schedule: str, microbatches: int | None = None,
                           boundaries: Sequence[int] | None = None, batch_size: int | None = None,
-                          tie_embeddings: bool = False, mtp_depth: int = 0) -> int:
+                          tie_embeddings: bool = False, split_backward_refusal: str | None = None) -> int:
     """Validate a pipeline layout before any collective; returns the total number of
     stages. Every rank runs the same checks on the same config, so all fail alike.
+
+    ``split_backward_refusal``: why the model cannot run a split-backward schedule over
+    several stages (``model/pipeline_plans.split_backward_refusal``), or None.
 
     Raises ``ConfigError`` naming the key to change."""
     _check_schedule(schedule)
@@ -149,15 +151,9 @@ def check_pipeline_config(n_layers: int, pp_size: int, schedule: str, microbatch
     if tie_embeddings and pp_size > 1:
         raise ConfigError("config key 'model.tie_embeddings' = true cannot be pipelined: the embedding and the "
                           "output projection live on different stages; set it to false or parallel.pp = 1")
-    if mtp_depth >= 2 and schedule in V_SCHEDULES and pp_size > 1:
-        # torch 2.13's split backward computes a parameter group's weight gradients from each of its
-        # meeting points with the stage input; the embedding meets it at every depth's concatenation,
-        # and depth 2's path back to the embedding crosses depth 1's block, whose saved tensors the
-        # first of those passes frees ("backward through the graph a second time").
+    if split_backward_refusal and schedule in V_SCHEDULES and pp_size > 1:
         raise ConfigError(f"config key 'parallel.pp_schedule' = {schedule!r} splits the backward into input and "
-                          f"weight passes, which torch cannot run over model.mtp_depth = {mtp_depth} MTP depths "
-                          "sharing the embedding on the last stage; use gpipe, 1f1b or interleaved-1f1b, or "
-                          "model.mtp_depth = 1")
+                          f"weight passes, which {split_backward_refusal}")
     v = stages_per_rank(schedule, pp_size, boundaries)
     num_stages = v * pp_size
     if boundaries is not None:
@@ -202,7 +198,7 @@ def _check_microbatches(schedule: str, m: int, pp_size: int, num_stages: int) ->
 
 def check_stage_starts(model_config, starts: Sequence[int], pp_size: int) -> None:
     """Refuse stage starts inside a span of blocks the model needs on one stage
-    (``model_config.pipeline_spans``, e.g. an hourglass level: model/config.py says why). A
+    (``model_config.pipeline_spans``: model/config.py says which and why). A
     stage may begin at a span's first block or right after its last."""
     spans = tuple(getattr(model_config, "pipeline_spans", ()))
     cut = [s for s in starts if any(a < s < b for a, b in spans)]
@@ -227,7 +223,8 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, boundaries: Sequen
     ``len(boundaries) // pp_size`` (default 2) for interleaved-1f1b."""
     cfg = model.cfg
     num_stages = check_pipeline_config(cfg.n_layers, pp_size, schedule, boundaries=boundaries,
-                                       tie_embeddings=cfg.tie_embeddings, mtp_depth=cfg.mtp_depth)
+                                       tie_embeddings=cfg.tie_embeddings,
+                                       split_backward_refusal=split_backward_refusal(cfg))
     if not 0 <= pp_rank < pp_size:
         raise ConfigError(f"pipeline rank {pp_rank} is outside parallel.pp = {pp_size}")
     starts = list(boundaries) if boundaries is not None else even_boundaries(cfg.n_layers, num_stages)
@@ -240,25 +237,23 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, boundaries: Sequen
 def _stage_module(model: nn.Module, start: int, end: int, first: bool, last: bool) -> nn.Module:
     # Seeding deepcopy's memo with None for every unowned submodule skips copying it
     # (and its parameters); the None placeholders are then removed or kept as "absent".
+    plan = stage_plan(model.cfg)
     memo: dict[int, object] = {}
-    mtp_last = last and len(model.mtp) > 0  # the MTP modules read the embedding (module docstring)
     drop = [m for k, m in model.layers.items() if not start <= int(k) < end]
-    drop += [] if first or mtp_last else [model.tok_embeddings]
-    drop += [] if last else [model.norm, model.output, model.mtp]
-    # An hourglass level belongs to the stage holding its first block (check_stage_starts
-    # keeps its whole span there).
-    trunk = getattr(model, "hourglass", None)
-    foreign = [] if trunk is None else [str(i) for i, (a, _) in enumerate(trunk.spans) if not start <= a < end]
-    drop += [m for k in foreign for m in (trunk.shorten[k], trunk.upsample[k])]
+    drop += [model.get_submodule(n) for n in plan.first if not (first or (last and n in plan.shared))]
+    drop += [] if last else [model.get_submodule(n) for n in plan.last]
+    foreign = [p for block, paths in plan.with_block if not start <= block < end for p in paths]
+    drop += [model.get_submodule(p) for p in foreign]
     for m in drop:
         memo[id(m)] = None
     stage = copy.deepcopy(model, memo)
     for k in [k for k in stage.layers.keys() if not start <= int(k) < end]:
         del stage.layers[k]
-    for k in foreign:
-        del stage.hourglass.shorten[k], stage.hourglass.upsample[k]
-    if not last:
-        stage.mtp = nn.ModuleDict()  # no MTP modules here, as in a model without them
+    for path in foreign:  # a ModuleDict entry: removed, so its FQNs leave the stage's state dict
+        parent, _, key = path.rpartition(".")
+        del stage.get_submodule(parent)[key]
+    for name in [] if last else plan.emptied:
+        setattr(stage, name, nn.ModuleDict())  # held empty, as in a model without them
     return stage
 
 
@@ -338,7 +333,7 @@ class Pipeline:
         self.batch_size = batch_size
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
-        # The last stage's module where this rank holds it (an MTP loss runs its MTP modules), else None.
+        # The last stage's module where this rank holds it (a loss may run its extra modules), else None.
         self.last_stage_module = next((m for s, m in zip(stages, stage_modules) if s.is_last), None)
         self._timer = timer
         self._step_timer = _Timer(stages[0].device)
@@ -392,8 +387,8 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
 
     ``pp_mesh_or_group``: the 1-D ``pp`` DeviceMesh, a ProcessGroup, or None for the
     default group. ``loss_fn(logits, targets)`` must return a mean over its microbatch;
-    for a model with MTP modules the last stage returns ``(logits, h)`` instead (module
-    docstring) and ``loss_fn`` receives that pair.
+    where the model's stage plan says so the last stage returns ``(logits, extra)`` instead
+    (module docstring) and ``loss_fn`` receives that pair.
     ``batch_size``, when given, is checked against ``microbatches`` here, before any
     collective. Validation raises ``ConfigError`` naming the config key."""
     _check_schedule(schedule)
@@ -423,7 +418,7 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
     from trainforge.parallel.pipeline_stage import TimedStage
 
     stages = [TimedStage(m, sid, num_stages, device, group=group, timer=timer,
-                          **(_mtp_last_stage() if sid == num_stages - 1 and len(getattr(m, "mtp", ())) else {}))
+                          **(_last_stage_call(stage_plan(m.cfg)) if sid == num_stages - 1 else {}))
               for m, sid in zip(stage_modules, stage_ids)]
 
     def timed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -434,11 +429,14 @@ def build_pipeline(stage_modules: list[nn.Module], pp_mesh_or_group, pp_rank: in
     return Pipeline(sched, stages, list(stage_modules), timer, schedule, microbatches, batch_size)
 
 
-def _mtp_last_stage() -> dict:
-    """How the last stage of an MTP model is run: its module returns (logits, h) for the
-    MTP loss, and shape inference learns the input gradient's shape from the main
-    cross-entropy alone (the MTP loss would record metrics and move MoE router counters)."""
-    return {"call_kwargs": {"return_hidden": True},
+def _last_stage_call(plan: StagePlan) -> dict:
+    """How the last stage is run: its module's call arguments, and where it returns
+    (logits, extra), the loss shape inference runs: the main cross-entropy alone, which
+    gives the input gradient's shape without the side effects of the whole loss (metrics it
+    records, router counters it moves)."""
+    if not plan.last_returns_pair:
+        return {"call_kwargs": plan.last_call_kwargs}
+    return {"call_kwargs": plan.last_call_kwargs,
             "probe_loss": lambda output, target: cross_entropy_loss(output[0], target)}
 
 

@@ -1,5 +1,5 @@
 """The pipeline stage ``build_pipeline`` (pipeline.py) runs: torch's ``PipelineStage`` with
-its compute calls timed, MTP call arguments, and buffer-safe shape inference.
+its compute calls timed, the last stage's call arguments, and buffer-safe shape inference.
 
 Its own module because ``torch.distributed.pipelining`` imports ``torch._dynamo`` (about a
 second per process): only a run with a pipeline imports it."""
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 class TimedStage(PipelineStage):
     """A PipelineStage whose compute calls are timed under its stage index.
 
-    ``call_kwargs``: keyword arguments of every call of the stage's module (the last
-    stage of an MTP model: ``return_hidden=True``); torch 2.13 calls it in
+    ``call_kwargs``: keyword arguments of every call of the stage's module (the model's stage
+    plan gives the last stage's: ``model/pipeline_plans.py``); torch 2.13 calls it in
     ``forward_maybe_with_nosync`` and, for shape inference, ``_compute_outputs``.
     ``probe_loss``: the loss the one-off shape inference runs on the last stage's
     placeholder outputs instead of the schedule's (which may record metrics)."""
@@ -57,7 +57,7 @@ class TimedStage(PipelineStage):
 
     def _forward_metadata_inference(self, *args, **kwargs):
         """torch runs the stage's forward once more on the first step, on placeholder
-        tensors, to learn its output shapes; what that forward writes into buffers (a MoE
+        tensors, to learn its output shapes; what that forward writes into buffers (an expert
         router's token counts) is put back, so the step counts only its real micro-batches."""
         saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
         try:

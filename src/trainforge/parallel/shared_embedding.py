@@ -1,7 +1,8 @@
-"""The token embedding on two pipeline stages, kept identical.
+"""A module on two pipeline stages, kept identical: the token embedding, where the model's
+stage plan (``model/pipeline_plans.py``: ``shared``) gives the last stage a copy too.
 
-The first stage embeds the input tokens; the last stage of a model with multi-token
-prediction modules holds a copy for them (``pipeline.py``), under the same FQN. The copies
+The first stage embeds the input tokens; the last stage's copy serves the modules there that
+read the embedding (``pipeline.py``), under the same FQN. The copies
 start equal (every rank builds the model from one seed) and stay equal, as Megatron keeps
 its embeddings shared across stages: after each backward both copies' gradients are
 replaced by their sum, the gradient of the one shared parameter, so every optimizer
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainforge.model.pipeline_plans import stage_plan
 from trainforge.parallel.pipeline import stage_ids_for_rank
 
 
@@ -40,21 +42,26 @@ class SharedEmbeddingGrads:
         num_stages = len(pipeline.stages) * pp_size
         last_rank = next(r for r in range(pp_size)
                          if num_stages - 1 in stage_ids_for_rank(r, pp_size, pipeline.schedule_name, num_stages))
-        self.copies: list[nn.Parameter] = [m.tok_embeddings.weight for s, m in
-                                           zip(pipeline.stages, pipeline.stage_modules) if s.is_first or s.is_last]
-        self.duplicates = [m.tok_embeddings.weight for s, m in zip(pipeline.stages, pipeline.stage_modules)
-                           if s.is_last]
+        shared = stage_plan(pipeline.stage_modules[0].cfg).shared
+        params = lambda m: [p for name in shared for p in m.get_submodule(name).parameters()]  # noqa: E731
+        # copies[i]: this rank's copies of the i-th shared parameter (first stage's, then last's)
+        self.copies: list[list[nn.Parameter]] = [list(ps) for ps in zip(*[
+            params(m) for s, m in zip(pipeline.stages, pipeline.stage_modules) if s.is_first or s.is_last])]
+        self.duplicates = [p for s, m in zip(pipeline.stages, pipeline.stage_modules) if s.is_last
+                           for p in params(m)]
         ranks = {0, last_rank}
         self.peer = (ranks - {pp_rank}).pop() if pp_rank in ranks and len(ranks) == 2 else None
         self.pp_rank, self.group = pp_rank, pp_group
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if not self.copies:
-            return
-        missing = [p for p in self.copies if p.grad is None]
-        assert not missing, "an embedding copy received no gradient"  # both copies are used every step
-        grads = [_local(p.grad) for p in self.copies]
+        for copies in self.copies:
+            self._sum(copies)
+
+    def _sum(self, copies: list[nn.Parameter]) -> None:
+        missing = [p for p in copies if p.grad is None]
+        assert not missing, "a shared module's copy received no gradient"  # both copies are used every step
+        grads = [_local(p.grad) for p in copies]
         total = grads[0]
         for g in grads[1:]:
             total.add_(g)
@@ -72,8 +79,8 @@ class SharedEmbeddingGrads:
 
 
 def shared_embedding_grads(pipeline: Any, pp_group: Any, pp_rank: int, pp_size: int) -> SharedEmbeddingGrads | None:
-    """The finisher when the pipelined model has MTP modules (the same answer on every
-    rank, from the config each stage carries), else None."""
-    if not pipeline.stage_modules[0].cfg.mtp_depth:
+    """The finisher when the model's stage plan shares modules between the first and the last
+    stage (the same answer on every rank, from the config each stage carries), else None."""
+    if not stage_plan(pipeline.stage_modules[0].cfg).shared:
         return None
     return SharedEmbeddingGrads(pipeline, pp_group, pp_rank, pp_size)

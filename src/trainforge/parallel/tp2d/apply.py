@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from trainforge.errors import ConfigError
 from trainforge.model.llama import Transformer
+from trainforge.model.tp_plans import tp2d_refusal
 from trainforge.parallel.tp2d.embedding import Embedding2D
 from trainforge.parallel.tp2d.grid import Grid2D, grid_side
 from trainforge.parallel.tp2d.norm import RMSNorm2D
@@ -59,15 +60,12 @@ def check_tp2d(model_config, tp: int, *, batch_size: int | None = None, pp: int 
     each pipeline microbatch's rows are split over the grid rows."""
     q = grid_side(tp)
     c = model_config
-    kinds = [("model.n_routed_experts", c.is_moe, "mixture-of-experts blocks"),
-             ("model.kv_lora_rank", c.is_mla, "latent attention (MLA)"),
-             ("model.hourglass", c.is_hourglass, "hourglass stages"),
-             ("model.mtp_depth", c.mtp_depth > 0, "multi-token prediction"),
-             ("model.tie_embeddings", c.tie_embeddings,
+    kinds = [tp2d_refusal(c) or (None, ""),
+             ("model.tie_embeddings" if c.tie_embeddings else None,
               "tied embeddings (the table is split by hidden over grid columns, the output projection by vocab "
               "and hidden over both grid axes: one parameter cannot hold both)")]
-    for key, present, what in kinds:
-        if present:
+    for key, what in kinds:
+        if key is not None:
             raise ConfigError(f"config key '{key}' = {getattr(c, key.split('.')[1])!r} with {_MODE}: 2-D tensor "
                               f"parallelism splits dense Llama blocks only, not {what}; use parallel.tp_mode = "
                               "\"1d\" or a dense model")
