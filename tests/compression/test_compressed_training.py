@@ -39,6 +39,9 @@ LAYOUTS = {
     "ddp2-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4"]),
     "hsdp2x2-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
                              "--compression.codec", "adaptive"]),
+    # The host thread's reduction, one step delayed (compression.host_reduce).
+    "ddp2-host-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
+                           "--compression.host_reduce", "true"]),
     "pp2-dp2-int4": (4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.pp_split", "even",
                          "--compression.codec", "int4"]),
 }
@@ -86,6 +89,9 @@ RESUME_LAYOUTS = {
                          "--compression.stochastic_rounding", "true"]),
     "hsdp2x2-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
                              "--compression.codec", "adaptive", "--compression.target_rel_error", "0.05"]),
+    # Exact only if the reduced gradient in flight at the checkpoint is saved with it.
+    "ddp2-host-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
+                           "--compression.host_reduce", "true"]),
 }
 
 
