@@ -141,7 +141,8 @@ class HostReduce:
 
     def reduce_async(self, key: str, flat: torch.Tensor) -> torch.futures.Future:
         """delay 0: a future of the mean of ``flat``, completed by the host thread."""
-        fut: torch.futures.Future = torch.futures.Future()
+        # A future holding device tensors must name the device.
+        fut: torch.futures.Future = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
         if self.bypass or not self._last_micro_batch(key):
             fut.set_result(flat)
             return fut
