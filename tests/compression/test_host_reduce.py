@@ -33,16 +33,17 @@ def test_host_reduce_matches_its_references_exactly():
     assert out["replicas_agree"]
 
 
-def dims(rep: int, shard: int = 1) -> ParallelDims:
-    return ParallelDims(pp=1, dp_replicate=rep, dp_shard=shard, tp=1, world_size=rep * shard)
+def dims(rep: int, shard: int = 1, tp: int = 1) -> ParallelDims:
+    return ParallelDims(pp=1, dp_replicate=rep, dp_shard=shard, tp=tp, world_size=rep * shard * tp)
 
 
 def test_host_reduce_refuses_what_it_cannot_do_by_name():
     on = CompressionSection(codec="int4", host_reduce=True)
     assert check_compression(on, dims(2), "ddp") is None
     assert "has no effect" in check_compression(on, dims(1), "none")
-    with pytest.raises(ConfigError, match="compression.host_reduce.*plain DDP only"):
-        check_compression(on, dims(2, 2), "hsdp")
+    assert check_compression(on, dims(2, 2), "hsdp") is None
+    with pytest.raises(ConfigError, match="compression.host_reduce.*DDP or HSDP only.*tp 2"):
+        check_compression(on, dims(2, 1, tp=2), "hsdp")
     with pytest.raises(ConfigError, match="host_reduce_delay.*fp16-mixed"):
         check_compression(on, dims(2), "ddp", "fp16-mixed")
     assert check_compression(CompressionSection(host_reduce=True, host_reduce_delay=0), dims(2), "ddp",

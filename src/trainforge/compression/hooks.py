@@ -8,8 +8,8 @@
   only the inter-node axis, where bandwidth is scarce, carries compressed bytes. It
   composes with TP (the hook sees the local shard) and PP (each stage's units hook).
 - PowerSGD: PyTorch's own hook, as a baseline; DDP only.
-- Host reduce (``compression.host_reduce``): the DDP hook hands buckets to a host
-  thread (``host_reduce.py``); DDP only.
+- Host reduce (``compression.host_reduce``): the DDP hook, or under HSDP FSDP2's
+  all-reduce hook, hands gradients to a host thread (``host_reduce.py``).
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def _check_host_reduce(section: CompressionSection, dims, kind: str, precision: 
     if dims.dp_replicate == 1:
         return ("compression.host_reduce = true has no effect: it reduces over the dp_replicate axis and "
                 "parallel.dp_replicate = 1 (set --parallel.dp_replicate N, e.g. one per node)")
-    if kind != "ddp":
-        raise ConfigError(f"config key 'compression.host_reduce' = true works with plain DDP only (layout is "
-                          f"{kind}: parallel.dp_shard, tp and pp must be 1); set compression.host_reduce = false "
-                          "to compress on the device under FSDP/HSDP, TP or PP")
+    if kind not in ("ddp", "hsdp") or dims.tp > 1 or dims.pp > 1:
+        raise ConfigError(f"config key 'compression.host_reduce' = true works with DDP or HSDP only (layout is "
+                          f"{kind} with tp {dims.tp}, pp {dims.pp}: parallel.tp and parallel.pp must be 1); set "
+                          "compression.host_reduce = false to compress on the device under TP or PP")
     if section.host_reduce_delay == 1 and precision in ("fp16-mixed", "dynamic"):
         # The loss scale of step t-1's gradient is not the one step t unscales with.
         raise ConfigError(f"config key 'compression.host_reduce_delay' = 1 does not work with precision.policy = "
@@ -69,7 +69,8 @@ def build_compressor(section: CompressionSection, dims, group: dist.ProcessGroup
         from trainforge.compression.host_reduce import HostReduce, host_process_group
 
         inner = GradientCompressor(section, host_process_group(dims), torch.device("cpu"), seed=seed, log=log)
-        return HostReduce(inner, section.host_reduce_delay, device, micro_batches)
+        # Under HSDP FSDP2's hooks see each micro-batch's reduced shard, not the accumulated one.
+        return HostReduce(inner, section.host_reduce_delay, device, micro_batches, per_micro_batch=dims.dp_shard > 1)
     if section.codec == "none" or dims.dp_replicate == 1 or group is None:
         return None
     if section.codec == "powersgd":

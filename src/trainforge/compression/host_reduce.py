@@ -16,14 +16,19 @@ gloo group of its own, while the training thread computes:
   does this literally.
 - ``host_reduce_delay = 0``: the hook returns a future the host thread completes; DDP
   waits for all of them at the end of the backward. Same update as the on-device
-  reduction (bit for bit on CPU); only the rest of the backward overlaps.
+  reduction (bit for bit on CPU); only the rest of the backward overlaps. (FSDP2's hook
+  is synchronous: under HSDP delay 0 waits in the hook, and nothing overlaps.)
 
-Hierarchy: the intra-node axis (``dp_shard``) stays on the device; only ``dp_replicate``
-crosses the host. Today the layout must be plain DDP (one rank per "node").
+Hierarchy: the intra-node axis stays on the device: under HSDP, FSDP2 reduce-scatters
+over ``dp_shard`` as usual and its all-reduce hook hands each unit's shard of the
+gradient to the host thread for the ``dp_replicate`` axis. Under DDP every rank is one
+"node".
 
-With ``grad_accum_steps`` = k the gradient is accumulated on the device over the first
-k-1 micro-batches (their hooks hand the bucket back unreduced) and reduced once, after
-the last: one inter-node reduction per step instead of k.
+Micro-batches (``grad_accum_steps`` = k): under DDP the gradient accumulates on the
+device over the first k-1 micro-batches (their hooks hand the bucket back unreduced)
+and is reduced once, after the last: one inter-node reduction per step instead of k.
+FSDP2 adds each micro-batch's reduced shard into the gradient after the hook, so there
+every micro-batch is reduced, under its own key (``unit#2``...).
 
 A checkpoint waits for the reduction in flight and saves its result with the
 compressor's state (per rank, ``compression/rank_NNNNN.pt``), so resume is exact. A
@@ -99,14 +104,16 @@ class HostReduce:
 
     ``inner``: a ``GradientCompressor`` over a host gloo group (``host_process_group``) on
     the CPU; ``device``: where the gradients live; ``micro_batches``: the trainer's
-    ``grad_accum_steps``. Presents the compressor interface the trainer's component
+    ``grad_accum_steps``; ``per_micro_batch``: reduce every micro-batch (FSDP2's hooks)
+    instead of accumulating on the device first (DDP's). Presents the compressor interface the trainer's component
     uses (``end_step``, ``window_stats``, ``state_dict``, ``load_state_dict``) plus
     ``update_ready()``: whether this step's gradients are real (False on the first
     step with delay 1)."""
 
-    def __init__(self, inner: GradientCompressor, delay: int, device: torch.device, micro_batches: int = 1):
+    def __init__(self, inner: GradientCompressor, delay: int, device: torch.device, micro_batches: int = 1,
+                 per_micro_batch: bool = False):
         self.inner, self.delay, self.device = inner, delay, device
-        self.micro_batches = max(1, micro_batches)
+        self.micro_batches, self.per_micro_batch = max(1, micro_batches), per_micro_batch
         self.bypass = False  # DDP's bucket priming: hand buckets back untouched
         self._worker = _Worker()
         self._inflight: dict[str, Future] = {}  # key -> the mean of the last gradient handed over (delay 1)
@@ -116,10 +123,16 @@ class HostReduce:
 
     # -- the hook's side (training thread) ------------------------------------------------
 
-    def _last_micro_batch(self, key: str) -> bool:
+    def _step_key(self, key: str) -> str | None:
+        """The key of this call's reduction; None: hand the bucket back unreduced (an
+        earlier micro-batch under DDP, or DDP's bucket priming)."""
+        if self.bypass:
+            return None
         n = self._calls.get(key, 0) + 1
         self._calls[key] = n
-        return n >= self.micro_batches
+        if self.per_micro_batch:
+            return key if n == 1 else f"{key}#{n}"
+        return key if n >= self.micro_batches else None
 
     def _submit(self, key: str, flat: torch.Tensor) -> Future:
         # A copy in host memory: DDP refills the bucket at the next backward.
@@ -128,9 +141,13 @@ class HostReduce:
 
     def all_reduce_mean(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         """delay 1: hand ``flat`` (this step's gradient) to the host thread and return the
-        mean of the previous one under ``key`` (zeros if there is none)."""
-        if self.bypass or not self._last_micro_batch(key):
+        mean of the previous one under ``key`` (zeros if there is none). delay 0 (FSDP2's
+        synchronous hook): the mean of ``flat``, waited for."""
+        key = self._step_key(key)
+        if key is None:
             return flat
+        if self.delay == 0:
+            return self._submit(key, flat).result().to(device=flat.device, dtype=flat.dtype)
         previous = self._inflight.get(key)
         self._inflight[key] = self._submit(key, flat)
         mean = previous.result() if previous is not None else None
@@ -143,7 +160,8 @@ class HostReduce:
         """delay 0: a future of the mean of ``flat``, completed by the host thread."""
         # A future holding device tensors must name the device.
         fut: torch.futures.Future = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
-        if self.bypass or not self._last_micro_batch(key):
+        key = self._step_key(key)
+        if key is None:
             fut.set_result(flat)
             return fut
 

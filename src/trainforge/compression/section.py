@@ -29,7 +29,7 @@ class CompressionSection:
     stochastic_rounding: bool = _f(False, "round quantised values stochastically (unbiased) instead of to nearest")
     powersgd_rank: int = _f(4, "powersgd: rank of the low-rank approximation")
     host_reduce: bool = _f(False, "run the dp_replicate (inter-node) reduction from host memory on a host thread, "
-                                  "with this codec (none = fp32), overlapping compute; plain DDP only")
+                                  "with this codec (none = fp32), overlapping compute; DDP or HSDP")
     host_reduce_delay: int = _f(1, "host_reduce: 1 = the update of step t applies the mean gradient of step t-1 "
                                    "(its reduction overlaps step t's forward and backward; the first step applies "
                                    "no update); 0 = the update applies its own step's gradient (the reduction "
