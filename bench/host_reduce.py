@@ -4,6 +4,7 @@ compressed all-reduce, on the shaped link of ``bench/grad_compression.py``.
     python bench/host_reduce.py                     # 100mbit, 3 rounds, step time only (~6 min on 2 cores)
     python bench/host_reduce.py --rates 100mbit,1gbit --rounds 5
     python bench/host_reduce.py --convergence       # + final validation loss over 3 seeds (~4 min more)
+    python bench/host_reduce.py --convergence --skip-timing
     python bench/host_reduce.py --json out.json
 
 The setup is grad_compression.py's (the real CLI under ``torchrun``, gloo, 2 ranks,
@@ -111,6 +112,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=21, help="steps per timed run (windows of 4 after the first)")
     ap.add_argument("--convergence", action="store_true", help="also final val loss over seeds (unshaped)")
+    ap.add_argument("--skip-timing", action="store_true", help="convergence only")
     ap.add_argument("--conv-steps", type=int, default=150)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
@@ -122,7 +124,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": os.getloadavg(),
               "command": " ".join(["python", "bench/host_reduce.py", *sys.argv[1:]]), "links": []}
     with tempfile.TemporaryDirectory(prefix="tf-hr-") as tmp:
-        for rate in args.rates.split(","):
+        for rate in [] if args.skip_timing else args.rates.split(","):
             print(f"step time at {rate}:", flush=True)
             report["links"].append(step_time_table(rate, args.rounds, args.steps, data, Path(tmp)))
         if args.convergence:
