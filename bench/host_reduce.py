@@ -102,6 +102,7 @@ def step_time_table(rate: str, rounds: int, steps: int, data: Path, tmp: Path) -
                           "ms_median": 1e3 * statistics.median(r["step_s"] for r in results[variant]),
                           "speedup_median": statistics.median(ratios), "speedup_min": min(ratios),
                           "speedup_max": max(ratios), "wire_ratio": results[variant][-1]["wire_ratio"],
+                          "wire_bytes_per_step": results[variant][-1]["wire_bytes_per_step"],
                           "max_other_cpu": max(r["other_cpu"] for r in results[variant])}
     return {"link": label, "qdisc_drops": drops, "variants": table}
 
