@@ -100,15 +100,16 @@ class _Worker:
 
 
 class HostReduce:
-    """The ``[compression]`` reduction of DDP buckets, run by a host thread.
+    """The ``[compression]`` reduction of DDP buckets (or FSDP2 units' shards), run by a
+    host thread.
 
     ``inner``: a ``GradientCompressor`` over a host gloo group (``host_process_group``) on
     the CPU; ``device``: where the gradients live; ``micro_batches``: the trainer's
     ``grad_accum_steps``; ``per_micro_batch``: reduce every micro-batch (FSDP2's hooks)
-    instead of accumulating on the device first (DDP's). Presents the compressor interface the trainer's component
-    uses (``end_step``, ``window_stats``, ``state_dict``, ``load_state_dict``) plus
-    ``update_ready()``: whether this step's gradients are real (False on the first
-    step with delay 1)."""
+    instead of accumulating on the device first (DDP's). Presents the compressor
+    interface the trainer's component uses (``end_step``, ``window_stats``,
+    ``state_dict``, ``load_state_dict``) plus ``update_ready()``: whether this step's
+    gradients are real (False on the first step with delay 1)."""
 
     def __init__(self, inner: GradientCompressor, delay: int, device: torch.device, micro_batches: int = 1,
                  per_micro_batch: bool = False):
