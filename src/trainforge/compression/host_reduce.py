@@ -121,6 +121,7 @@ class HostReduce:
         self._calls: dict[str, int] = {}  # hook calls per key this step (micro-batches)
         self._missing = False  # some bucket had no earlier mean this step: apply no update
         self._step_stats: list[dict[str, Any]] = []  # one entry per step whose reductions finished
+        self._stats_lock = threading.Lock()
 
     # -- the hook's side (training thread) ------------------------------------------------
 
@@ -189,14 +190,17 @@ class HostReduce:
 
         def finish() -> None:
             self.inner.end_step()
-            self._step_stats.append(self.inner.window_stats())
+            stats = self.inner.window_stats()
+            with self._stats_lock:
+                self._step_stats.append(stats)
 
         self._worker.submit(finish)
 
     def window_stats(self) -> dict[str, Any]:
         """Wire figures of the steps whose reductions finished since the last call (with
         delay 1, the window's last step is usually still in flight and counts next time)."""
-        done, self._step_stats = self._step_stats, []
+        with self._stats_lock:
+            done, self._step_stats = self._step_stats, []
         if not done:
             return {}
         sent = sum(s["wire_bytes_per_step"] for s in done)
