@@ -53,12 +53,12 @@ INT4 = ["--compression.codec", "int4", "--compression.warmup_steps", "0"]
 HOST = ["--compression.host_reduce", "true"]
 VARIANTS: dict[str, list[str]] = {
     "device": INT4,
-    "host, delay 1": [*INT4, *HOST],
+    "host, delay 1": [*INT4, *HOST, "--compression.host_reduce_delay", "1"],
     "host, delay 0": [*INT4, *HOST, "--compression.host_reduce_delay", "0"],
 }
 BASELINE = "device"
 # For --convergence: grad_compression.convergence runs codecs by name from its CODECS table.
-CONV = {"host int4+EF delay 1": ["--compression.codec", "int4", *HOST]}
+CONV = {"host int4+EF delay 1": ["--compression.codec", "int4", *HOST, "--compression.host_reduce_delay", "1"]}
 
 
 def run_variant(link, run_dir: Path, data: Path, variant: str, steps: int) -> dict:

@@ -41,14 +41,16 @@ LAYOUTS = {
                              "--compression.codec", "adaptive"]),
     # The host thread's reduction, one step delayed (compression.host_reduce).
     "ddp2-host-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
-                           "--compression.host_reduce", "true"]),
+                           "--compression.host_reduce", "true",
+                           "--compression.host_reduce_delay", "1"]),
     # Intra-node reduce-scatter on the device, inter-node from the host: delay 0 must equal
     # hsdp2x2-adaptive to the last bit (test below), delay 1 keeps the replicas in sync.
     "hsdp2x2-host0-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
                                    "--compression.codec", "adaptive", "--compression.host_reduce", "true",
                                    "--compression.host_reduce_delay", "0"]),
     "hsdp2x2-host-int4": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
-                              "--compression.codec", "int4", "--compression.host_reduce", "true"]),
+                              "--compression.codec", "int4", "--compression.host_reduce", "true",
+                              "--compression.host_reduce_delay", "1"]),
     "pp2-dp2-int4": (4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.pp_split", "even",
                          "--compression.codec", "int4"]),
 }
@@ -105,7 +107,8 @@ RESUME_LAYOUTS = {
                              "--compression.codec", "adaptive", "--compression.target_rel_error", "0.05"]),
     # Exact only if the reduced gradient in flight at the checkpoint is saved with it.
     "ddp2-host-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
-                           "--compression.host_reduce", "true"]),
+                           "--compression.host_reduce", "true",
+                           "--compression.host_reduce_delay", "1"]),
 }
 
 

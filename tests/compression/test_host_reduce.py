@@ -38,7 +38,7 @@ def dims(rep: int, shard: int = 1, tp: int = 1) -> ParallelDims:
 
 
 def test_host_reduce_refuses_what_it_cannot_do_by_name():
-    on = CompressionSection(codec="int4", host_reduce=True)
+    on = CompressionSection(codec="int4", host_reduce=True, host_reduce_delay=1)
     assert check_compression(on, dims(2), "ddp") is None
     assert "has no effect" in check_compression(on, dims(1), "none")
     assert check_compression(on, dims(2, 2), "hsdp") is None

@@ -30,10 +30,10 @@ class CompressionSection:
     powersgd_rank: int = _f(4, "powersgd: rank of the low-rank approximation")
     host_reduce: bool = _f(False, "run the dp_replicate (inter-node) reduction from host memory on a host thread, "
                                   "with this codec (none = fp32), overlapping compute; DDP or HSDP")
-    host_reduce_delay: int = _f(1, "host_reduce: 1 = the update of step t applies the mean gradient of step t-1 "
-                                   "(its reduction overlaps step t's forward and backward; the first step applies "
-                                   "no update); 0 = the update applies its own step's gradient (the reduction "
-                                   "overlaps only the rest of the backward)")
+    host_reduce_delay: int = _f(0, "host_reduce: 0 = the update applies its own step's gradient (the reduction "
+                                   "overlaps only the rest of the backward); 1 = the update of step t applies the "
+                                   "mean gradient of step t-1 (its reduction overlaps step t's forward and "
+                                   "backward; the first step applies no update; costs loss, see the docs)")
 
     def validate(self) -> None:
         _require(self.block_size >= 8 and self.block_size % 8 == 0, "compression.block_size", self.block_size,
