@@ -9,9 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.parallel.torchrun import run_torchrun
+from trainforge.compression.compressor import PENDING_KEY, GradientCompressor
 from trainforge.compression.hooks import check_compression
+from trainforge.compression.host_reduce import HostReduce
 from trainforge.compression.section import CompressionSection
 from trainforge.errors import ConfigError
 from trainforge.parallel.dims import ParallelDims
@@ -52,3 +55,40 @@ def test_host_reduce_refuses_what_it_cannot_do_by_name():
                 CompressionSection(host_reduce=True, codec="powersgd")):
         with pytest.raises(ConfigError, match="compression.host_reduce"):
             bad.validate()
+
+
+class _TwoRanks:
+    """Stands in for a 2-rank group where no collective runs (loading state only)."""
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+def _host(delay: int):
+    sec = CompressionSection(codec="int4", warmup_steps=0, host_reduce=True, host_reduce_delay=delay)
+    return HostReduce(GradientCompressor(sec, _TwoRanks(), torch.device("cpu")), delay, torch.device("cpu"))
+
+
+def _saved(pending: dict) -> dict:
+    state = GradientCompressor(CompressionSection(codec="int4"), _TwoRanks(), torch.device("cpu")).state_dict()
+    return {**state, PENDING_KEY: pending} if pending else state
+
+
+def test_a_resumed_delayed_reduction_applies_the_saved_mean_first():
+    mean = torch.arange(6, dtype=torch.float32)
+    host = _host(1)
+    assert host.load_state_dict(_saved({"ddp.0": mean})) is None
+    # The hook's first call returns the checkpoint's pending mean, not this step's gradient.
+    assert torch.equal(host.all_reduce_mean("ddp.0", torch.ones(6)), mean) and host.update_ready()
+
+
+def test_switching_host_reduce_on_or_off_at_resume_warns_what_is_lost():
+    host = _host(1)
+    assert "first step applies no update" in host.load_state_dict(_saved({}))
+    assert "dropped" in _host(0).load_state_dict(_saved({"ddp.0": torch.zeros(6)}))
+    device = GradientCompressor(CompressionSection(codec="int4"), _TwoRanks(), torch.device("cpu"))
+    assert "dropped" in device.load_state_dict(_saved({"ddp.0": torch.zeros(6)}))
+    assert device.load_state_dict(_saved({})) is None
