@@ -39,6 +39,18 @@ LAYOUTS = {
     "ddp2-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4"]),
     "hsdp2x2-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
                              "--compression.codec", "adaptive"]),
+    # The host thread's reduction, one step delayed (compression.host_reduce).
+    "ddp2-host-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
+                           "--compression.host_reduce", "true",
+                           "--compression.host_reduce_delay", "1"]),
+    # Intra-node reduce-scatter on the device, inter-node from the host: delay 0 must equal
+    # hsdp2x2-adaptive to the last bit (test below), delay 1 keeps the replicas in sync.
+    "hsdp2x2-host0-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
+                                   "--compression.codec", "adaptive", "--compression.host_reduce", "true",
+                                   "--compression.host_reduce_delay", "0"]),
+    "hsdp2x2-host-int4": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
+                              "--compression.codec", "int4", "--compression.host_reduce", "true",
+                              "--compression.host_reduce_delay", "1"]),
     "pp2-dp2-int4": (4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.pp_split", "even",
                          "--compression.codec", "int4"]),
 }
@@ -81,11 +93,22 @@ def test_replicas_stay_bit_identical_and_report_wire_bytes(layout, sync_runs):
     assert first["wire_ratio_vs_fp32"] > 0.5
 
 
+def test_host_reduce_without_delay_under_hsdp_equals_the_device_reduction(sync_runs):
+    root, get = sync_runs
+    get(4)
+    got, want = losses(root / "hsdp2x2-host0-adaptive"), losses(root / "hsdp2x2-adaptive")
+    assert len(want) == 8 and got == want  # tolerance 0: the same reduction, on the host thread
+
+
 RESUME_LAYOUTS = {
     "ddp2-int4-ef": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
                          "--compression.stochastic_rounding", "true"]),
     "hsdp2x2-adaptive": (4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2",
                              "--compression.codec", "adaptive", "--compression.target_rel_error", "0.05"]),
+    # Exact only if the reduced gradient in flight at the checkpoint is saved with it.
+    "ddp2-host-int4": (2, ["--parallel.dp_replicate", "2", "--compression.codec", "int4",
+                           "--compression.host_reduce", "true",
+                           "--compression.host_reduce_delay", "1"]),
 }
 
 

@@ -24,6 +24,10 @@ from trainforge.compression.collective import ReduceInfo, compressed_all_reduce_
 from trainforge.compression.error_feedback import ErrorFeedback
 from trainforge.compression.section import CompressionSection
 
+# In a compressor's state saved with compression.host_reduce: bucket key -> the reduced
+# gradient of the checkpoint's last step, not yet applied (compression/host_reduce.py).
+PENDING_KEY = "host_reduce_pending"
+
 
 class GradientCompressor:
     """Compressed mean over ``group`` (the dp_replicate process group).
@@ -137,13 +141,18 @@ class GradientCompressor:
     def load_state_dict(self, state: dict[str, Any]) -> str | None:
         """Restore; returns a warning when residuals were dropped (another codec or group size)."""
         self.step = int(state["step"])
+        dropped = None
+        if state.get(PENDING_KEY):
+            dropped = ("the checkpoint holds the reduced gradient of its last step, not yet applied "
+                       "(saved with compression.host_reduce); without it that gradient is dropped")
         same = state.get("codec") == self.section.codec and state.get("group_size") == self.group.size()
         if not same:
-            return (f"compression state saved with codec {state.get('codec')} over {state.get('group_size')} "
-                    f"ranks; now {self.section.codec} over {self.group.size()}: residuals and bit widths start "
-                    "afresh (the first steps differ slightly from an uninterrupted run)")
+            afresh = (f"compression state saved with codec {state.get('codec')} over {state.get('group_size')} "
+                      f"ranks; now {self.section.codec} over {self.group.size()}: residuals and bit widths start "
+                      "afresh (the first steps differ slightly from an uninterrupted run)")
+            return f"{afresh}; {dropped}" if dropped else afresh
         self.feedback.load_state_dict(state["residuals"], self.device)
         self.bits_ctl.load_state_dict(state["adaptive"])
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
-        return None
+        return dropped

@@ -8,6 +8,8 @@
   only the inter-node axis, where bandwidth is scarce, carries compressed bytes. It
   composes with TP (the hook sees the local shard) and PP (each stage's units hook).
 - PowerSGD: PyTorch's own hook, as a baseline; DDP only.
+- Host reduce (``compression.host_reduce``): the DDP hook, or under HSDP FSDP2's
+  all-reduce hook, hands gradients to a host thread (``host_reduce.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from trainforge.compression.section import CompressionSection
 from trainforge.errors import ConfigError
 
 
-def check_compression(section: CompressionSection, dims, kind: str) -> str | None:
+def check_compression(section: CompressionSection, dims, kind: str, precision: str = "fp32") -> str | None:
     """Validate ``[compression]`` against the layout before any collective.
-    ``kind``: the data-parallel kind (none, ddp, fsdp, hsdp). Returns a warning when
-    compression is configured but has nothing to compress."""
+    ``kind``: the data-parallel kind (none, ddp, fsdp, hsdp); ``precision``: the
+    ``precision.policy`` preset. Returns a warning when compression is configured but
+    has nothing to compress."""
+    if section.host_reduce:
+        return _check_host_reduce(section, dims, kind, precision)
     if section.codec == "none":
         return None
     if dims.dp_replicate == 1:
@@ -39,9 +44,33 @@ def check_compression(section: CompressionSection, dims, kind: str) -> str | Non
     return None
 
 
+def _check_host_reduce(section: CompressionSection, dims, kind: str, precision: str) -> str | None:
+    if dims.dp_replicate == 1:
+        return ("compression.host_reduce = true has no effect: it reduces over the dp_replicate axis and "
+                "parallel.dp_replicate = 1 (set --parallel.dp_replicate N, e.g. one per node)")
+    if kind not in ("ddp", "hsdp") or dims.tp > 1 or dims.pp > 1:
+        raise ConfigError(f"config key 'compression.host_reduce' = true works with DDP or HSDP only (layout is "
+                          f"{kind} with tp {dims.tp}, pp {dims.pp}: parallel.tp and parallel.pp must be 1); set "
+                          "compression.host_reduce = false to compress on the device under TP or PP")
+    if section.host_reduce_delay == 1 and precision in ("fp16-mixed", "dynamic"):
+        # The loss scale of step t-1's gradient is not the one step t unscales with.
+        raise ConfigError(f"config key 'compression.host_reduce_delay' = 1 does not work with precision.policy = "
+                          f"{precision!r} (loss scaling would unscale a gradient scaled one step earlier); use "
+                          "compression.host_reduce_delay = 0, or precision.policy = 'bf16-mixed' or 'fp32'")
+    return None
+
+
 def build_compressor(section: CompressionSection, dims, group: dist.ProcessGroup | None, device: torch.device,
-                     seed: int, log=None):
-    """The compressor for the dp_replicate ``group`` (None when there is nothing to do)."""
+                     seed: int, log=None, micro_batches: int = 1):
+    """The compressor for the dp_replicate ``group`` (None when there is nothing to do).
+    With ``host_reduce`` (collective: it makes the host thread's gloo groups), a
+    ``HostReduce``; ``micro_batches``: the trainer's ``grad_accum_steps``."""
+    if section.host_reduce and dims.dp_replicate > 1 and group is not None:
+        from trainforge.compression.host_reduce import HostReduce, host_process_group
+
+        inner = GradientCompressor(section, host_process_group(dims), torch.device("cpu"), seed=seed, log=log)
+        # Under HSDP FSDP2's hooks see each micro-batch's reduced shard, not the accumulated one.
+        return HostReduce(inner, section.host_reduce_delay, device, micro_batches, per_micro_batch=dims.dp_shard > 1)
     if section.codec == "none" or dims.dp_replicate == 1 or group is None:
         return None
     if section.codec == "powersgd":
@@ -52,6 +81,10 @@ def build_compressor(section: CompressionSection, dims, group: dist.ProcessGroup
 def attach_to_ddp(model: DistributedDataParallel, compressor, device: torch.device) -> None:
     if isinstance(compressor, PowerSGDBaseline):
         model.register_comm_hook(compressor, _powersgd_hook)
+        return
+    if getattr(compressor, "delay", None) == 0:  # HostReduce: DDP waits for the host thread's futures
+        model.register_comm_hook(compressor, _host_async_hook)
+        prime_ddp_buckets(model, compressor, device)
         return
     register_ddp_hook(model, compressor)
     prime_ddp_buckets(model, compressor, device)
@@ -65,6 +98,11 @@ def _ddp_hook(compressor, bucket):  # no annotations: DDP compares them to the r
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(out)
     return fut
+
+
+def _host_async_hook(reducer, bucket):  # unannotated: see _ddp_hook
+    # The host thread runs the collective on its own gloo group, not in a future callback.
+    return reducer.reduce_async(f"ddp.{bucket.index()}", bucket.buffer())
 
 
 def _powersgd_hook(baseline, bucket):  # unannotated: see _ddp_hook

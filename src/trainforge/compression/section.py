@@ -28,6 +28,12 @@ class CompressionSection:
     topk_ratio: float = _f(0.01, "topk: fraction of values kept per chunk")
     stochastic_rounding: bool = _f(False, "round quantised values stochastically (unbiased) instead of to nearest")
     powersgd_rank: int = _f(4, "powersgd: rank of the low-rank approximation")
+    host_reduce: bool = _f(False, "run the dp_replicate (inter-node) reduction from host memory on a host thread, "
+                                  "with this codec (none = fp32), overlapping compute; DDP or HSDP")
+    host_reduce_delay: int = _f(0, "host_reduce: 0 = the update applies its own step's gradient (the reduction "
+                                   "overlaps only the rest of the backward); 1 = the update of step t applies the "
+                                   "mean gradient of step t-1 (its reduction overlaps step t's forward and "
+                                   "backward; the first step applies no update; costs loss, see the docs)")
 
     def validate(self) -> None:
         _require(self.block_size >= 8 and self.block_size % 8 == 0, "compression.block_size", self.block_size,
@@ -41,4 +47,8 @@ class CompressionSection:
         _require(math.isfinite(self.target_rel_error) and self.target_rel_error > 0, "compression.target_rel_error",
                  self.target_rel_error, "a number > 0")
         _require(0.0 < self.topk_ratio <= 1.0, "compression.topk_ratio", self.topk_ratio, "a number in (0, 1]")
+        _require(self.host_reduce_delay in (0, 1), "compression.host_reduce_delay", self.host_reduce_delay, "0 or 1")
+        _require(not (self.host_reduce and self.codec == "powersgd"), "compression.host_reduce", self.host_reduce,
+                 "false with compression.codec = 'powersgd' (PyTorch's hook reduces on the device); use a codec "
+                 "of trainforge's own (none, int8, int4, adaptive, topk, topk+int4)")
         _require(self.powersgd_rank >= 1, "compression.powersgd_rank", self.powersgd_rank, "an integer >= 1")

@@ -83,7 +83,7 @@ def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log:
     note = check_schedule_layout(tcfg, cfg.parallel, cfg.data.augment.transforms)  # training.seq_len_schedule
     if note and log is not None:
         log.info(note)
-    warning = check_compression(cfg.compression, dims, data_parallel_kind(dims))
+    warning = check_compression(cfg.compression, dims, data_parallel_kind(dims), cfg.precision.policy)
     if warning and log is not None:
         log.warning(warning)
     # Resolved identically on every rank (a hardware probe, agreed by one all-reduce

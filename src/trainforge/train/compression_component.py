@@ -11,14 +11,21 @@ from trainforge.train.component import Component
 
 
 class CompressionComponent(Component):
-    """``compressor``: a ``GradientCompressor`` or ``PowerSGDBaseline`` (``end_step``,
-    ``window_stats``, ``state_dict``, ``load_state_dict`` returning a warning or None)."""
+    """``compressor``: a ``GradientCompressor``, ``HostReduce`` or ``PowerSGDBaseline``
+    (``end_step``, ``window_stats``, ``state_dict``, ``load_state_dict`` returning a
+    warning or None; optionally ``update_ready()``: False rejects this step's update)."""
 
     name = "compression"
     per_rank = True
 
     def __init__(self, compressor: Any, warn: Callable[[str], None] | None = None):
         self.compressor, self.warn = compressor, warn
+        if not hasattr(compressor, "update_ready"):
+            self.before_optimizer_step = None  # the registry then skips the hook
+
+    def before_optimizer_step(self, loop: Any, loss: Any, grad_norm: Any) -> bool:
+        # compression.host_reduce_delay = 1: the first step has no reduced gradient to apply.
+        return self.compressor.update_ready()
 
     def on_step_end(self, loop: Any, step: int) -> None:
         self.compressor.end_step()  # advances the warm-up, counts the window

@@ -120,7 +120,8 @@ class Trainer:
         self.model_loss = build_loss(tcfg, self.model_config)
         self.compressor = build_compressor(cfg.compression, self.dims,
                                            self.mesh["dp_replicate"].get_group() if self.mesh else None,
-                                           self.device, tcfg.seed, log=self.log.info if self.is_main else None)
+                                           self.device, tcfg.seed, log=self.log.info if self.is_main else None,
+                                           micro_batches=tcfg.grad_accum_steps)
         stack = build_model_stack(cfg, self.model_config, self.dims, self.mesh, self.device, policy, self.compressor,
                                   pp_layout, lambda inputs, targets: self._loss(inputs, targets),
                                   self.log if self.is_main else None, model_loss=self.model_loss,
