@@ -23,6 +23,12 @@ from trainforge.train.component import Component
 from trainforge.train.offload_optimizer import OffloadAdamW
 
 
+def optimizer_device(section: Any, device: torch.device) -> torch.device:
+    """Where the optimizer's update runs, for picking its kernel: the host under FSDP2's
+    CPUOffloadPolicy (the sharded parameters live there), else ``device``."""
+    return torch.device("cpu") if section.optimizer and section.mode == "fsdp" else device
+
+
 def offload_optimizers(optimizers: list[torch.optim.Optimizer], section: Any, model: torch.nn.Module,
                        layout: Any, micro_batches: int) -> list[torch.optim.Optimizer]:
     """``optimizers`` unchanged unless ``section`` (``[offload]``) turns trainforge's offload on;
