@@ -43,16 +43,30 @@ def train_steps(cfg, run_dir, steps=STEPS):
     return losses, norms, weights, opt
 
 
+BF16 = ["--precision.policy", "bf16-mixed", "--precision.param_dtype", "bf16"]  # bf16 weights, fp32 masters
+
+
 @pytest.fixture(scope="module")
-def device_run(small_data, tmp_path_factory):
-    return train_steps(debug_config(small_data, *SMALL), tmp_path_factory.mktemp("device"))
+def device_runs(small_data, tmp_path_factory):
+    """AdamW on the device, per precision (made on first use)."""
+    made = {}
+
+    def get(precision: tuple[str, ...]):
+        if precision not in made:
+            made[precision] = train_steps(debug_config(small_data, *SMALL, *precision), tmp_path_factory.mktemp("dev"))
+        return made[precision]
+    return get
 
 
-@pytest.mark.parametrize("extra", [[], ["--offload.fraction", "0.5", "--offload.threads", "2",
-                                        "--offload.bucket_mb", "0.05"]], ids=["all", "half-2threads-buckets"])
-def test_offload_matches_adamw_on_the_device(tmp_path, small_data, device_run, extra):
-    losses, norms, weights, opt = train_steps(debug_config(small_data, *SMALL, "--offload.optimizer", "true", *extra),
-                                              tmp_path)
+@pytest.mark.parametrize("extra,precision", [
+    ([], ()),
+    (["--offload.fraction", "0.5", "--offload.threads", "2", "--offload.bucket_mb", "0.05"], ()),
+    ([], tuple(BF16)),
+], ids=["all", "half-2threads-buckets", "bf16-weights"])
+def test_offload_matches_adamw_on_the_device(tmp_path, small_data, device_runs, extra, precision):
+    device_run = device_runs(precision)
+    losses, norms, weights, opt = train_steps(
+        debug_config(small_data, *SMALL, *precision, "--offload.optimizer", "true", *extra), tmp_path)
     assert isinstance(opt, OffloadAdamW) and opt.buckets
     if extra:
         assert len(opt.buckets) > 2 and opt._inner is not None  # several buckets, part of the state on the device
@@ -197,12 +211,17 @@ def _fit(cfg, run_dir, resume=False, callbacks=None):
         t.close()
 
 
-@pytest.mark.parametrize("first,second", [("false", "true"), ("true", "false")])
+@pytest.mark.parametrize("first,second", [("false", "true"), ("true", "false"), ("delay1", "delay1")])
 def test_resume_across_offload_on_and_off_is_exact(tmp_path, small_data, first, second):
+    """Off -> on and on -> off continue the plain run exactly; a delay-1 run resumed from its
+    step-10 checkpoint continues the uninterrupted delay-1 run exactly (the checkpoint landed
+    the pending update in both)."""
     extra = [*SMALL, "--training.steps", str(STEPS), "--checkpoint.interval", "10"]
-    _fit(debug_config(small_data, *extra), tmp_path / "plain")
-    _fit(debug_config(small_data, *extra, "--offload.optimizer", first), tmp_path / "b", callbacks=[StopAt(10)])
-    _fit(debug_config(small_data, *extra, "--offload.optimizer", second), tmp_path / "b", resume=True)
+    opts = {"false": [], "true": ["--offload.optimizer", "true"],
+            "delay1": ["--offload.optimizer", "true", "--offload.delay", "1"]}
+    _fit(debug_config(small_data, *extra, *(opts["delay1"] if first == "delay1" else [])), tmp_path / "plain")
+    _fit(debug_config(small_data, *extra, *opts[first]), tmp_path / "b", callbacks=[StopAt(10)])
+    _fit(debug_config(small_data, *extra, *opts[second]), tmp_path / "b", resume=True)
     assert _losses(tmp_path / "plain") == _losses(tmp_path / "b")
     a, b = _final(tmp_path / "plain"), _final(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
