@@ -53,6 +53,7 @@ class _Bucket:
     exp_avg_sq: torch.Tensor
     grads: list[torch.Tensor]       # (N,) fp32 host, one per in-flight step (2 with delay = 1)
     steps: list[int] = field(default_factory=list)
+    copied_back: Any = None         # CUDA: event after the last copy of the master to the device
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = _local(self.params[i])
@@ -92,7 +93,9 @@ class OffloadAdamW(torch.optim.Optimizer):
         self.buckets = self._make_buckets(on_device, bucket_mb)
         self._slot = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._reload_masters()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-update")
+        # CUDA's current device is per thread: the update threads copy to this rank's device.
+        init = (lambda: torch.cuda.set_device(device)) if self._cuda else None
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="offload-update", initializer=init)
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
         self._copy_futures: list[Future] = []
         self._copy_events: list[Any] = []
@@ -234,16 +237,17 @@ class OffloadAdamW(torch.optim.Optimizer):
         self._clip_coef = None
         if self.delay == 0:
             for f in futures:
-                f.result()
+                self._publish(*f.result())
         else:
-            self._pending, self._pending_buckets = futures, [f_b for f_b in self.buckets]
+            self._pending, self._pending_buckets = futures, list(self.buckets)
             self._parity ^= 1
 
     @torch.no_grad()  # grad mode is per thread: this runs on an update thread
     def _update(self, b: _Bucket, work: list, parity: int, hyper: tuple, coef: torch.Tensor | None,
                 events: list, copy_back: bool) -> None:
-        for e in events:
-            e.synchronize()
+        for e in [*events, b.copied_back]:
+            if e is not None:
+                e.synchronize()
         grads = b.grads[parity]
         coef = coef.cpu() if coef is not None else None
         for i, dev_grad in work:
@@ -261,17 +265,18 @@ class OffloadAdamW(torch.optim.Optimizer):
                                  b.view(b.exp_avg_sq, i), b.steps[i] + 1, lr, betas, eps, wd)
         for i in idx:
             b.steps[i] += 1
-            self._publish(b, i)
         if copy_back:
             self._copy_back(b)
+        return b, idx
 
-    def _publish(self, b: _Bucket, i: int) -> None:
-        p = b.params[i]
-        st = self.state[p]
-        if "exp_avg" not in st or st["exp_avg"].data_ptr() != b.view(b.exp_avg, i).data_ptr():
-            st["exp_avg"], st["exp_avg_sq"] = b.view(b.exp_avg, i), b.view(b.exp_avg_sq, i)
-            st["step"] = torch.zeros((), dtype=torch.float32)
-        st["step"].fill_(b.steps[i])
+    def _publish(self, b: _Bucket, idx: list[int]) -> None:
+        """Show the updated state in ``self.state`` (on the loop's thread: the monitor reads it)."""
+        for i in idx:
+            st = self.state[b.params[i]]
+            if "exp_avg" not in st or st["exp_avg"].data_ptr() != b.view(b.exp_avg, i).data_ptr():
+                st["exp_avg"], st["exp_avg_sq"] = b.view(b.exp_avg, i), b.view(b.exp_avg_sq, i)
+                st["step"] = torch.zeros((), dtype=torch.float32)
+            st["step"].fill_(b.steps[i])
 
     @torch.no_grad()
     def _copy_back(self, b: _Bucket) -> None:
@@ -279,6 +284,8 @@ class OffloadAdamW(torch.optim.Optimizer):
             with torch.cuda.stream(self._side):
                 for i, p in enumerate(b.params):
                     _local(p).copy_(b.view(b.master, i), non_blocking=True)
+                b.copied_back = torch.cuda.Event()
+                b.copied_back.record()  # the next update of this master waits for it
             torch.cuda.current_stream().wait_stream(self._side)
         else:
             for i, p in enumerate(b.params):
@@ -288,7 +295,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         pending, buckets = self._pending, self._pending_buckets
         self._pending, self._pending_buckets = [], []
         for f in pending:
-            f.result()
+            self._publish(*f.result())
         for b in buckets:
             self._copy_back(b)
 
@@ -336,7 +343,7 @@ class OffloadAdamW(torch.optim.Optimizer):
                 b.view(b.exp_avg_sq, i).copy_(_local(st["exp_avg_sq"]))
                 b.steps[i] = int(_local(st["step"]).item())
                 self.state[p] = {}
-                self._publish(b, i)
+                self._publish(b, [i])
         self._reload_masters()  # the model loaded before its optimizer (dist_checkpoint._set_state)
 
     def close(self) -> None:
