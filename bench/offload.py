@@ -3,8 +3,8 @@
 
     python bench/offload.py                                   # CPU, one process: device, offload, offload-delay1
     python bench/offload.py --fsdp                            # CPU, torchrun 2 ranks: fsdp, fsdp-cpu-policy, fsdp-offload
-    python bench/offload.py --device cuda --flavor llama-1b --precision bf16-mixed --batch_size 4 \\
-        --seq_len 1024 --rounds 8 --steps_per_sample 3 --json /tmp/out/offload_gpu.json   # the GPU goal (one GPU)
+    python bench/offload.py --device cuda --flavor llama-1b --vocab 128256 --precision bf16-mixed \\
+        --batch_size 4 --seq_len 1024 --rounds 6 --steps_per_sample 3 --json $OUT/offload_gpu.json   # the GPU goal
 
 Every configuration is a real ``Trainer`` built in this process (same flavor, seed, data,
 batch); they take turns, one sample each per round, in a rotating order: a sample is
@@ -31,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -42,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.train_throughput import cpu_counters, cpu_model, load_note  # noqa: E402
 from trainforge.config import load_config  # noqa: E402
-from trainforge.data.prepare import PrepareOptions, prepare  # noqa: E402
+from bench.gpu_check import prepare_data  # noqa: E402
 from trainforge.train.offload_optimizer import OffloadAdamW  # noqa: E402
 from trainforge.train.trainer import Trainer  # noqa: E402
 
@@ -54,14 +53,9 @@ GOAL_RATIO, GOAL_SAVING = 1.10, 0.55
 
 
 def data_dir(root: Path, vocab: int) -> Path:
-    """A small prepared set (stdlib modules); no download."""
-    out = root / f"data{vocab}"
-    if not (out / "manifest.json").exists():
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = [str(stdlib / n) for n in ("argparse.py", "ast.py", "dataclasses.py", "enum.py", "typing.py",
-                                           "inspect.py", "pathlib.py", "functools.py")]
-        prepare(files, out, PrepareOptions(vocab_size=vocab, val_fraction=0.1), log=lambda *_: None)
-    return out
+    """Stdlib modules under a 512-token BPE padded with unused tokens to ``vocab`` (so a
+    llama-1b-shaped model gets its real 128256-row embedding and output); no download."""
+    return prepare_data(root, vocab)
 
 
 def config(args, data: Path, extra: list[str], fsdp: bool):
@@ -70,6 +64,7 @@ def config(args, data: Path, extra: list[str], fsdp: bool):
                               args.device, "--training.batch_size", str(args.batch_size), "--training.seq_len",
                               str(args.seq_len), "--training.steps", "100000", "--training.val_batches", "1",
                               "--training.warmup_steps", "10", "--precision.policy", args.precision,
+                              "--precision.param_dtype", args.param_dtype, "--checkpoint.interval", "0",
                               "--sample.max_new_tokens", "0", *layout, *extra])
 
 
@@ -141,6 +136,7 @@ def main() -> None:
     ap.add_argument("--flavor", default="debug")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--param_dtype", default="auto", help="precision.param_dtype (bf16: bf16 weights, fp32 masters)")
     ap.add_argument("--batch_size", type=int, default=4)
     ap.add_argument("--seq_len", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=2048)
