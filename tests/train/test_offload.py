@@ -242,3 +242,10 @@ def test_resume_across_offload_on_and_off_is_exact(tmp_path, small_data, first, 
 def test_unsupported_combinations_are_refused_by_key(extra, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, ["--offload.optimizer", "true", *extra])
+
+
+def test_fsdp_mode_on_one_process_is_refused_before_training(tmp_path, small_data):
+    """One process has no FSDP2 layout: FSDP2's policy would silently do nothing."""
+    with pytest.raises(ConfigError, match=r"offload\.mode.*dp_shard"):
+        Trainer(debug_config(small_data, "--offload.optimizer", "true", "--offload.mode", "fsdp"), tmp_path,
+                progress=False)

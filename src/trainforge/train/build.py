@@ -34,6 +34,7 @@ from trainforge.precision.policy import PrecisionPolicy, build_policy
 from trainforge.train.chunked_loss import check_chunked_loss
 from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout, compile_note
 from trainforge.train.mtp_loss import check_mtp_layout
+from trainforge.train.offload_section import check_offload_layout
 from trainforge.train.qat import check_qat
 from trainforge.train.seq_len_ladder import check_schedule_layout
 from trainforge.train.step_layout import LocalStep, LossFn, PipelineStep, StepLayout, pipeline_loss
@@ -80,6 +81,7 @@ def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log:
     check_chunked_loss(tcfg.loss_chunk_tokens, dims)
     check_mtp_layout(tcfg, model_config, dims)
     check_qat(cfg.qat, dims, model_config, compile=cfg.parallel.compile)
+    check_offload_layout(cfg.offload, data_parallel_kind(dims))
     note = check_schedule_layout(tcfg, cfg.parallel, cfg.data.augment.transforms)  # training.seq_len_schedule
     if note and log is not None:
         log.info(note)

@@ -55,6 +55,18 @@ class OffloadSection:
                          "use offload.mode = trainforge")
 
 
+FSDP_NEEDED = ("FSDP2's CPUOffloadPolicy needs an FSDP2 layout; set parallel.dp_shard > 1 (or -1 on several "
+               "processes with dp_replicate = 1), or use offload.mode = trainforge")
+
+
+def check_offload_layout(offload: OffloadSection, data_parallel: str) -> None:
+    """The layout check once the world size is known (``data_parallel``: ``none``, ``ddp``,
+    ``fsdp`` or ``hsdp``, from ``parallel.data_parallel.data_parallel_kind``)."""
+    if offload.optimizer and offload.mode == "fsdp" and data_parallel not in ("fsdp", "hsdp"):
+        raise ConfigError(f"config key 'offload.mode' = 'fsdp' cannot run on this layout (data parallelism: "
+                          f"{data_parallel}): {FSDP_NEEDED}")
+
+
 def check_offload(offload: OffloadSection, parallel: Any, compression: Any, precision: Any) -> None:
     """Refuse, by key, the combinations offload does not support (``Config.validate``)."""
     if not offload.optimizer:
@@ -65,10 +77,8 @@ def check_offload(offload: OffloadSection, parallel: Any, compression: Any, prec
                           f"(offload.mode = {offload.mode}): {why}")
 
     if offload.mode == "fsdp":
-        if parallel.dp_shard == 1 or (parallel.dp_shard == -1 and parallel.dp_replicate > 1
-                                      and parallel.tp == 1 and parallel.pp == 1):
-            refuse("parallel.dp_shard", parallel.dp_shard, "FSDP2's CPUOffloadPolicy needs an FSDP2 layout; set "
-                   "parallel.dp_shard > 1 (or leave it -1 with dp_replicate = 1), or use offload.mode = trainforge")
+        if parallel.dp_shard == 1:
+            refuse("parallel.dp_shard", parallel.dp_shard, FSDP_NEEDED)
         if compression.codec != "none":
             refuse("compression.codec", compression.codec, "the compressed FSDP2 hooks reduce device gradients; "
                    "set compression.codec = none")
