@@ -1,10 +1,10 @@
 """Optimizer offload: step time and memory of AdamW on the device, trainforge's offload
 (``delay`` 0 and 1) and, under FSDP2, FSDP2's own ``CPUOffloadPolicy`` (``offload.mode = fsdp``).
 
-    python bench/offload.py                                   # CPU, one process: device, offload, offload-delay1
-    python bench/offload.py --fsdp                            # CPU, torchrun 2 ranks: fsdp, fsdp-cpu-policy, fsdp-offload
+    python bench/offload.py          # CPU, one process: device, offload, offload-delay1
+    python bench/offload.py --fsdp   # CPU, torchrun 2 ranks: fsdp, fsdp-cpu-policy, fsdp-offload
     python bench/offload.py --device cuda --flavor llama-1b --vocab 128256 --precision bf16-mixed \\
-        --batch_size 4 --seq_len 1024 --rounds 6 --steps_per_sample 3 --json $OUT/offload_gpu.json   # the GPU goal
+        --batch_size 4 --seq_len 2048 --rounds 6 --steps_per_sample 3 --json /tmp/out/offload_gpu.json  # GPU goal
 
 Every configuration is a real ``Trainer`` built in this process (same flavor, seed, data,
 batch); they take turns, one sample each per round, in a rotating order: a sample is
