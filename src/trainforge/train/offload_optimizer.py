@@ -133,8 +133,7 @@ class OffloadAdamW(torch.optim.Optimizer):
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
 
         def buf() -> torch.Tensor:
-            t = torch.zeros(sum(sizes), dtype=torch.float32)
-            return t.pin_memory() if self._cuda else t
+            return torch.zeros(sum(sizes), dtype=torch.float32, pin_memory=self._cuda)
 
         return _Bucket(group, params, offsets, buf(), buf(), buf(), [buf() for _ in range(n_grads)],
                        steps=[0] * len(params))
@@ -221,14 +220,28 @@ class OffloadAdamW(torch.optim.Optimizer):
             self._inner.step()
         self._land()  # delay = 1: the previous step's update, now that this backward is done
         coef, parity = self._clip_coef, self._parity
+        if self._cuda:
+            # Everything the update threads read from the device is copied here, on the side stream:
+            # a blocking copy on an update thread would wait behind the next step's kernels.
+            late = [(p, b.view(b.grads[parity], i)) for b in self.buckets for i, p in enumerate(b.params)
+                    if p not in self._copied and p.grad is not None]
+            self._side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._side):
+                for p, dst in late:
+                    dst.copy_(_local(p.grad), non_blocking=True)
+                if coef is not None:
+                    coef = torch.empty((), dtype=coef.dtype, pin_memory=True).copy_(coef, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            self._copy_events.append(ready)
         ev = self._copy_events[:]
         futures = []
         for b in self.buckets:
             g = self.param_groups[b.group]
             hyper = (float(g["lr"]), tuple(g["betas"]), g["eps"], g["weight_decay"])
-            # (param index, its device gradient when the hook did not copy it, None when it did)
-            work = [(i, None if p in self._copied else p.grad) for i, p in enumerate(b.params)
-                    if p in self._copied or p.grad is not None]
+            # (param index, device gradient the update thread copies (CPU) or None, copied raw: clip it)
+            work = [(i, None if raw or self._cuda else p.grad, raw) for i, p in enumerate(b.params)
+                    if (raw := p in self._copied) or p.grad is not None]
             if work:
                 futures.append(self._pool.submit(self._update, b, work, parity, hyper, coef, ev, self.delay == 0))
         self._copied.clear()
@@ -249,14 +262,13 @@ class OffloadAdamW(torch.optim.Optimizer):
             if e is not None:
                 e.synchronize()
         grads = b.grads[parity]
-        coef = coef.cpu() if coef is not None else None
-        for i, dev_grad in work:
+        for i, dev_grad, raw in work:
             if dev_grad is not None:  # final already (clipped on the device)
                 b.view(grads, i).copy_(_local(dev_grad))
-            elif coef is not None:
+            elif raw and coef is not None:
                 b.view(grads, i).mul_(coef)
         lr, betas, eps, wd = hyper
-        idx = [i for i, _ in work]
+        idx = [i for i, _, _ in work]
         if len(idx) == len(b.params) and len(set(b.steps)) == 1:
             self._host_adamw(b.master, grads, b.exp_avg, b.exp_avg_sq, b.steps[0] + 1, lr, betas, eps, wd)
         else:  # some parameter had no gradient (skipped, as torch's AdamW skips it) or steps differ
