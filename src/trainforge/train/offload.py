@@ -53,10 +53,12 @@ def offload_optimizers(optimizers: list[torch.optim.Optimizer], section: Any, mo
 
 
 def _ddp_hook(opt: OffloadAdamW):
-    def hook(group: Any, bucket: Any) -> torch.futures.Future:
+    # DDP checks a hook's annotations against the real types, which `from __future__ import
+    # annotations` turns into strings: the hook is left unannotated.
+    def hook(group, bucket):
         params = bucket.parameters()
 
-        def copy(fut: torch.futures.Future) -> torch.Tensor:
+        def copy(fut):
             flat = fut.value()
             opt.on_reduced_bucket(params, flat)
             return flat
