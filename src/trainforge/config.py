@@ -42,12 +42,13 @@ from trainforge.monitor.section import MonitorSection
 from trainforge.parallel.section import DistributedSection, ParallelSection
 from trainforge.precision.section import PrecisionSection
 from trainforge.train.control_section import AdaptiveLRSection, BadStepsSection, EarlyStopSection
+from trainforge.train.offload_section import OffloadSection, check_offload
 from trainforge.train.qat_section import QATSection
 from trainforge.train.section import CheckpointSection, OptimizerSection, TrainingSection
 
 __all__ = ["AdaptiveLRSection", "AugmentSection", "BadStepsSection", "CacheSection", "CheckpointSection",
            "CompressionSection", "Config", "DataSection", "DistributedSection", "EarlyStopSection", "ModelSection",
-           "MonitorSection", "OptimizerSection", "ParallelSection", "PrecisionSection", "QATSection",
+           "MonitorSection", "OffloadSection", "OptimizerSection", "ParallelSection", "PrecisionSection", "QATSection",
            "SampleSection", "TrainingSection", "add_config_arguments", "config_from_dict",
            "config_tables", "config_to_dict", "config_to_toml", "join_values", "load_config", "overrides_from",
            "parse_overrides", "read_toml_file", "reject_unknown"]
@@ -70,6 +71,7 @@ class Config:
     bad_steps: BadStepsSection = field(default_factory=BadStepsSection)
     monitor: MonitorSection = field(default_factory=MonitorSection)
     qat: QATSection = field(default_factory=QATSection)
+    offload: OffloadSection = field(default_factory=OffloadSection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
@@ -82,6 +84,7 @@ class Config:
                               f"below training.steps ({self.training.steps}), or no step trains with fake "
                               "quantisation; lower qat.start_step (e.g. to 70% of training.steps) or raise "
                               "training.steps")
+        check_offload(self.offload, self.parallel, self.compression, self.precision)
         return self
 
 

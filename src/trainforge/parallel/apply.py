@@ -27,12 +27,13 @@ from trainforge.precision.hardware import cpu_compile_unavailable
 
 
 def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims, section,
-                             device: torch.device, compressor=None, precision=None) -> nn.Module:
+                             device: torch.device, compressor=None, precision=None, cpu_offload: bool = False
+                             ) -> nn.Module:
     """Steps 2-5 for one model or pipeline-stage module. Returns the module to call.
     ``compressor`` compresses gradients on the dp_replicate axis (step 5); ``precision``
     (a ``PrecisionPolicy``) gives FSDP2 its mixed-precision policy (step 5). With
     ``dims.ep`` > 1 the expert gradients need ``expert_grad_reducer(parts, ...)`` after
-    each backward."""
+    each backward. ``cpu_offload``: FSDP2's CPUOffloadPolicy in step 5."""
     ignored: list[nn.Parameter] = []
     if dims.ep > 1 and mesh is not None:
         from trainforge.parallel.expert_parallel import apply_expert_parallel
@@ -56,7 +57,8 @@ def parallelize_module_stack(model: nn.Module, mesh: ParallelMesh | None, dims: 
         # FSDP's per-block hooks stay outside the compiled regions.
         for block in model.layers.values():
             block.compile()
-    return apply_data_parallel(model, mesh, dims, device, compressor, precision, ignored_params=ignored)
+    return apply_data_parallel(model, mesh, dims, device, compressor, precision, ignored_params=ignored,
+                               cpu_offload=cpu_offload)
 
 
 def expert_grad_reducer(parts: list[nn.Module], mesh: ParallelMesh | None, dims: ParallelDims):
@@ -129,7 +131,7 @@ def check_pipeline_layout(model_config, dims: ParallelDims, section, batch_size:
 
 def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims, section, device: torch.device,
                          batch_size: int, seq_len: int, layout: tuple[int, int], loss_fn, log=None,
-                         compressor=None, precision=None):
+                         compressor=None, precision=None, cpu_offload: bool = False):
     """Step 1 (pipeline split) then steps 2-5 on each stage. ``layout`` is
     ``check_pipeline_layout``'s (stages, microbatches), validated before the mesh existed.
     Returns (Pipeline, stage modules, predicted seconds per stage or None)."""
@@ -141,7 +143,8 @@ def build_pipeline_parts(model: nn.Module, mesh: ParallelMesh, dims: ParallelDim
                                                 device, log)
     pp_rank = mesh.local_rank("pp")
     parts = split_model(model, pp_rank, dims.pp, boundaries, schedule)
-    parts = [parallelize_module_stack(p, mesh, dims, section, device, compressor, precision) for p in parts]
+    parts = [parallelize_module_stack(p, mesh, dims, section, device, compressor, precision, cpu_offload)
+             for p in parts]
     pipeline = build_pipeline(parts, mesh["pp"], pp_rank, dims.pp, schedule, microbatches, loss_fn, device,
                               batch_size)
     return pipeline, parts, predicted

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainforge.parallel.dims import ParallelDims, ParallelMesh
@@ -42,9 +42,10 @@ def data_parallel_kind(dims: ParallelDims) -> str:
 
 def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
                mp_policy: MixedPrecisionPolicy | None = None, compressor=None, precision=None,
-               ignored_params: list[nn.Parameter] | None = None) -> nn.Module:
+               ignored_params: list[nn.Parameter] | None = None, cpu_offload: bool = False) -> nn.Module:
     """``precision``: a ``PrecisionPolicy`` (overrides ``mp_policy``); None or all-fp32 keeps
-    FSDP2's defaults, so fp32 runs are unchanged."""
+    FSDP2's defaults, so fp32 runs are unchanged. ``cpu_offload``: FSDP2's ``CPUOffloadPolicy``
+    (``[offload] mode = fsdp``): sharded parameters, gradients and optimizer state on the host."""
     fp32_units: list[nn.Module] = []
     if precision is not None and precision.low_precision:
         from trainforge.precision.policy import fsdp_fp32_modules, fsdp_fp32_policy, fsdp_mixed_precision
@@ -58,6 +59,8 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, dims: ParallelDims,
         # replicate axis is averaged by the compressed all-reduce hooks below.
         dp_mesh = mesh.world["dp_shard"]
     ignored = {"ignored_params": set(ignored_params)} if ignored_params else {}
+    if cpu_offload:  # pinned host memory only where there is a device to copy from
+        ignored["offload_policy"] = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda")
     kw = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(), **ignored}
     for unit in fp32_units:  # before the blocks holding them: a unit is claimed by its first fully_shard
         fully_shard(unit, mesh=dp_mesh, mp_policy=fsdp_fp32_policy(precision), **ignored)
@@ -107,8 +110,9 @@ def apply_ddp(model: nn.Module, mesh: ParallelMesh, device: torch.device, compre
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh | None, dims: ParallelDims,
                         device: torch.device, compressor=None, precision=None,
-                        ignored_params: list[nn.Parameter] | None = None) -> nn.Module:
+                        ignored_params: list[nn.Parameter] | None = None, cpu_offload: bool = False) -> nn.Module:
     """Wrap or shard ``model`` in place; returns the module to call (DDP returns a wrapper).
+    ``cpu_offload``: FSDP2 layouts only (``apply_fsdp``).
     ``compressor`` (``compression.hooks.build_compressor``) compresses the dp_replicate axis;
     ``precision`` (a ``PrecisionPolicy``) sets FSDP2's mixed precision (DDP reduces
     gradients in the parameters' dtype). ``ignored_params``: left out of both (experts)."""
@@ -117,4 +121,5 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh | None, dims: Paral
         return model
     if kind == "ddp":
         return apply_ddp(model, mesh, device, compressor, ignored_params)
-    return apply_fsdp(model, mesh, dims, compressor=compressor, precision=precision, ignored_params=ignored_params)
+    return apply_fsdp(model, mesh, dims, compressor=compressor, precision=precision, ignored_params=ignored_params,
+                      cpu_offload=cpu_offload)

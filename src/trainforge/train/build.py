@@ -34,6 +34,7 @@ from trainforge.precision.policy import PrecisionPolicy, build_policy
 from trainforge.train.chunked_loss import check_chunked_loss
 from trainforge.train.mixed_precision import TrainerPrecision, check_precision_layout, compile_note
 from trainforge.train.mtp_loss import check_mtp_layout
+from trainforge.train.offload_section import check_offload_layout
 from trainforge.train.qat import check_qat
 from trainforge.train.seq_len_ladder import check_schedule_layout
 from trainforge.train.step_layout import LocalStep, LossFn, PipelineStep, StepLayout, pipeline_loss
@@ -80,6 +81,7 @@ def check_run(cfg: Any, model_config: Any, dims: Any, device: torch.device, log:
     check_chunked_loss(tcfg.loss_chunk_tokens, dims)
     check_mtp_layout(tcfg, model_config, dims)
     check_qat(cfg.qat, dims, model_config, compile=cfg.parallel.compile)
+    check_offload_layout(cfg.offload, data_parallel_kind(dims))
     note = check_schedule_layout(tcfg, cfg.parallel, cfg.data.augment.transforms)  # training.seq_len_schedule
     if note and log is not None:
         log.info(note)
@@ -135,13 +137,14 @@ def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device:
     mp = TrainerPrecision(cfg.precision, policy, runtime, device, sharded=sharded, log=log,
                           pp_group=mesh["pp"].get_group() if dims.pp > 1 else None)
     common = dict(dims=dims, mesh=mesh, device=device, mp=mp, loss_parallel=cfg.parallel.loss_parallel)
+    cpu_offload = cfg.offload.optimizer and cfg.offload.mode == "fsdp"  # FSDP2's CPUOffloadPolicy
     if dims.pp > 1:
         # Each rank keeps its pipeline stages ("model parts"), FQNs unchanged.
         stage_loss = model_loss.stage_loss if model_loss is not None else cross_entropy_loss
         pipeline, model_parts, predicted = build_pipeline_parts(
             full_model, mesh, dims, cfg.parallel, device, tcfg.batch_size, tcfg.seq_len, pp_layout,
             pipeline_loss(mp, tcfg.grad_accum_steps, stage_loss), log=log.info if log is not None else None,
-            compressor=compressor, precision=policy)
+            compressor=compressor, precision=policy, cpu_offload=cpu_offload)
         if model_loss is not None:  # its stage_loss runs the last stage's MTP modules
             model_loss.bind_stage(pipeline.last_stage_module, pipeline.microbatches)
         runtime.rebind(torch.nn.ModuleList(model_parts))  # the stages are copies; free the whole model
@@ -161,7 +164,8 @@ def build_model_stack(cfg: Any, model_config: Any, dims: Any, mesh: Any, device:
         model = None
     else:
         pipeline, predicted = None, None
-        model = parallelize_module_stack(full_model, mesh, dims, cfg.parallel, device, compressor, precision=policy)
+        model = parallelize_module_stack(full_model, mesh, dims, cfg.parallel, device, compressor, precision=policy,
+                                         cpu_offload=cpu_offload)
         model_parts = [getattr(model, "module", model)]  # DDP wraps; state dicts use raw FQNs
         layout = LocalStep(model, loss_fn, **common)
     del full_model

@@ -46,6 +46,10 @@ def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predic
         from trainforge.train.moe_balance import MoEBalance
 
         out.append(MoEBalance(model_config, tcfg.grad_accum_steps))
+    if cfg.offload.optimizer and cfg.offload.mode == "trainforge":
+        from trainforge.train.offload import OffloadComponent
+
+        out.append(OffloadComponent(tcfg.grad_clip))
     if compressor is not None:
         from trainforge.train.compression_component import CompressionComponent
 

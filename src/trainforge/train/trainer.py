@@ -48,6 +48,7 @@ from trainforge.train.lr_schedule import build_scheduler
 from trainforge.train.metrics import ConsoleReporter, validation_message
 from trainforge.train.mfu import PeakFlops
 from trainforge.train.monitor_component import MonitorComponent
+from trainforge.train.offload import offload_optimizers, optimizer_device
 from trainforge.train.optimizer import build_optimizer
 from trainforge.train.run_summary import startup_summary
 from trainforge.train.stop_signals import StopSignals
@@ -130,8 +131,11 @@ class Trainer:
         self.mp, self.model, self.model_parts, self.opt_parts = stack.mp, stack.model, stack.model_parts, stack.opt_parts
         self.pipeline, self.pp_predicted, self.layout = stack.pipeline, stack.pp_predicted, stack.layout
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
-        self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, self.device,
+        self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, optimizer_device(cfg.offload, self.device),
                                            distributed=self.dims.world_size > 1) for part in self.opt_parts]
+        # [offload]: the same groups and settings, with the state and the update on the host.
+        self.optimizers = offload_optimizers(self.optimizers, cfg.offload, self.model, self.layout,
+                                             tcfg.grad_accum_steps)
         self.schedulers = [build_scheduler(o, *self.schedule_args()) for o in self.optimizers]
         # Callbacks first: their evaluation records merge before the features' (as they always did).
         self.components = Components([*(callbacks or []), *build_components(
