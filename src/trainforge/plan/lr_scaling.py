@@ -18,8 +18,25 @@ planner cannot import ``train/``; the trainer imports it from here. Plain floats
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 LR_SCALINGS = ("none", "linear", "sqrt")
+
+
+@dataclass(frozen=True)
+class LRRecipe:
+    """``training.lr`` tuned at ``reference_batch`` sequences, scaled by ``rule`` (the
+    planner's ``--lr``, ``--lr_scaling``, ``--lr_reference_batch``)."""
+
+    lr: float
+    rule: str = "none"
+    reference_batch: int = 0
+
+    def at(self, global_batch: int) -> float:
+        return scaled_lr(self.lr, self.rule, global_batch, self.reference_batch)
+
+    def describe(self, global_batch: int) -> str:
+        return describe_scaling(self.lr, self.rule, global_batch, self.reference_batch)
 
 
 def lr_factor(rule: str, global_batch: int, reference_batch: int) -> float:
@@ -55,3 +72,22 @@ def describe_scaling(lr: float, rule: str, global_batch: int, reference_batch: i
     how = f"global batch {global_batch} sequences / reference {reference_batch}"
     how = f"sqrt({how})" if rule == "sqrt" else how
     return f"lr scaling {rule}: {how} = x{factor:.4g}: peak lr {short_lr(lr)} -> {short_lr(lr * factor)}"
+
+
+def batch_change_lr(lr: float, rule: str, reference_batch: int, old_global: int, new_global: int) -> tuple[str, bool]:
+    """What changing the global batch ``old_global`` -> ``new_global`` (sequences) does to the
+    peak LR of a run with ``training.lr = lr`` and this rule, in words, and whether the LR
+    follows by itself (a rule is set, or the batch is unchanged). The planner's and advisor's
+    batch changes say this."""
+    if rule != "none":
+        old, new = (scaled_lr(lr, rule, b, reference_batch) for b in (old_global, new_global))
+        if old_global == new_global:
+            return f"peak lr {short_lr(new)} unchanged (same global batch)", True
+        return (f"peak lr {short_lr(old)} -> {short_lr(new)} (optimizer.lr_scaling = {rule}, reference "
+                f"{reference_batch} sequences)", True)
+    if old_global == new_global:
+        return f"peak lr {short_lr(lr)} unchanged (same global batch)", True
+    return (f"training.lr {short_lr(lr)} stays as it is (optimizer.lr_scaling = none): the linear rule gives "
+            f"{short_lr(scaled_lr(lr, 'linear', new_global, old_global))}, sqrt "
+            f"{short_lr(scaled_lr(lr, 'sqrt', new_global, old_global))}; set optimizer.lr_scaling and "
+            f"lr_reference_batch = {old_global} to have it follow the batch", False)
