@@ -439,3 +439,21 @@ def test_json_lists_every_rule_checked_with_its_threshold_and_measured_value(tmp
         assert c["status"] in ("fired", "passed", "no gain", "not measured", "not applicable"), c
         if c["status"] in ("fired", "passed", "no gain"):
             assert isinstance(c["value"], float) and isinstance(c["threshold"], float) and c["metric"], c
+
+
+def test_a_global_batch_change_under_lr_scaling_is_applied_and_says_the_lr(tmp_path):
+    run = make_run(tmp_path, {"training": {"batch_size": 1, "seq_len": 64, "lr": 1e-3},
+                              "optimizer": {"lr_scaling": "linear", "lr_reference_batch": 4}}, mfu=0.01)
+    advice = advise(run)
+    s = rules(advice)["batch"]
+    assert s.changes == {"training.batch_size": 64} and s.auto and s in advice.applied
+    assert "peak lr 2.5e-4 -> 1.6e-2 (optimizer.lr_scaling = linear, reference 4 sequences)" in s.title
+    advised = tmp_path / "advised.toml"
+    advised.write_text(tomli_w.dumps(advice.advised))
+    assert load_config(advised).training.batch_size == 64
+
+
+def test_a_global_batch_change_without_lr_scaling_says_what_the_rules_would_give(tmp_path):
+    run = make_run(tmp_path, {"training": {"batch_size": 2, "seq_len": 64, "lr": 1e-3}}, mfu=0.01)
+    s = rules(advise(run))["batch"]
+    assert not s.auto and "linear rule gives 3.2e-2, sqrt 5.66e-3" in s.note

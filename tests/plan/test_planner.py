@@ -151,3 +151,16 @@ def test_render_is_callable_without_the_cli():
     assert not bad["feasible"] and bad["why"] and bad["step_s"] is None
     assert "dp_shard=" in layout_label(ranked[0].layout)
     assert doc["model"] == "llama-405b" and doc["gpus"] == 8 and len(doc["layouts"]) == 3
+
+
+def test_output_carries_the_lr_rule_so_every_layout_of_the_batch_trains_at_one_lr(tmp_path, capsys):
+    out = tmp_path / "best.toml"
+    rc = main(["plan", "--model", "small", "--gpus", "8", "--global_batch", "64", "--seq_len", "1024", "--top", "1",
+               "--lr", "3e-4", "--lr_scaling", "sqrt", "--lr_reference_batch", "16", "--output", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "sqrt(global batch 64 sequences / reference 16) = x2: peak lr 3e-4 -> 6e-4" in printed
+    cfg = load_config(out)
+    assert (cfg.training.lr, cfg.optimizer.lr_scaling, cfg.optimizer.lr_reference_batch) == (3e-4, "sqrt", 16)
+    assert "peak lr 3e-4 -> 6e-4" in out.read_text().splitlines()[2]  # said in the header too
+    rc = main(["plan", "--model", "small", "--gpus", "8", "--lr_scaling", "linear"])
+    assert rc == 2 and "--lr" in capsys.readouterr().err

@@ -35,6 +35,13 @@ class PlanOptions:
     calibrate: bool = _f(False, "with --gpu measured: calibrate the probed machine to this model by short "
                                 "one-process runs of it (plan/calibration.py: ~3 min for tiny; fp32, models that "
                                 "train here in seconds)")
+    lr: float | None = _f(None, "peak learning rate (at --lr_reference_batch under --lr_scaling): written into "
+                                "--output as training.lr with its batch-size rule, and the LR at --global_batch "
+                                "is printed")
+    lr_scaling: Literal["none", "linear", "sqrt"] = _f("none", "with --lr: optimizer.lr_scaling of --output (the "
+                                                               "LR follows the global batch: linear or sqrt)")
+    lr_reference_batch: int = _f(0, "with --lr_scaling linear or sqrt: the global batch (sequences) --lr was "
+                                    "tuned at")
     top: int = _f(10, "layouts to show")
     json: bool = _f(False, "print the ranked layouts as JSON instead of a table")
     output: str | None = _f(None, "write the best layout as a TOML config that trainforge train --config reads",
@@ -73,6 +80,7 @@ def run(argv: list[str]) -> int:
     batch = a.global_batch if a.global_batch is not None else 2 * a.gpus
     if batch < 1:
         raise ConfigError(f"--global_batch {batch}: must be >= 1")
+    lr = _lr_recipe(a)
     base = FLAVORS[a.model]
     cfg = dataclasses.replace(base, max_seq_len=max(base.max_seq_len, a.seq_len))
     workload = Workload(cfg, seq_len=a.seq_len, global_batch=batch, precision=a.precision,
@@ -91,6 +99,8 @@ def run(argv: list[str]) -> int:
         print(json.dumps(plan_json(shown, workload, cluster, a.gpus), indent=1))
     else:
         print_plan(shown, cluster, workload, len(ranked))
+    if lr is not None and not a.json:
+        print(lr.describe(batch))
     if a.output:
         best = ranked[0] if ranked else None
         if best is None or not best.feasible:
@@ -101,8 +111,25 @@ def run(argv: list[str]) -> int:
             f"trainforge plan --model {a.model} --gpus {a.gpus} --gpu {cluster.name} --seq_len {a.seq_len} "
             f"--global_batch {batch}{' --compile' if a.compile else ''}\npredicted {best.step_s:.3f} s/step, "
             f"{best.tokens_per_s_per_gpu:.0f} tokens/s/GPU, "
-            f"MFU {best.mfu:.1%}, {best.memory_bytes_per_gpu / 2**30:.1f} GiB/GPU")))
+            f"MFU {best.mfu:.1%}, {best.memory_bytes_per_gpu / 2**30:.1f} GiB/GPU"
+            + (f"\n{lr.describe(batch)}" if lr is not None else "")), lr=lr))
         load_config(out)  # what train --config will do: fails here, not at launch, if a key is wrong
         if not a.json:
             print(f"best layout written to {out} (trainforge train --config {out}; add data.path and steps)")
     return 0
+
+
+def _lr_recipe(a: PlanOptions):
+    """--lr, --lr_scaling, --lr_reference_batch as a ``plan.lr_scaling.LRRecipe`` (None without --lr)."""
+    from trainforge.plan.lr_scaling import LRRecipe
+
+    if a.lr is None:
+        if a.lr_scaling != "none" or a.lr_reference_batch:
+            raise ConfigError("--lr_scaling and --lr_reference_batch scale a learning rate: give it with --lr")
+        return None
+    if not a.lr > 0:
+        raise ConfigError(f"--lr {a.lr}: must be > 0")
+    if a.lr_scaling != "none" and a.lr_reference_batch < 1:
+        raise ConfigError(f"--lr_scaling {a.lr_scaling} needs --lr_reference_batch: the global batch "
+                          "(sequences) --lr was tuned at, >= 1")
+    return LRRecipe(a.lr, a.lr_scaling, a.lr_reference_batch)

@@ -286,6 +286,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "rollbacks to an earlier checkpoint by the bad-step policy", when="bad_steps.enabled"),
     _s("lr_multiplier", "learning_rate_multiplier", "gauge", "1", "model",
        "adaptive LR multiplier applied on top of the schedule", when="adaptive_lr.enabled (on its events)"),
+    _s("weight_decay", "weight_decay", "gauge", "1", "model",
+       "decoupled weight decay the step's update applied to the matrices (optimizer.weight_decay_schedule; norms "
+       "and biases are not decayed)", when="optimizer.weight_decay_schedule = linear or cosine"),
     _s("seq_len", "sequence_length_tokens", "gauge", "tokens", "model",
        "tokens per sequence the step trained at (its batch: batch_size x training.seq_len / seq_len sequences; "
        "same tokens per step)", when="training.seq_len_schedule = linear or auto"),

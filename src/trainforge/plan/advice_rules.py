@@ -26,6 +26,7 @@ from trainforge.plan import comm_model as cm
 from trainforge.plan import predict
 from trainforge.plan.advice_types import (LARGE_SPEEDUP, Check, Context, Evidence, Suggestion, no_gain,
                                           not_applicable, not_measured, passed)
+from trainforge.plan.lr_scaling import batch_change_lr
 from trainforge.plan.run_evidence import RunEvidence
 
 # Below this a speed suggestion is not shown at all: within the noise of one run.
@@ -347,16 +348,23 @@ def batch_size(ev: RunEvidence, ctx: Context) -> Suggestion | Check:
     changes: dict[str, Any] = {"training.batch_size": b * k}
     if keep_global:
         changes["training.grad_accum_steps"] = accum // k
+    # The LR at the new global batch, by the run's optimizer.lr_scaling (plan/lr_scaling.py).
+    dp = ev.degree("dp_replicate") * ev.degree("dp_shard")
+    lr_text, lr_follows = batch_change_lr(float(ev.cfg("training.lr", 1e-3)), ev.cfg("optimizer.lr_scaling", "none"),
+                                          int(ev.cfg("optimizer.lr_reference_batch", 0)), b * accum * dp,
+                                          b * k * (accum // k if keep_global else accum) * dp)
     return Suggestion(
         "batch", f"larger micro-batch: training.batch_size {b} -> {b * k}"
-        + (f", grad_accum_steps {accum} -> {accum // k} (same global batch)" if keep_global else ""),
+        + (f", grad_accum_steps {accum} -> {accum // k} (same global batch)" if keep_global else "")
+        + (f"; {lr_text}" if lr_follows else ""),
         f"{b * t} tokens per micro-batch at MFU {mfu:.1%}: per-micro-batch fixed costs dominate",
         [Evidence("tokens per micro-batch", b * t, TARGET_MICROBATCH_TOKENS, "<"),
          Evidence("mfu (of the compute part of the step)", mfu, low, "<")], changes, speedup,
         f"step = fixed + compute: compute at MFU {reachable:.0%} (reachable on {ev.device}) scales with "
         f"tokens, the rest is per micro-batch; tokens/s grows until compute-bound",
-        note="" if keep_global else "changes the global batch (the optimisation): not applied; set it by hand "
-                                    "with a retuned learning rate", auto=keep_global)
+        note="" if keep_global else "changes the global batch (the optimisation); the LR follows it" if lr_follows
+        else f"changes the global batch (the optimisation): not applied; set it by hand with a retuned learning "
+             f"rate: {lr_text}", auto=lr_follows)
 
 
 def _fit_memory(ev: RunEvidence, ctx: Context, k: int) -> int:

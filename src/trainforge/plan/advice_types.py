@@ -57,7 +57,8 @@ class Suggestion:
     needed: bool = False
     note: str = ""
     # False: a hyperparameter change (the global batch) that advise shows but never applies:
-    # the optimisation is the user's to change, with the learning rate retuned.
+    # the optimisation is the user's to change, with the learning rate retuned (unless the
+    # run's optimizer.lr_scaling retunes it: then the batch rule applies it).
     auto: bool = True
 
     @property

@@ -37,6 +37,7 @@ from typing import Any
 
 from trainforge.parallel.pipeline import SCHEDULES
 from trainforge.plan.cost_model import estimate
+from trainforge.plan.lr_scaling import LRRecipe
 from trainforge.plan.spec import Cluster, Estimate, Layout, Workload
 
 # Rungs of microbatches / pp: per rung the smallest count the batch allows at or above it.
@@ -140,15 +141,21 @@ def _memory(est: Estimate) -> float:
 # ---------------------------------------------------------------- the best layout as a config
 
 
-def config_tables(workload: Workload, est: Estimate) -> dict[str, dict[str, Any]]:
+def config_tables(workload: Workload, est: Estimate, lr: LRRecipe | None = None) -> dict[str, dict[str, Any]]:
     """The TOML tables that train ``workload`` with ``est.layout``: model.flavor,
     training.seq_len and training.batch_size (sequences per data-parallel rank per
     micro-step: global_batch / (dp x grad_accum_steps)), the layout's [parallel] keys
-    (``compile`` for the trainforge-compile stack), precision and compression."""
+    (``compile`` for the trainforge-compile stack), precision and compression; with ``lr``,
+    training.lr and its batch-size rule (optimizer.lr_scaling, lr_reference_batch), so the
+    run trains at the rule's peak LR for the workload's global batch whatever the layout."""
     layout = est.layout
     tables = layout.overrides()
     batch_size = workload.global_batch // (layout.dp * layout.grad_accum_steps)
     tables["training"] = {"seq_len": workload.seq_len, "batch_size": batch_size, **tables["training"]}
+    if lr is not None:
+        tables["training"]["lr"] = lr.lr
+        if lr.rule != "none":
+            tables["optimizer"] = {"lr_scaling": lr.rule, "lr_reference_batch": lr.reference_batch}
     if workload.flavor:
         tables = {"model": {"flavor": workload.flavor}, **tables}
     if workload.precision in ("bf16", "fp16"):  # low-precision parameters: a preset plus the storage dtype
@@ -170,9 +177,9 @@ def _toml_value(v: Any) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def config_toml(workload: Workload, est: Estimate, header: str = "") -> str:
+def config_toml(workload: Workload, est: Estimate, header: str = "", lr: LRRecipe | None = None) -> str:
     """``config_tables`` as TOML text, ``header`` (one or more lines) as comments on top."""
     lines = [f"# {line}" for line in header.splitlines()]
-    for name, table in config_tables(workload, est).items():
+    for name, table in config_tables(workload, est, lr).items():
         lines += ["", f"[{name}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines).lstrip("\n") + "\n"

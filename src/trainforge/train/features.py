@@ -67,6 +67,10 @@ def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predic
         from trainforge.train.stop_signals import FiniteLossCheck
 
         out.append(FiniteLossCheck(tcfg.lr, run_dir, check_norms=not mp.scaler.enabled))
+    if cfg.optimizer.weight_decay_schedule != "constant":
+        from trainforge.train.wd_schedule import WeightDecayComponent
+
+        out.append(WeightDecayComponent(cfg.optimizer, tcfg.steps))
     adaptive = cfg.adaptive_lr.build()
     if adaptive is not None:
         from trainforge.train.adaptive_lr import AdaptiveLRComponent

@@ -135,8 +135,9 @@ def _fit_groups(sched_state: dict[str, Any], n_groups: int) -> dict[str, Any]:
 def _keep_configured_schedule(loop: Any) -> None:
     """A resumed scheduler carries the schedule it was saved with. When the user
     changed it on resume (e.g. ``--training.steps`` to extend a run, or a new
-    ``--training.lr``), follow the config from the current step on, and say so."""
-    lr = loop.cfg.training.lr
+    ``--training.lr``, or another global batch under ``optimizer.lr_scaling``), follow the
+    config from the current step on, and say so."""
+    lr = loop.peak_lr
     want = warmup_decay(*loop.schedule_args())
     have = loop.schedulers[0].lr_lambdas[0]
     if vars(have) == vars(want) and loop.schedulers[0].base_lrs[0] == lr:

@@ -13,6 +13,18 @@ from torch import nn
 from trainforge.train.step_layout import by_mesh
 
 
+def is_decayed(p: torch.Tensor) -> bool:
+    """Whether ``optimizer.weight_decay`` applies to ``p``: matrices (and embeddings), not
+    norm gains or biases. One rule for the optimizer's groups and the weight-decay schedule."""
+    return p.dim() >= 2
+
+
+def decayed_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The param groups ``optimizer.weight_decay`` applies to (decided by their parameters,
+    so it holds after ``load_state_dict`` replaced the groups' hyperparameters)."""
+    return [g for g in optimizer.param_groups if g["params"] and is_decayed(g["params"][0])]
+
+
 def _pick_implementation(requested: str, device: torch.device, distributed: bool = False) -> dict[str, bool]:
     if requested == "fused":
         return {"fused": True}
@@ -33,8 +45,8 @@ def build_optimizer(model: nn.Module, section, lr: float, device: torch.device,
     kernel does not take DTensors)."""
     groups = []
     for params in by_mesh([p for p in model.parameters() if p.requires_grad]):
-        groups += [{"params": [p for p in params if p.dim() >= 2], "weight_decay": section.weight_decay},
-                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        groups += [{"params": [p for p in params if is_decayed(p)], "weight_decay": section.weight_decay},
+                   {"params": [p for p in params if not is_decayed(p)], "weight_decay": 0.0}]
     groups = groups[:2] + [g for g in groups[2:] if g["params"]]  # the first two always exist (as before)
     return torch.optim.AdamW(groups, lr=lr, betas=(section.beta1, section.beta2), eps=section.eps,
                              **_pick_implementation(section.implementation, device, distributed))

@@ -48,11 +48,13 @@ def batch_text(tcfg: Any, dp: int, tokens_per_step: int) -> str:
 
 def startup_summary(*, model_name: str, params_text: str, vocab_size: int, dims: ParallelDims, device_type: str,
                     precision_preset: str, precision_text: str, data_label: str, train_tokens: int, tcfg: Any,
-                    tokens_per_step: int, start_step: int, peak_text: str, flops_text: str | None = None) -> list[str]:
+                    tokens_per_step: int, start_step: int, peak_text: str, flops_text: str | None = None,
+                    lr_text: str | None = None) -> list[str]:
     """The summary's lines. ``tcfg``: the ``[training]`` section; ``params_text``:
     ``ModelConfig.describe_params()``; ``precision_text``: ``PrecisionPolicy.describe()``;
     ``peak_text``: ``PeakFlops.describe()``; ``flops_text``: ``ModelConfig.describe_flops(seq_len)``
-    (per stage for an hourglass model), a line of its own after the model's when given."""
+    (per stage for an hourglass model), a line of its own after the model's when given; ``lr_text``:
+    the LR's batch-size rule in words (``plan.lr_scaling.describe_scaling``), after the steps' line."""
     total_tokens = tcfg.steps * tokens_per_step
     epochs = f", {total_tokens / train_tokens:.2f} epochs" if train_tokens else ""
     resumed = f", from step {start_step}" if start_step else ""
@@ -64,5 +66,6 @@ def startup_summary(*, model_name: str, params_text: str, vocab_size: int, dims:
         f"data: {data_label} ({train_tokens:,} train tokens); {batch_text(tcfg, dims.dp, tokens_per_step)}",
         f"steps: {tcfg.steps:,} ({total_tokens:,} tokens{epochs}){resumed}; lr {tcfg.lr:g} {tcfg.lr_schedule}, "
         f"warmup {tcfg.warmup_steps}",
+        *([lr_text] if lr_text else []),
         f"mfu peak: {peak_text}",
     ]

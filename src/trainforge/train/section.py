@@ -98,6 +98,23 @@ class OptimizerSection:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     weight_decay: float = _f(0.1, "decoupled weight decay on matrices (not on norms or biases)")
+    # A weight decay that changes over training (train/wd_schedule.py).
+    weight_decay_schedule: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "weight decay over training: constant = optimizer.weight_decay throughout; linear or cosine = "
+                    "from optimizer.weight_decay to optimizer.weight_decay_final, ramping from "
+                    "weight_decay_ramp_start x training.steps to training.steps (a late increase: final > start)")
+    weight_decay_final: float | None = _f(None, "linear, cosine: the weight decay at training.steps (set with "
+                                                "weight_decay_schedule; unset = no schedule)")
+    weight_decay_ramp_start: float = _f(0.0, "linear, cosine: where the ramp starts, as a fraction of "
+                                             "training.steps in [0, 1) (0.5 = constant for the first half, then "
+                                             "the ramp)")
+    # Batch-size rule for the LR (plan/lr_scaling.py): the same recipe at another global batch.
+    lr_scaling: Literal["none", "linear", "sqrt"] = _f(
+        "none", "scale the peak LR with the global batch (batch_size x grad_accum_steps x data-parallel ranks, in "
+                "sequences): none = training.lr as given; linear = training.lr x global / lr_reference_batch; "
+                "sqrt = training.lr x sqrt(global / lr_reference_batch)")
+    lr_reference_batch: int = _f(0, "linear, sqrt: the global batch, in sequences per optimizer step, at which "
+                                    "training.lr was tuned (ignored with lr_scaling = none)")
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = _f(
         "auto", "AdamW kernel: auto picks fused where the device supports it, else foreach")
 
@@ -107,6 +124,20 @@ class OptimizerSection:
             _require(0.0 <= v < 1.0, f"optimizer.{name}", v, "a number in [0, 1)")
         _require(self.eps > 0, "optimizer.eps", self.eps, "a number > 0")
         _require(self.weight_decay >= 0, "optimizer.weight_decay", self.weight_decay, "a number >= 0")
+        scheduled = self.weight_decay_schedule != "constant"
+        final = self.weight_decay_final
+        _require(final is None or (math.isfinite(final) and final >= 0), "optimizer.weight_decay_final", final,
+                 "a finite number >= 0")
+        _require(scheduled == (final is not None), "optimizer.weight_decay_final", final,
+                 f"set together with optimizer.weight_decay_schedule = linear or cosine (now "
+                 f"{self.weight_decay_schedule!r}): both or neither")
+        _require(0.0 <= self.weight_decay_ramp_start < 1.0, "optimizer.weight_decay_ramp_start",
+                 self.weight_decay_ramp_start, "a fraction of training.steps in [0, 1)")
+        _require(self.lr_reference_batch >= 0, "optimizer.lr_reference_batch", self.lr_reference_batch,
+                 "an integer >= 0 (sequences per optimizer step)")
+        _require(self.lr_scaling == "none" or self.lr_reference_batch >= 1, "optimizer.lr_reference_batch",
+                 self.lr_reference_batch, f"with optimizer.lr_scaling = {self.lr_scaling}, the global batch (in "
+                 "sequences: batch_size x grad_accum_steps x data-parallel ranks) training.lr was tuned at, >= 1")
 
 
 @dataclass

@@ -34,6 +34,7 @@ from trainforge.monitor.jsonl import JsonlSink
 from trainforge.parallel.dims import ParallelDims, dp_rank
 from trainforge.parallel.distributed import init_distributed
 from trainforge.parallel.tensor_parallel import cross_entropy_loss
+from trainforge.plan.lr_scaling import describe_scaling, scaled_lr
 from trainforge.storage import locks
 from trainforge.storage.atomic import atomic_write_text
 from trainforge.storage.output_paths import refuse_overlap
@@ -130,8 +131,13 @@ class Trainer:
         del init_weights
         self.mp, self.model, self.model_parts, self.opt_parts = stack.mp, stack.model, stack.model_parts, stack.opt_parts
         self.pipeline, self.pp_predicted, self.layout = stack.pipeline, stack.pp_predicted, stack.layout
+        # The peak LR at this run's global batch (optimizer.lr_scaling; training.lr unless a rule is set).
+        self.global_batch = tcfg.batch_size * tcfg.grad_accum_steps * self.dims.dp  # sequences per step
+        self.peak_lr = scaled_lr(tcfg.lr, cfg.optimizer.lr_scaling, self.global_batch,
+                                 cfg.optimizer.lr_reference_batch)
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
-        self.optimizers = [build_optimizer(part, cfg.optimizer, tcfg.lr, optimizer_device(cfg.offload, self.device),
+        opt_device = optimizer_device(cfg.offload, self.device)
+        self.optimizers = [build_optimizer(part, cfg.optimizer, self.peak_lr, opt_device,
                                            distributed=self.dims.world_size > 1) for part in self.opt_parts]
         # [offload]: the same groups and settings, with the state and the update on the host.
         self.optimizers = offload_optimizers(self.optimizers, cfg.offload, self.model, self.layout,
@@ -201,7 +207,10 @@ class Trainer:
                     precision_preset=cfg.precision.policy, precision_text=policy.describe(), data_label=data_label,
                     train_tokens=self.data.num_tokens("train"), tcfg=tcfg, tokens_per_step=self.tokens_per_step,
                     start_step=self.step, peak_text=self.peak_flops.describe(),
-                    flops_text=self.model_config.describe_flops(tcfg.seq_len)):
+                    flops_text=self.model_config.describe_flops(tcfg.seq_len),
+                    lr_text=describe_scaling(tcfg.lr, cfg.optimizer.lr_scaling, self.global_batch,
+                                             cfg.optimizer.lr_reference_batch)
+                    if cfg.optimizer.lr_scaling != "none" else None):
                 self.log.info(line)
 
     # -- control -------------------------------------------------------------------
