@@ -174,35 +174,61 @@ class EMAComponent(Component):
                 "interval": self.interval}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The saved average when it fits this run's tensors on every rank; else (saved under
+        another layout) the average restarts at the loaded weights, on every rank alike, with a
+        warning: never an error on some ranks only, which would leave the others waiting."""
         if not self.keep:
             return
         self.wait()
-        saved = state[WEIGHTS_KEY]
-        mine = {**self.weights, **self.buffers}
-        if set(saved) != set(mine):
-            missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
-            raise ValueError(f"the saved average holds other tensors (missing {missing[:3]}, unexpected {extra[:3]})")
-        for k, t in mine.items():
-            if tuple(saved[k].shape) != tuple(t.shape):
-                raise ValueError(f"{k} has shape {tuple(saved[k].shape)} in the saved average, {tuple(t.shape)} here "
-                                 "(saved under another layout: resume on the same parallel layout)")
-        for k, t in mine.items():
-            t.copy_(saved[k])
-        self.updates = int(state["updates"])
+        why = _misfit(state, {**self.weights, **self.buffers})
+        if self._agree(why is None):
+            for k, t in {**self.weights, **self.buffers}.items():
+                t.copy_(state[WEIGHTS_KEY][k])
+            self.updates = int(state["updates"])
+        else:
+            self._restart(f"the checkpoint's weight average does not fit this run ({why or 'on another rank'}: saved "
+                          "under another parallel layout?)")
 
     def on_missing_state(self, loop: Any, path: Path) -> None:
-        """A checkpoint from before [ema] was on: the average starts at its weights."""
+        """A checkpoint from before [ema] was on (or whose average this rank has no file of)."""
         if not self.keep:
             return
         self.wait()
+        self._agree(False)
+        self._restart(f"{path} holds no weight average for this layout ([ema] off when it was saved, or another "
+                      "parallel layout)")
+
+    def _agree(self, ok: bool) -> bool:
+        """Whether every rank's saved average fits (a collective where each rank keeps its own)."""
+        if not (self.per_rank and dist.is_initialized()):
+            return ok
+        flag = torch.tensor([1 if ok else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _restart(self, why: str) -> None:
         self._start_from(*ema_sources(self.parts))
         self.updates = 0
         if self.log is not None:
-            self.log(f"{path} holds no weight average ([ema] was off when it was saved): the average starts at "
-                     "its weights")
+            self.log(f"{why}: the average starts again at the loaded weights")
 
     def on_fit_end(self, loop: Any, summary: dict[str, Any]) -> None:
         self.wait()
+
+
+def _misfit(state: Any, mine: dict[str, torch.Tensor]) -> str | None:
+    """Why a saved component state cannot be this average, or None."""
+    saved = state.get(WEIGHTS_KEY) if isinstance(state, dict) else None
+    if not isinstance(saved, dict) or not isinstance(state.get("updates"), int):
+        return "no weights or update count"
+    if set(saved) != set(mine):
+        missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+        return f"other tensors: missing {missing[:3]}, unexpected {extra[:3]}"
+    for k, t in mine.items():
+        s = saved[k]
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != tuple(t.shape):
+            return f"{k} is {tuple(getattr(s, 'shape', ()))} there, {tuple(t.shape)} here"
+    return None
 
 
 def build_ema(section: Any, parts: list[torch.nn.Module], pp: int, log: Callable[[str], None] | None
