@@ -45,17 +45,25 @@ def saved_ema(run_dir, step):
     return read_ema_weights(run_dir / "checkpoints" / f"step_{step:07d}")
 
 
-@pytest.mark.parametrize("interval,on_cpu", [(1, True), (3, True), (2, False)])
-def test_ema_equals_the_average_of_the_weights_saved_at_each_step(tmp_path, small_data, interval, on_cpu):
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("interval,on_cpu,device", [(1, True, "cpu"), (3, True, "cpu"), (2, False, "cpu"),
+                                                    pytest.param(1, True, "cuda", marks=CUDA),
+                                                    pytest.param(2, False, "cuda", marks=CUDA)])
+def test_ema_equals_the_average_of_the_weights_saved_at_each_step(tmp_path, small_data, interval, on_cpu, device):
+    """On CUDA with on_cpu: the side-stream snapshot and the host thread (the next optimizer
+    step must wait for the copy, or the average would hold a later step's weights)."""
     saver = SaveWeights()
-    cfg = ema_cfg(small_data, "--ema.interval", str(interval), *([] if on_cpu else ["--no-ema.on_cpu"]))
+    cfg = ema_cfg(small_data, "--ema.interval", str(interval), "--training.device", device,
+                  *([] if on_cpu else ["--no-ema.on_cpu"]))
     run(cfg, tmp_path / "r", callbacks=[saver])
     assert len(saver.steps) == 13  # step 0 and 12 steps
     ema = saved_ema(tmp_path / "r", 12)
     for name in saver.steps[0]:
-        ref = saver.steps[0][name].double()
+        ref = saver.steps[0][name].double().cpu()
         for step in range(interval, 13, interval):
-            ref = DECAY * ref + (1 - DECAY) * saver.steps[step][name].double()
+            ref = DECAY * ref + (1 - DECAY) * saver.steps[step][name].double().cpu()
         torch.testing.assert_close(ema[name].double(), ref, rtol=0, atol=1e-6)
     # and it is not simply the final weights
     final = load_file(tmp_path / "r" / "checkpoints" / "step_0000012" / "model.safetensors")
