@@ -97,7 +97,6 @@ class EMAComponent(Component):
         self.buffers = {k: self._alloc(t, home, t.dtype, pin) for k, t in buffers.items()}
         self._start_from(params, buffers)
         if self.on_cpu:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
             if device.type == "cuda":  # the snapshot the thread averages from, in the weights' dtype
                 self._snapshot = {k: self._alloc(t, home, t.dtype, True) for k, t in params.items()}
                 self._stream = torch.cuda.Stream(device)
@@ -141,6 +140,8 @@ class EMAComponent(Component):
             self._update(params, buffers)
             return
         self.wait()  # the previous update (and, on CUDA, its read of the snapshot) is done
+        if self._pool is None:  # one thread, from the first update to the end of fit
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
         if self._stream is None:  # CPU training: averaged from the live weights (see the docstring)
             self._pending = self._pool.submit(self._update, params, buffers)
             return
@@ -214,6 +215,9 @@ class EMAComponent(Component):
 
     def on_fit_end(self, loop: Any, summary: dict[str, Any]) -> None:
         self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def _misfit(state: Any, mine: dict[str, torch.Tensor]) -> str | None:
