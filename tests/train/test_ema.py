@@ -126,3 +126,16 @@ def test_bad_ema_settings_are_refused_naming_the_key(small_data):
         debug_config(small_data, "--ema.decay", "1.0")
     with pytest.raises(ConfigError, match=r"ema\.interval"):
         debug_config(small_data, "--ema.interval", "0")
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_weights_ema_on_a_hugging_face_directory_or_gguf_file_is_refused(tmp_path, kind):
+    path = tmp_path / "model.gguf"
+    if kind == "hf":
+        path = tmp_path / "hf"
+        path.mkdir()
+        (path / "config.json").write_text("{}")
+    else:
+        path.write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match=r"--weights ema: .* only a trainforge checkpoint"):
+        load_model(path, weights="ema")
