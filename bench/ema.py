@@ -170,10 +170,15 @@ def segment(a: argparse.Namespace) -> None:
 
 def val(a: argparse.Namespace) -> dict:
     out = Path(a.out)
-    shutil.rmtree(out, ignore_errors=True)
-    passthrough = [f"--{k}={v}" for k, v in vars(a).items() if k not in ("mode", "json", "until", "run_dir")]
+    done = 0
+    if a.keep:  # continue the run in --out (same arguments; --segment may differ)
+        done = max((int(p.name.split("_")[1]) for p in (out / "run" / "checkpoints").glob("step_*")), default=0)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+    passthrough = [f"--{k}={v}" for k, v in vars(a).items()
+                   if k not in ("mode", "json", "until", "run_dir", "keep", "segment")]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    ends = [min(u, a.steps) for u in range(a.segment, a.steps + a.segment, a.segment)]
+    ends = [min(u, a.steps) for u in range(done + a.segment, a.steps + a.segment, a.segment)]
     for until in ends:
         cmd = [sys.executable, "-m", "bench.ema", "segment", *passthrough, "--until", str(until),
                "--run_dir", str(out / "run")]
@@ -218,6 +223,7 @@ def main() -> None:
     p.add_argument("--val_interval", type=int, default=250)
     p.add_argument("--val_batches", type=int, default=16)
     p.add_argument("--out", default="/tmp/bench_ema")
+    p.add_argument("--keep", action="store_true", help="val: continue the run in --out instead of starting afresh")
     p.add_argument("--until", type=int, help=argparse.SUPPRESS)
     p.add_argument("--run_dir", help=argparse.SUPPRESS)
     a = p.parse_args()
