@@ -106,6 +106,7 @@ def cost(a: argparse.Namespace) -> dict:
         for t in arms.values():
             t.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    work = update_work(a)
     q = statistics.quantiles(ratios, n=4)
     med = statistics.median(ratios)
     step_s = statistics.median(times["plain"]) / a.steps_per_sample
@@ -114,7 +115,49 @@ def cost(a: argparse.Namespace) -> dict:
           f"{step_s * 1e3:.0f} ms")
     print(f"step time with [ema] / without: median {med:.4f} (IQR {q[0]:.4f}-{q[2]:.4f}; min-max {min(ratios):.4f}-"
           f"{max(ratios):.4f}); goal <= {GOAL}: {'PASS' if med <= GOAL else 'FAIL'}")
-    return {"ratios": ratios, "times": times, "median": med, "iqr": [q[0], q[2]], "plain_step_s": step_s}
+    print(f"bound from the work alone: update / (interval x step) = "
+          f"{work['update_s'] / (a.interval * step_s):.2%}; main thread's part: {work['hooks_s'] / step_s:.3%}")
+    return {"ratios": ratios, "times": times, "median": med, "iqr": [q[0], q[2]], "plain_step_s": step_s, **work}
+
+
+def update_work(a: argparse.Namespace) -> dict:
+    """The average's own work, alone: one update of ``--flavor``'s weights (median of 30), the
+    main thread's part of it (the hooks: a wait that is normally over, the hand-off) and the
+    bound it puts on the cost: update / step, as if it ran in the step instead of beside it."""
+    import torch
+
+    from trainforge.config import load_config
+    from trainforge.model import model_config_from_section
+    from trainforge.model.llama import build_model
+    from trainforge.train.ema import EMAComponent
+
+    torch.set_num_threads(a.threads)
+    cfg = load_config(None, train_args(a) + ema_args(a))
+    model = build_model(model_config_from_section(cfg.model, 8192, a.seq_len), "cpu", seed=a.seed)
+    ema = EMAComponent(cfg.ema, [model], torch.device("cpu"))
+
+    class Loop:
+        step = 0
+
+    update, hooks = [], []
+    with _locked(a.lock):
+        for _ in range(30):
+            t0 = time.perf_counter()
+            ema.after_optimizer_step(Loop)
+            t1 = time.perf_counter()
+            ema.wait()
+            t2 = time.perf_counter()
+            ema.before_optimizer_step(Loop, None, None)
+            t3 = time.perf_counter()
+            update.append(t2 - t0)
+            hooks.append((t1 - t0) + (t3 - t2))
+    ema.on_fit_end(Loop, {})
+    n = sum(t.numel() for t in ema.weights.values())
+    out = {"params": n, "update_s": statistics.median(update), "hooks_s": statistics.median(hooks)}
+    print(f"one update of {n / 1e6:.2f}M fp32 weights: {out['update_s'] * 1e3:.2f} ms (median of 30, alone; "
+          f"{12 * n / out['update_s'] / 1e9:.1f} GB/s at 12 bytes per weight); the main thread's part (hooks): "
+          f"{out['hooks_s'] * 1e3:.3f} ms")
+    return out
 
 
 # -- validation loss -------------------------------------------------------------------
@@ -201,7 +244,7 @@ def val(a: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", choices=["cost", "val", "segment"])
+    p.add_argument("mode", choices=["cost", "val", "segment", "work"])
     p.add_argument("--flavor", default="tiny")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=256)
@@ -229,7 +272,7 @@ def main() -> None:
     a = p.parse_args()
     if a.mode == "segment":
         return segment(a)
-    result = cost(a) if a.mode == "cost" else val(a)
+    result = {"cost": cost, "val": val, "work": update_work}[a.mode](a)
     if a.json:
         Path(a.json).write_text(json.dumps({"args": vars(a), **result}, indent=1))
 
