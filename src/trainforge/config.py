@@ -14,7 +14,7 @@ Where each section lives: ``[model]`` model/section.py; ``[data]`` data/section.
 ``[training]``, ``[optimizer]``, ``[checkpoint]`` train/section.py; ``[adaptive_lr]``,
 ``[early_stop]``, ``[bad_steps]`` train/control_section.py; ``[qat]`` train/qat_section.py; ``[parallel]``,
 ``[distributed]`` parallel/section.py; ``[sample]`` infer/section.py; ``[compression]``,
-``[precision]``, ``[monitor]`` in their packages' section.py.
+``[precision]``, ``[monitor]`` in their packages' section.py; ``[ema]`` train/ema_section.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from trainforge.monitor.section import MonitorSection
 from trainforge.parallel.section import DistributedSection, ParallelSection
 from trainforge.precision.section import PrecisionSection
 from trainforge.train.control_section import AdaptiveLRSection, BadStepsSection, EarlyStopSection
+from trainforge.train.ema_section import EMASection
 from trainforge.train.offload_section import OffloadSection, check_offload
 from trainforge.train.qat_section import QATSection
 from trainforge.train.section import CheckpointSection, OptimizerSection, TrainingSection
@@ -72,6 +73,7 @@ class Config:
     monitor: MonitorSection = field(default_factory=MonitorSection)
     qat: QATSection = field(default_factory=QATSection)
     offload: OffloadSection = field(default_factory=OffloadSection)
+    ema: EMASection = field(default_factory=EMASection)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -9,6 +9,7 @@ from typing import Literal
 from trainforge.cli.options import Command
 from trainforge.config_base import _f
 from trainforge.errors import TrainforgeError
+from trainforge.infer.session_options import WEIGHTS_HELP
 
 DESCRIPTION = ("Write a checkpoint as a Hugging Face directory that transformers, vLLM and llm-compressor read: "
                "config.json, generation_config.json, model.safetensors (sharded with an index above "
@@ -22,6 +23,7 @@ DESCRIPTION = ("Write a checkpoint as a Hugging Face directory that transformers
 class ExportOptions:
     checkpoint: str | None = _f(None, "float trainforge checkpoint or run directory", required=True, metavar="PATH")
     output: str | None = _f(None, "new directory for the Hugging Face files", required=True, metavar="DIR")
+    weights: Literal["final", "ema"] = _f("final", WEIGHTS_HELP)
     dtype: Literal["bf16", "fp16", "fp32"] = _f("fp32", "dtype of the float weights")  # hf_export.DTYPES
     quantize: Literal["none", "int8", "int4"] | None = _f(
         None, "int8 per output channel or int4 per group (compressed-tensors format); default: none, or the "
@@ -55,7 +57,8 @@ def run(argv: list[str]) -> int:
     mode, group_size, recorded = trained_grid(a.checkpoint, a.quantize or "auto", a.group_size)
     t0 = time.perf_counter()
     r = export(a.checkpoint, a.output, dtype=a.dtype, quantize=mode, group_size=group_size, force=a.force,
-               max_shard_bytes=int(a.max_shard_gb * 2**30), skip_indivisible=recorded is not None)
+               max_shard_bytes=int(a.max_shard_gb * 2**30), skip_indivisible=recorded is not None,
+               weights=a.weights)
     dt = time.perf_counter() - t0
     for line in r.notes:  # int4: the per-layer group sizes, in the words quantize uses
         print(line)

@@ -154,7 +154,7 @@ def _tokenizer_files(tmp: Path, tok_file: Path, eos_ids: tuple[int, ...], max_le
 
 def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", quantize: str | None = None,
            group_size: int = 128, force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
-           skip_indivisible: bool = False) -> ExportResult:
+           skip_indivisible: bool = False, weights: str = "final") -> ExportResult:
     """A trainforge checkpoint (or run directory: its newest checkpoint, or a Hugging Face
     directory) written as a Hugging Face directory at ``out_dir``: ``config.json``,
     ``generation_config.json``, the weights (``model.safetensors``, or shards + index above
@@ -169,7 +169,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     ``result.notes`` says which layers fell back, in ``quantize``'s words). Routed experts take one
     size dividing both their dims (the Hugging Face layout has no padding of the hidden dim). With
     ``skip_indivisible`` (a QAT run's grid: the CLI sets it) there is no fallback: a layer the
-    size does not divide stays float, as training kept it.
+    size does not divide stays float, as training kept it. ``weights``: ``final`` or ``ema`` (the
+    moving average of a run trained with ``[ema]``).
 
     Every argument is checked before anything is read; the directory appears complete or not
     at all (``--force`` replaces an existing one only once the new one is written). Tensors
@@ -189,7 +190,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, dtype: str = "fp32", qua
     # checkpoint's sha256 check runs beside the conversion (hashlib releases the GIL) instead
     # of before it (a whole extra pass: 5 of 13 s for a 1B model, measured); a mismatch is
     # raised before the output is committed, so a damaged checkpoint still writes nothing.
-    loaded = load_model(checkpoint, mapped=True, verify=False)
+    loaded = load_model(checkpoint, mapped=True, verify=False, weights=weights)
     check = _Verifier(loaded.path) if loaded.source == "trainforge" else None
     if loaded.quantization:
         raise CheckpointError(f"{checkpoint} is quantised ({loaded.quantization['mode']}); export the float "

@@ -31,9 +31,9 @@ def swap_engine_modules(model: torch.nn.Module, quantization: dict[str, Any], dt
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None,
-               mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None
-               ) -> LoadedModel:
+               mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None,
+               weights: str = "final") -> LoadedModel:
     """``trainforge.loading.loader.load_model`` (arguments and errors as there), quantised
     checkpoints included: their layers become the engine's quantised modules."""
     return loader.load_model(path, device, dtype, kv_slots, mapped, verify, quantize_to,
-                             swap_quantized=swap_engine_modules)
+                             swap_quantized=swap_engine_modules, weights=weights)

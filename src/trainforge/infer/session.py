@@ -58,7 +58,8 @@ def load_for_engine(opts, kv_slots: Callable[[Any], int] | None = None):
     mapped = mode != "none" and opts.device == "cpu"
     map_large_blocks_for_load()  # until release_freed_memory below: freed load tensors leave at once
     loaded = load_model(opts.checkpoint, opts.device, opts.dtype, kv_slots=kv_slots, mapped=mapped,
-                        quantize_to={"mode": mode, "group_size": group_size} if mode != "none" else None)
+                        quantize_to={"mode": mode, "group_size": group_size} if mode != "none" else None,
+                        weights=getattr(opts, "weights", "final"))
     if mode != "none":
         if loaded.quantization:
             raise TrainforgeError(f"--quantize {mode}: {opts.checkpoint} is already quantised "

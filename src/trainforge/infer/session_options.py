@@ -18,12 +18,16 @@ QUANTIZE_HELP = ("quantise a float checkpoint's linear layers (and MoE experts: 
 GROUP_SIZE_HELP = ("int4 group size (32, 64, 128 or 256 on CPU); default: a QAT checkpoint's, else 128. A layer it does "
                    "not divide takes the largest multiple of 32 below it that does, else stays float")
 
+WEIGHTS_HELP = ("which weights of a trainforge checkpoint: final (those the run ended with) or ema (their moving "
+                "average, kept by a run trained with [ema])")
+
 
 @dataclass
 class SessionOptions:
     checkpoint: str | None = _f(None, "trainforge checkpoint or run directory (newest checkpoint), a Hugging Face "
                                       "Llama directory (config.json + *.safetensors) or a GGUF file",
                                 required=True, metavar="PATH")
+    weights: Literal["final", "ema"] = _f("final", WEIGHTS_HELP)
     device: str = _f("cpu", "torch device: cpu, cuda, cuda:1, ...")
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "parameter dtype (quantised layers keep "
                                                                      "their own)")

@@ -31,6 +31,8 @@ from typing import Any, Callable
 import torch
 
 from trainforge.errors import CheckpointError, TrainforgeError
+from trainforge.loading.ema_weights import STATE_FILE as EMA_STATE_FILE
+from trainforge.loading.ema_weights import check_weights_choice, read_ema_weights
 from trainforge.model.config import ModelConfig
 from trainforge.model import hf as hf_llama
 from trainforge.model.hf import model_config_from_hf
@@ -185,7 +187,7 @@ def _default_dtype(device: torch.device, dtype: torch.dtype | str | None) -> tor
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | str | None = None, kv_slots: KVSlots | None = None,
                mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None,
-               swap_quantized: SwapQuantized | None = None) -> LoadedModel:
+               swap_quantized: SwapQuantized | None = None, weights: str = "final") -> LoadedModel:
     """A model ready for inference from ``path``: a trainforge checkpoint directory, a run
     directory (newest checkpoint), a Hugging Face directory (Llama, DeepSeek-V3, Glm4Moe, Mixtral;
     float or compressed-tensors int8/int4), or a llama.cpp ``.gguf`` file (Llama; ``gguf.py``). ``dtype`` is the float
@@ -204,16 +206,23 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     ``quantize_to`` (``{"mode", "group_size"}``): the memory check then counts the weights at that
     size, and runs for a mapped load that has a KV pool (``kv_slots``) to hold. ``swap_quantized``
     builds the modules of a quantised checkpoint's layers (the engine's: ``infer/loading.py``);
-    without it a quantised checkpoint raises ``QuantizedCheckpointError``."""
+    without it a quantised checkpoint raises ``QuantizedCheckpointError``. ``weights``: ``final``
+    (the weights the run ended with) or ``ema`` (the moving average a run trained with ``[ema]``
+    kept, ``ema_weights.py``; trainforge checkpoints only)."""
     path = Path(path)
     device = torch.device(device)
     dtype = _default_dtype(device, dtype)
     mapped = mapped and device.type == "cpu"
+    check_weights_choice(weights)
+    if weights == "ema" and (path.suffix == ".gguf" or is_hf_dir(path)):
+        kind = "GGUF file" if path.suffix == ".gguf" else "Hugging Face directory"
+        raise CheckpointError(f"--weights ema: {path} is a {kind}; only a trainforge checkpoint of a run trained "
+                              "with [ema] holds a weight average (use --weights final)")
     if path.suffix == ".gguf":  # llama.cpp's single-file format (gguf.py)
         return _load_gguf(path, device, dtype, kv_slots, swap_quantized)
     if is_hf_dir(path):
         return _load_hf(path, device, dtype, kv_slots, mapped, quantize_to, swap_quantized)
-    return _load_trainforge(path, device, dtype, kv_slots, mapped, verify, quantize_to, swap_quantized)
+    return _load_trainforge(path, device, dtype, kv_slots, mapped, verify, quantize_to, swap_quantized, weights)
 
 
 def _preflight(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
@@ -253,7 +262,7 @@ def trainforge_model_config(path: Path, verify: bool = False) -> tuple[Path, dic
 
 def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_slots: KVSlots | None,
                      mapped: bool = False, verify: bool = True, quantize_to: dict[str, Any] | None = None,
-                     swap_quantized: SwapQuantized | None = None) -> LoadedModel:
+                     swap_quantized: SwapQuantized | None = None, which: str = "final") -> LoadedModel:
     from trainforge.data.tokenizer import eos_id, load_tokenizer
     from trainforge.storage import checkpoint_format as ckpt
 
@@ -262,11 +271,15 @@ def _load_trainforge(path: Path, device: torch.device, dtype: torch.dtype, kv_sl
         _preflight(cfg, device, dtype, kv_slots, meta.get("quantization") or quantize_to, "model_config.max_seq_len",
                    str(ck))
     weights = ck / ckpt.MODEL_FILE
-    if not weights.is_file():
+    quantization = meta.get("quantization")
+    if which == "ema":  # the average, in model.safetensors' layout; memory-mapped, on the CPU
+        sd = {k: v.to(device) for k, v in read_ema_weights(ck).items()}
+        weights = ck / EMA_STATE_FILE
+    elif not weights.is_file():
         raise CheckpointError(f"{weights} is missing (a multi-process checkpoint? load it with `trainforge train "
                               f"--resume` on 1 process and let it save, or use a single-process checkpoint)")
-    sd, _ = _read_safetensors([weights], device, mapped)
-    quantization = meta.get("quantization")
+    else:
+        sd, _ = _read_safetensors([weights], device, mapped)
     model = _materialise(cfg, sd, device, dtype, quantization, str(weights), kv_slots, swap_quantized)
     tok, eos = None, ()
     tok_file = ck / ckpt.TOKENIZER_FILE

@@ -79,5 +79,9 @@ def build_components(cfg: Any, run_dir: Any, mp: Any, compressor: Any, pp_predic
     early_stop = cfg.early_stop.build(tcfg.steps)
     if early_stop is not None:
         out.append(early_stop)
+    if cfg.ema.enabled and model_parts is not None:
+        from trainforge.train.ema import build_ema
+
+        out.append(build_ema(cfg.ema, mp.opt_parts(model_parts), par.pp, log))
     return out
 
