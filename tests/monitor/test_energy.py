@@ -1,0 +1,185 @@
+"""Energy, power and memory bandwidth: a counter that exists gives a value, one that is
+absent gives no value (never 0); RAPL wrap-around; NVML's GPM bandwidth and the
+step-bytes estimate (a fake powercap tree and a fake NVML stand in for the hardware)."""
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from trainforge.monitor import rapl
+from trainforge.monitor.energy import EnergySampler
+from trainforge.monitor.nvml_counters import NvmlCounters
+from trainforge.monitor.step_bytes import training_step_bytes
+
+MAX_UJ = 262_143_328_850  # a real package zone's max_energy_range_uj
+
+
+def zone(root: Path, dirname: str, name: str, energy_uj: int | None, max_uj: int = MAX_UJ) -> Path:
+    d = root / dirname
+    d.mkdir(parents=True)
+    (d / "name").write_text(name + "\n")
+    (d / "max_energy_range_uj").write_text(f"{max_uj}\n")
+    if energy_uj is not None:
+        (d / "energy_uj").write_text(f"{energy_uj}\n")
+    return d
+
+
+def set_uj(d: Path, uj: int) -> None:
+    (d / "energy_uj").write_text(f"{uj}\n")
+
+
+@pytest.fixture
+def powercap(tmp_path):
+    """Two sockets with a DRAM zone each, an MMIO duplicate and a zone without a counter."""
+    root = tmp_path / "powercap"
+    (root / "intel-rapl").mkdir(parents=True)  # the control type: no counter
+    zones = {"pkg0": zone(root, "intel-rapl:0", "package-0", MAX_UJ - 1_000_000),  # wraps in the test
+             "dram0": zone(root, "intel-rapl:0:0", "dram", 5_000_000),
+             "pkg1": zone(root, "intel-rapl:1", "package-1", 0),
+             "mmio": zone(root, "intel-rapl-mmio:0", "package-0", 7)}
+    zone(root, "intel-rapl:1:0", "dram", None)  # present, but no readable energy_uj
+    return root, zones
+
+
+def test_rapl_zones_sum_sockets_handle_wraparound_and_skip_unreadable(powercap):
+    root, z = powercap
+    meter = rapl.RaplMeter(root)
+    assert meter.domains == ["dram", "package"]
+    assert meter.read() == {"package": 0.0, "dram": 0.0}
+    set_uj(z["pkg0"], 2_000_000)  # wrapped: 1 J to the top, then 2 J
+    set_uj(z["pkg1"], 4_000_000)
+    set_uj(z["dram0"], 5_500_000)
+    set_uj(z["mmio"], 10**12)  # ignored: it repeats the package counter
+    got = meter.read()
+    assert got["package"] == pytest.approx(3.0 + 4.0) and got["dram"] == pytest.approx(0.5)
+    assert rapl.wrapped_delta(10, 3, 100) == 93 and rapl.wrapped_delta(3, 10, 100) == 7
+
+
+def test_no_powercap_means_no_energy_keys_not_zero(tmp_path):
+    sampler = EnergySampler(torch.device("cpu"), powercap=tmp_path / "missing")
+    sampler.sample(tokens=0.0)
+    out = sampler.sample(tokens=1000.0, step_bytes=400, steps_per_s=2.0)
+    assert not {"energy_j", "power_w", "energy_per_token_j"} & set(out)
+    assert out["memory_bandwidth_bytes_per_s"] == {"step_bytes_estimate": 800.0}  # said to be an estimate
+    assert sampler.sources() == {"energy": [], "bandwidth": []}
+
+
+def test_energy_per_token_and_power_over_the_window(powercap):
+    root, z = powercap
+    sampler = EnergySampler(torch.device("cpu"), powercap=root)
+    first = sampler.sample(tokens=0.0)
+    assert "energy_per_token_j" not in first  # no tokens before the first window to divide by
+    set_uj(z["pkg0"], MAX_UJ - 1_000_000 + 30_000_000)  # +30 J
+    set_uj(z["pkg1"], 10_000_000)  # +10 J
+    set_uj(z["dram0"], 9_000_000)  # +4 J
+    out = sampler.sample(tokens=2000.0)
+    assert out["energy_j"] == pytest.approx({"package": 40.0, "dram": 4.0})
+    assert out["energy_per_token_j"] == pytest.approx({"package": 0.02, "dram": 0.002})
+    assert out["power_w"]["package"] > 0 and out["power_w"]["package"] / out["power_w"]["dram"] == pytest.approx(10)
+    rolled_back = sampler.sample(tokens=1000.0)  # a rollback: tokens went back, no per-token value
+    assert "energy_per_token_j" not in rolled_back and rolled_back["energy_j"] == {"package": 0.0, "dram": 0.0}
+
+
+def test_rapl_is_read_by_local_rank_zero_only(powercap):
+    root, _ = powercap
+    assert EnergySampler(torch.device("cpu"), local_rank=1, powercap=root).sources()["energy"] == []
+    assert EnergySampler(torch.device("cpu"), local_rank=0, powercap=root).sources()["energy"] == ["dram", "package"]
+
+
+class FakeNvml:
+    """The pynvml functions the counters call; a name in ``missing`` raises as NVML does
+    for a query the GPU does not support."""
+
+    NVML_CLOCK_MEM, NVML_SUCCESS, NVML_GPM_METRICS_GET_VERSION, NVML_GPM_METRIC_DRAM_BW_UTIL = 2, 0, 1, 10
+
+    def __init__(self, missing=(), dram_util_pct=50.0):
+        self.missing, self.dram_util_pct, self.energy_mj, self.samples = set(missing), dram_util_pct, 1_000_000, 0
+
+    def __getattribute__(self, name):
+        if name.startswith("nvml") and name in object.__getattribute__(self, "missing"):
+            raise RuntimeError(f"NVMLError_NotSupported: {name}")
+        return object.__getattribute__(self, name)
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return self.energy_mj
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 350_000  # mW
+
+    def nvmlDeviceGetMemoryBusWidth(self, h):
+        return 5120
+
+    def nvmlDeviceGetMaxClockInfo(self, h, kind):
+        assert kind == self.NVML_CLOCK_MEM
+        return 2619
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return types.SimpleNamespace(gpu=90, memory=40)
+
+    def nvmlGpmQueryDeviceSupport(self, h):
+        return types.SimpleNamespace(isSupportedDevice=1)
+
+    def nvmlGpmSampleAlloc(self):
+        return object()
+
+    def nvmlGpmSampleGet(self, h, sample):
+        self.samples += 1
+        return sample
+
+    def c_nvmlGpmMetricsGet_t(self):
+        return types.SimpleNamespace(metrics=[types.SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0)])
+
+    def nvmlGpmMetricsGet(self, get):
+        assert get.metrics[0].metricId == self.NVML_GPM_METRIC_DRAM_BW_UTIL and get.sample1 is not get.sample2
+        get.metrics[0].value = self.dram_util_pct
+        return get
+
+
+H100_PEAK = 5120 / 8 * 2619e6 * 2  # 3.35 TB/s, the published H100 SXM figure
+
+
+def test_nvml_gpm_gives_measured_hbm_bandwidth_and_energy(tmp_path):
+    nv = FakeNvml()
+    sampler = EnergySampler(torch.device("cpu"), nvml=(nv, "h"), powercap=tmp_path)
+    assert sampler.sources() == {"energy": ["gpu"], "bandwidth": ["nvml_gpm"]}
+    sampler.sample(tokens=0.0)
+    nv.energy_mj += 700_000  # +700 J
+    out = sampler.sample(tokens=7000.0, step_bytes=1000, steps_per_s=1.0)
+    assert out["energy_j"] == pytest.approx({"gpu": 700.0}) and out["energy_per_token_j"] == pytest.approx({"gpu": 0.1})
+    assert out["memory_bandwidth_bytes_per_s"] == pytest.approx({"nvml_gpm": 0.5 * H100_PEAK,
+                                                                 "step_bytes_estimate": 1000.0})
+    assert out["memory_bandwidth_peak_bytes_per_s"] == pytest.approx(3.35e12, rel=0.01)
+    assert nv.samples == 3  # one at the start, one per window: each window is its own interval
+
+
+def test_older_gpu_reports_an_upper_bound_and_power_without_energy(tmp_path):
+    nv = FakeNvml(missing={"nvmlGpmQueryDeviceSupport", "nvmlDeviceGetTotalEnergyConsumption"})
+    sampler = EnergySampler(torch.device("cpu"), nvml=(nv, "h"), powercap=tmp_path)
+    sampler.sample(tokens=0.0)
+    out = sampler.sample(tokens=10.0)
+    assert "energy_j" not in out and "energy_per_token_j" not in out
+    assert out["power_w"] == {"gpu": 350.0}
+    assert out["memory_bandwidth_bytes_per_s"] == pytest.approx({"nvml_busy_x_peak": 0.4 * H100_PEAK})
+
+
+def test_gpu_without_any_counter_gives_no_gpu_keys(tmp_path):
+    nv = FakeNvml(missing={n for n in dir(FakeNvml) if n.startswith("nvml")})
+    sampler = EnergySampler(torch.device("cpu"), nvml=(nv, "h"), powercap=tmp_path)
+    sampler.sample(tokens=0.0)
+    assert sampler.sample(tokens=10.0) == {}
+
+
+def test_step_bytes_of_fp32_adamw_is_40_bytes_per_parameter():
+    model = nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    # forward 4 + backward 4 + gradient write 4 + AdamW (read p, g, m, v; write p, m, v) 28
+    assert training_step_bytes([model], [opt], micro_batches=1) == 40 * n
+    # each further micro-batch: weights twice, gradient read + write, saved activations twice
+    assert training_step_bytes([model], [opt], micro_batches=3, activation_bytes=1000) == 40 * n + 2 * 16 * n + 6000
