@@ -183,3 +183,55 @@ def test_step_bytes_of_fp32_adamw_is_40_bytes_per_parameter():
     assert training_step_bytes([model], [opt], micro_batches=1) == 40 * n
     # each further micro-batch: weights twice, gradient read + write, saved activations twice
     assert training_step_bytes([model], [opt], micro_batches=3, activation_bytes=1000) == 40 * n + 2 * 16 * n + 6000
+
+
+def test_monitor_records_power_energy_per_token_and_the_labelled_estimate(tmp_path, monkeypatch):
+    """Through the monitor's write path: a package counter that rises at 50 W while two
+    windows of two steps (two micro-batches each) run."""
+    from types import SimpleNamespace
+    import time
+
+    from trainforge.monitor.monitor import Monitor
+    from trainforge.monitor.section import MonitorSection
+
+    root = tmp_path / "powercap"
+    zone(root, "intel-rapl:0", "package-0", 0)
+    monkeypatch.setattr(rapl, "POWERCAP", root)
+    monkeypatch.setattr(rapl.RaplZone, "read_uj", lambda self: int(time.perf_counter() * 50e6) % MAX_UJ)
+    model = nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    steps = [0]
+    dims = SimpleNamespace(world_size=1, pp=1, dp_replicate=1, dp_shard=1, tp=1)
+    mon = Monitor(MonitorSection(interval_steps=0), tmp_path / "metrics.jsonl", [model], [opt], torch.device("cpu"),
+                  dims, SimpleNamespace(rank=0, local_rank=0), lambda: steps[0])
+    tokens_per_step = 256
+    try:
+        for window in range(2):
+            for _ in range(2):
+                for _micro in range(2):
+                    model(torch.randn(4, 64)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                steps[0] += 1
+            time.sleep(0.2)
+            for s in (steps[0] - 1, steps[0]):
+                mon.write({"step": s, "loss": 1.0, "tokens": s * tokens_per_step, "tokens_per_s": 1000.0,
+                           **({"mem_activations_fp32_bytes": 1024} if s == steps[0] else {})})
+    finally:
+        mon.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    n = sum(p.numel() for p in model.parameters())
+    first, second = records[0], records[2]
+    # 2 micro-batches; the activation bytes arrive with a window's last record, so from window 2 on
+    assert first["step_bytes_estimate"] == 40 * n + 16 * n
+    assert second["step_bytes_estimate"] == 40 * n + 16 * n + 2 * 2 * 1024
+    assert second["memory_bandwidth_bytes_per_s"] == pytest.approx(
+        {"step_bytes_estimate": second["step_bytes_estimate"] * 1000.0 / tokens_per_step})
+    assert second["power_w"]["package"] == pytest.approx(50.0, rel=0.1)
+    # energy between the windows / the 2 x 256 tokens trained in between
+    assert second["energy_per_token_j"]["package"] == pytest.approx(second["energy_j"]["package"] / 512)
+    assert "energy_per_token_j" not in first  # no earlier window to count tokens from
+    mon_registry = {f.name for f in mon.registry.families()}
+    assert {"trainforge_power_watts", "trainforge_energy_joules_total", "trainforge_energy_per_token_joules",
+            "trainforge_memory_bandwidth_bytes_per_second"} <= mon_registry
