@@ -1,7 +1,7 @@
 """The Grafana dashboard, generated from code with grafana-foundation-sdk (pinned in
 the ``dev`` extra), plus the provisioning files that load it.
 
-    python -m trainforge.monitor.dashboard deploy/grafana   # rewrites the shipped files
+    python -m trainforge.monitor.dashboard deploy   # rewrites the shipped files under deploy/
 
 One row per level (system, framework, model) and one for ``trainforge serve``. Every
 query uses only metrics from ``catalog.py`` and two variables: ``run``, the Prometheus
