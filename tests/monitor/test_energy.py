@@ -232,6 +232,9 @@ def test_monitor_records_power_energy_per_token_and_the_labelled_estimate(tmp_pa
     # energy between the windows / the 2 x 256 tokens trained in between
     assert second["energy_per_token_j"]["package"] == pytest.approx(second["energy_j"]["package"] / 512)
     assert "energy_per_token_j" not in first  # no earlier window to count tokens from
+    # the counter adds each window's energy once, not once per record of the window
+    assert mon.registry.value("trainforge_energy_joules_total", domain="package") == pytest.approx(
+        first["energy_j"]["package"] + second["energy_j"]["package"])
     mon_registry = {f.name for f in mon.registry.families()}
     assert {"trainforge_power_watts", "trainforge_energy_joules_total", "trainforge_energy_per_token_joules",
             "trainforge_memory_bandwidth_bytes_per_second"} <= mon_registry
