@@ -3,6 +3,7 @@ absent gives no value (never 0); RAPL wrap-around; NVML's GPM bandwidth and the
 step-bytes estimate (a fake powercap tree and a fake NVML stand in for the hardware)."""
 
 import json
+import time
 import types
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from trainforge.monitor import rapl
+from trainforge.monitor.monitor import Monitor
+from trainforge.monitor.section import MonitorSection
 from trainforge.monitor.energy import EnergySampler
 from trainforge.monitor.nvml_counters import NvmlCounters
 from trainforge.monitor.step_bytes import training_step_bytes
@@ -188,12 +191,6 @@ def test_step_bytes_of_fp32_adamw_is_40_bytes_per_parameter():
 def test_monitor_records_power_energy_per_token_and_the_labelled_estimate(tmp_path, monkeypatch):
     """Through the monitor's write path: a package counter that rises at 50 W while two
     windows of two steps (two micro-batches each) run."""
-    from types import SimpleNamespace
-    import time
-
-    from trainforge.monitor.monitor import Monitor
-    from trainforge.monitor.section import MonitorSection
-
     root = tmp_path / "powercap"
     zone(root, "intel-rapl:0", "package-0", 0)
     monkeypatch.setattr(rapl, "POWERCAP", root)
@@ -201,9 +198,9 @@ def test_monitor_records_power_energy_per_token_and_the_labelled_estimate(tmp_pa
     model = nn.Linear(64, 32)
     opt = torch.optim.AdamW(model.parameters())
     steps = [0]
-    dims = SimpleNamespace(world_size=1, pp=1, dp_replicate=1, dp_shard=1, tp=1)
+    dims = types.SimpleNamespace(world_size=1, pp=1, dp_replicate=1, dp_shard=1, tp=1)
     mon = Monitor(MonitorSection(interval_steps=0), tmp_path / "metrics.jsonl", [model], [opt], torch.device("cpu"),
-                  dims, SimpleNamespace(rank=0, local_rank=0), lambda: steps[0])
+                  dims, types.SimpleNamespace(rank=0, local_rank=0), lambda: steps[0])
     tokens_per_step = 256
     try:
         for window in range(2):
@@ -238,3 +235,26 @@ def test_monitor_records_power_energy_per_token_and_the_labelled_estimate(tmp_pa
     mon_registry = {f.name for f in mon.registry.families()}
     assert {"trainforge_power_watts", "trainforge_energy_joules_total", "trainforge_energy_per_token_joules",
             "trainforge_memory_bandwidth_bytes_per_second"} <= mon_registry
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and NVML")
+def test_real_gpu_reports_power_and_a_bandwidth_that_follows_a_copy_loop():
+    pytest.importorskip("pynvml", reason="nvidia-ml-py (the gpu extra) not installed")
+    sampler = EnergySampler(torch.device("cuda"), local_rank=1)  # local rank 1: the GPU only, no RAPL
+    src = torch.empty(2**28, dtype=torch.uint8, device="cuda")  # 256 MiB
+    dst = torch.empty_like(src)
+    t0 = time.perf_counter()
+    copies = 0
+    while time.perf_counter() - t0 < 2.0:
+        for _ in range(20):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        copies += 20
+    copied = 2 * src.numel() * copies / (time.perf_counter() - t0)  # read + write bytes/s
+    out = sampler.sample(tokens=0.0)
+    assert out["power_w"]["gpu"] > 10  # a busy GPU draws tens of watts at least
+    peak = out["memory_bandwidth_peak_bytes_per_s"]
+    assert copied < peak * 1.05  # the peak is the theoretical one: nothing beats it
+    if "nvml_gpm" in out["memory_bandwidth_bytes_per_s"]:  # Hopper and later: the window's own DRAM counters
+        assert out["memory_bandwidth_bytes_per_s"]["nvml_gpm"] == pytest.approx(copied, rel=0.35)
