@@ -22,13 +22,25 @@ from typing import Any
 
 
 def open_nvml(index: int) -> tuple[Any, Any] | None:
-    """(the pynvml module, the device handle), or None without nvidia-ml-py or NVML."""
+    """(the pynvml module, the handle of torch's CUDA device ``index``), or None without
+    nvidia-ml-py or NVML. Found by UUID: NVML numbers every GPU of the machine, CUDA only
+    those in CUDA_VISIBLE_DEVICES, so the same index can name two different GPUs."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
+    except Exception:  # no package, no driver: the GPU metrics are absent
+        return None
+    try:
+        import torch
+
+        uuid = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        return pynvml, pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    except Exception:  # an older torch without .uuid, a MIG slice: NVML's index
+        pass
+    try:
         return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # no package, no driver, no such device: the GPU metrics are absent
+    except Exception:
         return None
 
 
