@@ -232,3 +232,7 @@ def test_power_energy_and_bandwidth_are_plotted_per_domain_or_said_to_be_absent(
     assert "Power (not recorded)" in left_out and "Energy per token (not recorded)" in left_out
     assert "Memory bandwidth" in {p.title for p in plots}
     assert "not recorded (no energy counter readable: NVML or RAPL powercap)" in write_report(bare).read_text()
+    # metrics.jsonl is rank 0's: with several ranks its energy is a share of the job's, and says so
+    ranks = write_run(tmp_path / "ddp", train_records(energy_per_token_j={"gpu": 0.3},
+                                                       parallel_degree={"pp": 1, "dp_replicate": 4, "dp_shard": 2, "tp": 1}))
+    assert "<th>energy per token (median, rank 0 of 8)</th><td>gpu 0.3 J</td>" in write_report(ranks).read_text()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import html
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -294,7 +295,10 @@ def _summary(run: Run) -> dict[str, str]:
     if ckpts:
         rows["checkpoints"] = f"{len(ckpts)}, mean save {sum(r['checkpoint_save_s'] for r in ckpts) / len(ckpts):.2f} s"
     if train:
-        rows["energy per token (median)"] = _median_of(train, "energy_per_token_j", "{:.3g} J") or \
+        # metrics.jsonl is rank 0's: with more ranks its GPU (and node) are a share of the job's energy
+        world = math.prod((train[-1].get("parallel_degree") or {}).values() or [1])
+        label = "energy per token (median)" if world == 1 else f"energy per token (median, rank 0 of {world})"
+        rows[label] = _median_of(train, "energy_per_token_j", "{:.3g} J") or \
             "not recorded (no energy counter readable: NVML or RAPL powercap)"
         if bandwidth := _median_of(train, "memory_bandwidth_bytes_per_s", "{:.3g} GB/s", 1e-9):
             rows["memory bandwidth (median)"] = bandwidth
