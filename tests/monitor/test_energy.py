@@ -258,3 +258,71 @@ def test_real_gpu_reports_power_and_a_bandwidth_that_follows_a_copy_loop():
     assert copied < peak * 1.05  # the peak is the theoretical one: nothing beats it
     if "nvml_gpm" in out["memory_bandwidth_bytes_per_s"]:  # Hopper and later: the window's own DRAM counters
         assert out["memory_bandwidth_bytes_per_s"]["nvml_gpm"] == pytest.approx(copied, rel=0.35)
+
+
+def imc(root: Path, name: str) -> None:
+    """A fake Intel IMC PMU in sysfs: CAS counts of 64-byte lines, scale to MiB."""
+    d = root / name
+    (d / "format").mkdir(parents=True)
+    (d / "events").mkdir()
+    (d / "type").write_text("13\n")
+    (d / "cpumask").write_text("0\n")
+    (d / "format" / "event").write_text("config:0-7\n")
+    (d / "format" / "umask").write_text("config:8-15\n")
+    for event, umask in (("cas_count_read", "0x03"), ("cas_count_write", "0x0c")):
+        (d / "events" / event).write_text(f"event=0x04,umask={umask}\n")
+        (d / "events" / f"{event}.scale").write_text("6.103515625e-5\n")  # 64 B in MiB
+        (d / "events" / f"{event}.unit").write_text("MiB\n")
+
+
+def test_perf_uncore_counts_bytes_of_every_memory_controller(tmp_path):
+    from trainforge.monitor.perf_uncore import UncoreMeter, parse_config
+
+    assert parse_config("event=0x04,umask=0x03", {"event": "config:0-7", "umask": "config:8-15"}) == {"config": 0x0304}
+    assert parse_config("event=0x1ff,edge", {"event": "config:0-7,32-35", "edge": "config:18"}) == \
+        {"config": 0xff | (1 << 32) | (1 << 18)}
+    root = tmp_path / "devices"
+    imc(root, "uncore_imc_0")
+    imc(root, "uncore_imc_1")
+    (root / "cpu").mkdir()  # not a memory controller
+    counts, opened = {}, []
+
+    def opener(pmu_type, config, pid, cpu):
+        assert pmu_type == 13 and pid == -1 and cpu == 0  # the whole machine, on the PMU's CPU
+        opened.append(config["config"])
+        counts[len(opened)] = 1000
+        return len(opened)
+
+    meter = UncoreMeter(root, opener=opener, reader=lambda fd: counts[fd])
+    assert sorted(opened) == [0x0304, 0x0304, 0x0c04, 0x0c04]
+    for fd in counts:
+        counts[fd] += 2 ** 20  # a million lines on each controller and direction: 64 MiB
+    assert meter.read() == pytest.approx({"read": 2 * 64 * 2 ** 20, "write": 2 * 64 * 2 ** 20})
+    sampler = EnergySampler(torch.device("cpu"), powercap=tmp_path, uncore=meter)
+    assert sampler.sources()["bandwidth"] == ["perf_uncore"]
+    for fd in counts:
+        counts[fd] += 2 ** 20
+    assert sampler.sample(tokens=None)["memory_bandwidth_bytes_per_s"]["perf_uncore"] > 0
+    refused = UncoreMeter(root, opener=lambda *a: (_ for _ in ()).throw(PermissionError(13, "paranoid")))
+    assert refused.read() == {} and "perf_uncore" not in EnergySampler(torch.device("cpu"), powercap=tmp_path,
+                                                                       uncore=refused).sources()["bandwidth"]
+
+
+def test_perf_event_open_counts_this_process_task_clock():
+    """The real syscall on a software event any process may count on itself."""
+    import os
+
+    from trainforge.monitor.perf_uncore import perf_event_open, read_count
+
+    try:
+        fd = perf_event_open(1, {"config": 1}, 0, -1)  # PERF_TYPE_SOFTWARE, PERF_COUNT_SW_TASK_CLOCK
+    except OSError as e:
+        pytest.skip(f"perf_event_open refused here: {e}")
+    try:
+        before = read_count(fd)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.05:
+            pass
+        assert read_count(fd) - before >= 10_000_000  # >= 10 ms of task clock, in ns, for a 50 ms busy loop
+    finally:
+        os.close(fd)

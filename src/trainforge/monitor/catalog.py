@@ -129,9 +129,10 @@ CATALOG: tuple[MetricSpec, ...] = (
        "trained in between; sum over ranks for the job's", labels=("domain",), when=ENERGY + ", from the 2nd window"),
     _s("memory_bandwidth_bytes_per_s", "memory_bandwidth_bytes_per_second", "gauge", "bytes/s", "system",
        "achieved DRAM / HBM bandwidth over the logging window; the source label says how: nvml_gpm (GPU DRAM "
-       "counters, Hopper+), nvml_busy_x_peak (memory-busy share x peak: an upper bound), step_bytes_estimate (a "
-       "model of the bytes one step reads and writes x steps/s: a lower bound, not a counter)",
-       labels=("source",), when="always (step_bytes_estimate); the NVML sources: " + NVML),
+       "counters, Hopper+), nvml_busy_x_peak (memory-busy share x peak: an upper bound), perf_uncore (CPU memory "
+       "controllers' CAS counters, the whole machine, local rank 0), step_bytes_estimate (a model of the bytes one "
+       "step reads and writes x steps/s: a lower bound, not a counter)", labels=("source",),
+       when="always (step_bytes_estimate); NVML sources: " + NVML + "; perf_uncore: Intel uncore_imc PMUs readable"),
     _s("memory_bandwidth_peak_bytes_per_s", "memory_bandwidth_peak_bytes_per_second", "gauge", "bytes/s", "system",
        "theoretical memory bandwidth of this rank's GPU: NVML bus width / 8 x max memory clock x 2", when=NVML),
     _s("step_bytes_estimate", "step_memory_traffic_estimate_bytes", "gauge", "bytes", "system",

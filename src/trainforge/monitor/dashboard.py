@@ -86,7 +86,8 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("system", "Memory bandwidth", "Bps",
               (q("trainforge_memory_bandwidth_bytes_per_second", "{{source}} rank {{rank}}"),),
               "Achieved DRAM / HBM bandwidth per logging window. source: nvml_gpm = GPU DRAM counters; "
-              "nvml_busy_x_peak = memory-busy share x peak, an upper bound; step_bytes_estimate = modelled bytes "
+              "nvml_busy_x_peak = memory-busy share x peak, an upper bound; perf_uncore = CPU memory controllers' "
+              "counters; step_bytes_estimate = modelled bytes "
               "per step x steps/s, a lower bound, not a counter."),
     PanelSpec("system", "Data-loader wait", "s",
               (q("trainforge_data_wait_seconds", "rank {{rank}}"),),

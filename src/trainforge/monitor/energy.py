@@ -10,7 +10,8 @@ the counters are files and NVML calls, not device work.
   power over that time, and joules per token trained in it. Energy per token divides by
   the whole job's tokens, so summing a domain over ranks gives the job's figure.
 - memory bandwidth per source: ``nvml_gpm`` (a GPU's DRAM counters), ``nvml_busy_x_peak``
-  (an upper bound on GPUs without them), and always ``step_bytes_estimate``: the modelled
+  (an upper bound on GPUs without them), ``perf_uncore`` (the CPU memory controllers'
+  counters, ``perf_uncore.py``, local rank 0, the whole machine), and always ``step_bytes_estimate``: the modelled
   bytes of one step (``step_bytes.py``) x steps per second. The source is a label of the
   metric, so an estimate is never read as a measurement.
 
@@ -28,16 +29,19 @@ import torch
 
 from trainforge.monitor import rapl
 from trainforge.monitor.nvml_counters import NvmlCounters, open_nvml
+from trainforge.monitor.perf_uncore import UncoreMeter
 
 
 class EnergySampler:
     """``device``: this rank's; ``local_rank``: RAPL is read where it is 0; ``nvml``:
     a (module, handle) pair to use instead of opening NVML (tests); ``powercap``: the
-    powercap directory (tests point it at a fake tree)."""
+    powercap directory (tests point it at a fake tree); ``uncore``: a meter of the memory
+    controllers' bytes (default: opened on local rank 0)."""
 
     def __init__(self, device: torch.device, local_rank: int = 0, nvml: tuple[Any, Any] | None = None,
-                 powercap: Path | None = None):
+                 powercap: Path | None = None, uncore: UncoreMeter | None = None):
         self.rapl = rapl.RaplMeter(powercap or rapl.POWERCAP) if local_rank == 0 else None
+        self.uncore = uncore if uncore is not None else UncoreMeter() if local_rank == 0 else None
         if nvml is None and device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
             nvml = open_nvml(index)
@@ -45,16 +49,25 @@ class EnergySampler:
         self._t = time.perf_counter()
         self._joules = self._read_joules()
         self._tokens: float | None = None
+        self._dram_bytes = self._read_dram_bytes()
 
     def sources(self) -> dict[str, list[str]]:
         """What this process can read: {"energy": domains, "bandwidth": counter sources}."""
         energy = list(self.rapl.domains) if self.rapl is not None else []
-        bandwidth = []
+        bandwidth = ["perf_uncore"] if self.uncore is not None and self.uncore.events else []
         if self.gpu is not None:
             energy += ["gpu"] if self.gpu.has_energy else []
             bandwidth += ["nvml_gpm"] if self.gpu._gpm is not None else []
             bandwidth += ["nvml_busy_x_peak"] if self.gpu.has_busy else []
         return {"energy": energy, "bandwidth": bandwidth}
+
+    def close(self) -> None:
+        if self.uncore is not None:
+            self.uncore.close()
+
+    def _read_dram_bytes(self) -> float | None:
+        counts = self.uncore.read() if self.uncore is not None else {}
+        return sum(counts.values()) if counts else None
 
     def _read_joules(self) -> dict[str, float]:
         out = dict(self.rapl.read()) if self.rapl is not None else {}
@@ -67,7 +80,7 @@ class EnergySampler:
         """Record values for the window since the previous call. ``tokens``: tokens the
         job has trained so far (None if unknown); ``step_bytes`` x ``steps_per_s``: the
         estimated bandwidth."""
-        now, joules = time.perf_counter(), self._read_joules()
+        now, joules, dram = time.perf_counter(), self._read_joules(), self._read_dram_bytes()
         dt = now - self._t
         # A counter that went backwards (driver reload, a zone gone) has no value this window.
         energy = {d: j - self._joules[d] for d, j in joules.items()
@@ -84,6 +97,9 @@ class EnergySampler:
             if power := self.gpu.power_w():  # no energy counter (older GPU): NVML's power reading
                 out.setdefault("power_w", {}).update(power)
         bandwidth: dict[str, float] = self.gpu.bandwidth() if self.gpu is not None else {}
+        if dram is not None and self._dram_bytes is not None and dt > 0:
+            bandwidth["perf_uncore"] = (dram - self._dram_bytes) / dt
+        self._dram_bytes = dram
         if step_bytes and steps_per_s:
             bandwidth["step_bytes_estimate"] = step_bytes * steps_per_s
         if bandwidth:

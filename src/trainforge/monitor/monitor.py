@@ -145,6 +145,8 @@ class Monitor:
         to the experiment trackers, which record the run's status."""
         if self.probe is not None:
             self.probe.close()
+        if self.energy is not None:
+            self.energy.close()
         if self.section.linger_s and self.prometheus is not None and self.prometheus.address is not None:
             time.sleep(self.section.linger_s)
         for sink in self.sinks:
