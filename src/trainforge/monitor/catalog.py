@@ -122,7 +122,7 @@ CATALOG: tuple[MetricSpec, ...] = (
        "counter, else its power reading), package / dram / core / uncore / psys (RAPL /sys/class/powercap, the whole "
        "machine, local rank 0 only)", labels=("domain",), when=ENERGY),
     _s("energy_j", "energy_joules_total", "counter", "joules", "system",
-       "energy per domain since the process started, from the same counters (RAPL wrap-around at "
+       "energy per domain since the monitor started (the trainer built it), from the same counters (RAPL wrap-around at "
        "max_energy_range_uj handled)", labels=("domain",), update="window", when=ENERGY),
     _s("energy_per_token_j", "energy_per_token_joules", "gauge", "joules/token", "system",
        "a domain's energy between two logging windows (validation, checkpoints included) / the job's tokens "

@@ -57,7 +57,7 @@ class EnergySampler:
         bandwidth = ["perf_uncore"] if self.uncore is not None and self.uncore.events else []
         if self.gpu is not None:
             energy += ["gpu"] if self.gpu.has_energy else []
-            bandwidth += ["nvml_gpm"] if self.gpu._gpm is not None else []
+            bandwidth += ["nvml_gpm"] if self.gpu.has_gpm else []
             bandwidth += ["nvml_busy_x_peak"] if self.gpu.has_busy else []
         return {"energy": energy, "bandwidth": bandwidth}
 

@@ -67,6 +67,10 @@ class NvmlCounters:
         self.has_busy = (self._gpm is None and self.peak_bytes_per_s is not None
                          and _call(nv, "nvmlDeviceGetUtilizationRates", handle) is not None)
 
+    @property
+    def has_gpm(self) -> bool:
+        return self._gpm is not None
+
     def _open_gpm(self) -> list | None:
         """Two GPM samples, the first taken now (the window's start), or None."""
         nv = self.nv
