@@ -30,8 +30,8 @@ from trainforge.monitor.jsonl import JsonlSink
 from trainforge.monitor.probes import StepProbe
 from trainforge.monitor.registry import Registry
 from trainforge.monitor.section import MonitorSection
-from trainforge.monitor.step_bytes import training_step_bytes
 from trainforge.monitor.sinks import PrometheusSink, TensorBoardSink
+from trainforge.monitor.step_bytes import training_step_bytes
 from trainforge.monitor.system import SystemSampler
 from trainforge.monitor.tracker_run import config_params
 
@@ -192,7 +192,6 @@ class Monitor:
         if self.pp == 1:
             out["bubble_fraction"] = 0.0
         return out
-
 
     def _energy_window(self, record: dict[str, Any], window: int) -> dict[str, Any]:
         """Energy, power and memory bandwidth since the last window; the trainer's record
