@@ -213,3 +213,26 @@ def test_cli_takes_several_runs_and_fails_in_one_line(tmp_path, capsys):
     (b / "config.toml").write_text("[training\n")
     assert cli_main(["report", str(b)]) == 2
     assert f"{b / 'config.toml'} is not valid TOML" in capsys.readouterr().err
+
+
+def test_power_energy_and_bandwidth_are_plotted_per_domain_or_said_to_be_absent(tmp_path):
+    measured = write_run(tmp_path / "gpu", train_records(
+        power_w={"gpu": 300.0, "package": 90.0}, energy_per_token_j={"gpu": 0.3, "package": 0.09},
+        memory_bandwidth_bytes_per_s={"nvml_gpm": 2.0e12, "step_bytes_estimate": 1.5e12}))
+    plots = {p.title: p for p in build_plots(load_runs([measured]))[0]}
+    assert [(ln.series, ln.ys) for ln in plots["Energy per token"].lines] == [("gpu", [0.3] * 4), ("package", [0.09] * 4)]
+    assert [(ln.series, ln.ys[0]) for ln in plots["Memory bandwidth"].lines] == [
+        ("nvml_gpm", pytest.approx(2000.0)), ("step_bytes_estimate", pytest.approx(1500.0))]
+    page = write_report(measured).read_text()
+    assert "<tr><th>energy per token (median)</th><td>gpu 0.3 J, package 0.09 J</td></tr>" in page
+    assert "nvml_gpm 2e+03 GB/s, step_bytes_estimate 1.5e+03 GB/s" in page
+    # a machine without counters: no plot with zeros, and the header says why
+    bare = write_run(tmp_path / "vm", train_records(memory_bandwidth_bytes_per_s={"step_bytes_estimate": 1e9}))
+    plots, left_out = build_plots(load_runs([bare]))
+    assert "Power (not recorded)" in left_out and "Energy per token (not recorded)" in left_out
+    assert "Memory bandwidth" in {p.title for p in plots}
+    assert "not recorded (no energy counter readable: NVML or RAPL powercap)" in write_report(bare).read_text()
+    # metrics.jsonl is rank 0's: with several ranks its energy is a share of the job's, and says so
+    ranks = write_run(tmp_path / "ddp", train_records(energy_per_token_j={"gpu": 0.3},
+                                                       parallel_degree={"pp": 1, "dp_replicate": 4, "dp_shard": 2, "tp": 1}))
+    assert "<th>energy per token (median, rank 0 of 8)</th><td>gpu 0.3 J</td>" in write_report(ranks).read_text()

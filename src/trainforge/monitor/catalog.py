@@ -92,6 +92,7 @@ SERVE = "trainforge serve"
 MOE = "MoE model (model.n_routed_experts > 0)"
 SPEC = "trainforge serve --speculative"
 MTP = "model.mtp_depth > 0"
+ENERGY = "an energy counter: NVML (CUDA, nvidia-ml-py) or readable RAPL powercap zones (usually root, bare metal)"
 
 CATALOG: tuple[MetricSpec, ...] = (
     # -- system ------------------------------------------------------------------------
@@ -115,6 +116,28 @@ CATALOG: tuple[MetricSpec, ...] = (
     _s("pcie_bytes_per_s", "host_device_copy_bytes_per_second", "gauge", "bytes/s", "system",
        "PCIe traffic of this rank's GPU, direction h2d (host to device) or d2h, NVML throughput counters "
        "(a 20 ms sample at the logging interval)", labels=("direction",), when=NVML),
+    # energy and memory bandwidth (energy.py): absent where no counter is readable, never 0
+    _s("power_w", "power_watts", "gauge", "watts", "system",
+       "mean power over the time since the previous logging window per domain: gpu (this rank's GPU, NVML energy "
+       "counter, else its power reading), package / dram / core / uncore / psys (RAPL /sys/class/powercap, the whole "
+       "machine, local rank 0 only)", labels=("domain",), when=ENERGY),
+    _s("energy_j", "energy_joules_total", "counter", "joules", "system",
+       "energy per domain since the monitor started (the trainer built it), from the same counters (RAPL wrap-around at "
+       "max_energy_range_uj handled)", labels=("domain",), update="window", when=ENERGY),
+    _s("energy_per_token_j", "energy_per_token_joules", "gauge", "joules/token", "system",
+       "a domain's energy between two logging windows (validation, checkpoints included) / the job's tokens "
+       "trained in between; sum over ranks for the job's", labels=("domain",), when=ENERGY + ", from the 2nd window"),
+    _s("memory_bandwidth_bytes_per_s", "memory_bandwidth_bytes_per_second", "gauge", "bytes/s", "system",
+       "achieved DRAM / HBM bandwidth over the logging window; the source label says how: nvml_gpm (GPU DRAM "
+       "counters, Hopper+), nvml_busy_x_peak (memory-busy share x peak: an upper bound), perf_uncore (CPU memory "
+       "controllers' CAS counters, the whole machine, local rank 0), step_bytes_estimate (a model of the bytes one "
+       "step reads and writes x steps/s: a lower bound, not a counter)", labels=("source",),
+       when="always (step_bytes_estimate); NVML sources: " + NVML + "; perf_uncore: Intel uncore_imc PMUs readable"),
+    _s("memory_bandwidth_peak_bytes_per_s", "memory_bandwidth_peak_bytes_per_second", "gauge", "bytes/s", "system",
+       "theoretical memory bandwidth of this rank's GPU: NVML bus width / 8 x max memory clock x 2", when=NVML),
+    _s("step_bytes_estimate", "step_memory_traffic_estimate_bytes", "gauge", "bytes", "system",
+       "modelled bytes one training step reads and writes on this rank: weights twice, saved activations "
+       "(trainer's memory accounting) twice, gradients, optimizer parameters and state (monitor/step_bytes.py)"),
     _s("data_wait_s", "data_wait_seconds", "gauge", "seconds", "system",
        "per step: from the end of the previous optimizer step (or of the logging, validation or "
        "checkpoint record written since) to the first forward: batch fetch, host-to-device copy issue, "
@@ -341,7 +364,8 @@ MEASURED_KEYS = frozenset({"step_s", "forward_s", "backward_s", "optimizer_s", "
                            "cpu_util", "cpu_seconds", "host_cpu_util", "rss_bytes", "io_read_bytes", "gpu_util",
                            "gpu_memory_allocated_bytes", "gpu_memory_reserved_bytes", "pcie_bytes_per_s", "top_ops",
                            "monitor_s", "optimizer_skipped_steps", "mfu_peak_flops", "mfu_peak_source",
-                           "time_unix_s"})
+                           "time_unix_s", "power_w", "energy_j", "energy_per_token_j",
+                           "memory_bandwidth_bytes_per_s", "step_bytes_estimate"})
 
 # Record keys that are bookkeeping, not measurements.
 # mfu_peak_source: a short text ("published: NVIDIA H200 bf16 dense"), not a number;

@@ -1,7 +1,7 @@
 """The Grafana dashboard, generated from code with grafana-foundation-sdk (pinned in
 the ``dev`` extra), plus the provisioning files that load it.
 
-    python -m trainforge.monitor.dashboard deploy/grafana   # rewrites the shipped files
+    python -m trainforge.monitor.dashboard deploy   # rewrites the shipped files under deploy/
 
 One row per level (system, framework, model) and one for ``trainforge serve``. Every
 query uses only metrics from ``catalog.py`` and two variables: ``run``, the Prometheus
@@ -12,7 +12,8 @@ a real Prometheus scraping a real run, ``tests/infer/test_server_prometheus.py``
 serving query against one scraping a live server. Panels whose description says "Needs:
 CUDA" have no data on a CPU run, those saying "Needs: a MoE model" none for a dense model,
 those saying "Needs: trainforge serve" none for a training run (and the other rows none
-for a server).
+for a server), those saying "Needs: an energy counter" none where neither NVML nor a
+readable RAPL powercap zone exists (most virtual machines).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ R = '{job=~"$run",rank=~"$rank"}'
 CUDA_NOTE = "Needs: CUDA"
 MOE_NOTE = "Needs: a MoE model"
 SERVE_NOTE = "Needs: trainforge serve"
+ENERGY_NOTE = "Needs: an energy counter (NVML on CUDA, or RAPL powercap readable by the run: bare metal, usually root)"
 LEVELS = ("system", "framework", "model", "serving")
 ROW_TITLES = {"serving": "Serving (trainforge serve)"}
 
@@ -73,6 +75,20 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("system", "Host <-> device copies", "Bps",
               (q("trainforge_host_device_copy_bytes_per_second", "{{direction}} rank {{rank}}"),),
               f"PCIe throughput from NVML. {CUDA_NOTE}"),
+    PanelSpec("system", "Power", "watt",
+              (q("trainforge_power_watts", "{{domain}} rank {{rank}}"),),
+              "Mean power since the previous logging window: gpu per rank (NVML), package / dram / core (RAPL, "
+              f"the whole machine, from each node's local rank 0). {ENERGY_NOTE}"),
+    PanelSpec("system", "Energy per token", "joule",
+              (("sum by (domain) (trainforge_energy_per_token_joules" + R + ")", "{{domain}}, all ranks"),),
+              "Energy between two logging windows (validation and checkpoints included) / tokens trained in "
+              f"between, summed over ranks: the job's joules per token. {ENERGY_NOTE}"),
+    PanelSpec("system", "Memory bandwidth", "Bps",
+              (q("trainforge_memory_bandwidth_bytes_per_second", "{{source}} rank {{rank}}"),),
+              "Achieved DRAM / HBM bandwidth per logging window. source: nvml_gpm = GPU DRAM counters; "
+              "nvml_busy_x_peak = memory-busy share x peak, an upper bound; perf_uncore = CPU memory controllers' "
+              "counters; step_bytes_estimate = modelled bytes "
+              "per step x steps/s, a lower bound, not a counter."),
     PanelSpec("system", "Data-loader wait", "s",
               (q("trainforge_data_wait_seconds", "rank {{rank}}"),),
               "Per step: end of the previous optimizer step to the first forward."),

@@ -25,11 +25,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from trainforge.monitor.energy import EnergySampler
 from trainforge.monitor.jsonl import JsonlSink
 from trainforge.monitor.probes import StepProbe
 from trainforge.monitor.registry import Registry
 from trainforge.monitor.section import MonitorSection
 from trainforge.monitor.sinks import PrometheusSink, TensorBoardSink
+from trainforge.monitor.step_bytes import training_step_bytes
 from trainforge.monitor.system import SystemSampler
 from trainforge.monitor.tracker_run import config_params
 
@@ -55,7 +57,9 @@ class Monitor:
         self.jsonl = JsonlSink(jsonl_path) if jsonl_path is not None else None
         self.registry = Registry(dist.rank)
         self.sinks: list = []
-        self.probe = self.system = None
+        self.probe = self.system = self.energy = None
+        self.model_parts, self.optimizers = model_parts, optimizers
+        self._activation_bytes = 0  # saved activations per micro-batch, from the trainer's memory keys
         self.start_step = step_fn()
         self._window: int | None = None
         self._window_stats: dict[str, Any] = {}
@@ -76,6 +80,7 @@ class Monitor:
         self.probe = StepProbe(model_parts, optimizers, device, step_fn, section.interval_steps,
                                section.activation_stats, section.profile_every, section.top_ops, opt_parts)
         self.system = SystemSampler(device)
+        self.energy = EnergySampler(device, dist.local_rank)
         self._open_trackers(jsonl_path)
 
     def _open_trackers(self, jsonl_path: Path | None) -> None:
@@ -105,6 +110,9 @@ class Monitor:
             self._write_s += time.perf_counter() - t0
             return
         window = None
+        acts = [v for k, v in record.items() if k.startswith("mem_activations_") and k.endswith("_bytes")]
+        if acts:
+            self._activation_bytes = sum(acts)
         if "loss" in record and "step" in record:
             record = {**record}
             window = self.step_fn()  # steps done when the window's records are written
@@ -137,6 +145,8 @@ class Monitor:
         to the experiment trackers, which record the run's status."""
         if self.probe is not None:
             self.probe.close()
+        if self.energy is not None:
+            self.energy.close()
         if self.section.linger_s and self.prometheus is not None and self.prometheus.address is not None:
             time.sleep(self.section.linger_s)
         for sink in self.sinks:
@@ -155,7 +165,7 @@ class Monitor:
         ours.update(self.probe.timings(step))
         ours.update(self.probe.sampled(step))
         if window != self._window:
-            self._window, self._window_stats = window, self._collect_window()
+            self._window, self._window_stats = window, self._collect_window(record, window)
         ours.update(self._window_stats)
         if "step_s" in ours:
             share = record.get("comm_share", ours.get("comm_share"))
@@ -164,12 +174,13 @@ class Monitor:
         for k, v in ours.items():
             record.setdefault(k, v)  # the trainer's own value of a key wins
 
-    def _collect_window(self) -> dict[str, Any]:
-        """Once per logging window: system counters and the values that hold by
-        construction for this layout (a single process has no collectives and sends no
-        gradient bytes; without a pipeline there is no bubble; without loss scaling
-        the scale is 1)."""
+    def _collect_window(self, record: dict[str, Any], window: int) -> dict[str, Any]:
+        """Once per logging window: system counters (``system.py``, ``energy.py``) and
+        the values that hold by construction for this layout (a single process has no
+        collectives and sends no gradient bytes; without a pipeline there is no bubble;
+        without loss scaling the scale is 1)."""
         out = self.system.sample()
+        out.update(self._energy_window(record, window))
         out["monitor_s"] = self.self_seconds()
         out["optimizer_skipped_steps"] = max(0, (self.step_fn() - self.start_step) - self.probe.optimizer_steps)
         out["parallel_degree"] = dict(self.axes)
@@ -181,6 +192,16 @@ class Monitor:
         if self.pp == 1:
             out["bubble_fraction"] = 0.0
         return out
+
+    def _energy_window(self, record: dict[str, Any], window: int) -> dict[str, Any]:
+        """Energy, power and memory bandwidth since the last window; the trainer's record
+        gives the tokens per step (``tokens`` / ``step``) and the window's steps per second."""
+        tokens, step, tps = record.get("tokens"), record.get("step"), record.get("tokens_per_s")
+        per_step = tokens / step if isinstance(tokens, (int, float)) and isinstance(step, int) and step > 0 else None
+        steps_per_s = tps / per_step if per_step and isinstance(tps, (int, float)) else None
+        forwards = self.probe.last_forwards // max(1, len(self.model_parts))
+        step_bytes = training_step_bytes(self.model_parts, self.optimizers, forwards, self._activation_bytes)
+        return self.energy.sample(per_step * window if per_step else None, step_bytes, steps_per_s)
 
 
 def _trackers(section: MonitorSection, run_dir: Path, resumed: bool, out: list) -> None:

@@ -182,6 +182,7 @@ class StepProbe:
         self._cur: _Step | None = None
         self._last_end: Any = None
         self.optimizer_steps = 0
+        self.last_forwards = 1  # forward calls of the last finished step (micro-batches x model parts)
         self.self_s = 0.0  # host seconds spent in these hooks
         self._done: dict[int, _Step] = {}
         # Sampled step -> {"grad": {group: sq tensor}, "param": ..., "delta": ..., "before": ...}
@@ -281,6 +282,7 @@ class StepProbe:
 
     def _finish(self, cur: _Step) -> None:
         self.optimizer_steps += 1
+        self.last_forwards = max(1, len(cur.fwd))
         self._done[cur.step] = cur
         self._last_end, self._cur = cur.opt_end, None
         for h in self._act_handles:

@@ -2,12 +2,14 @@
 inside the page), readable in a browser without a server.
 
 Plots, from each RUN/metrics.jsonl, the runs overlaid (one colour per run): loss and
-validation loss, learning rate, tokens/s, MFU, memory, communication share (and pipeline
+validation loss, learning rate, tokens/s, MFU, memory, power, energy per token and memory
+bandwidth (per domain or source, where recorded), communication share (and pipeline
 bubble), gradient norm, step phases; per run, the gradient norm of each layer group; for
 a MoE model, MaxVio and the load of every expert per MoE layer. A plot none of the runs
 has data for, or whose every value is zero (communication share in a single process), is
 left out and named in a list at the bottom. Above the plots: a table per run (steps,
-losses, throughput, the MFU peak and its source) and the config: with several runs the
+losses, throughput, the MFU peak and its source, median energy per token, or that no
+energy counter was readable, and memory bandwidth) and the config: with several runs the
 keys of RUN/config.toml whose values differ, with one run all of it.
 
 The x axis is the step, or (``x="time"``) the wall-clock time since the run's first step:
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import html
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -181,6 +184,10 @@ def _expert_loads(train: list[dict[str, Any]]) -> list[list[tuple[str, list[int]
 # (series label, record key) of the plots with several series per run
 MEMORY = (("peak (max over ranks)", "peak_memory_bytes"), ("RSS", "rss_bytes"),
           ("GPU allocated", "gpu_memory_allocated_bytes"), ("GPU reserved", "gpu_memory_reserved_bytes"))
+# (title, y label, record key {label: value}, scale) of the energy and bandwidth plots (energy.py); a key
+# this machine had no counter for is absent from the records, so its plot is listed as not recorded
+ENERGY_PLOTS = (("Power", "watts", "power_w", 1.0), ("Energy per token", "joules per token", "energy_per_token_j", 1.0),
+                ("Memory bandwidth", "GB/s (source in the legend)", "memory_bandwidth_bytes_per_s", 1e-9))
 PHASES = (("step", "step_s"), ("forward", "forward_s"), ("backward", "backward_s"), ("optimizer", "optimizer_s"),
           ("data wait", "data_wait_s"))
 
@@ -230,6 +237,9 @@ def build_plots(runs: list[Run], x: str = "step") -> tuple[list[Plot], list[str]
     add("Throughput", "tokens/s", each((("tokens/s", "tokens_per_s"),)))
     add("MFU", "MFU %", each((("MFU", "mfu", 100.0),)))
     add("Memory", "MiB", each(tuple((s, k, 1 / MIB, False) for s, k in MEMORY)))
+    for title, ylabel, key, scale in ENERGY_PLOTS:
+        add(title, ylabel, [Line(run.name, sub, *_series(run, run.train, key, x, sub=sub, scale=scale))
+                            for run in runs for sub in _groups(run.train, key)])
     add("Communication share", "share of step time",
         each((("in collectives", "comm_share"), ("pipeline bubble", "bubble_fraction"))))
     if any("seq_len" in r for run in runs for r in run.train):  # training.seq_len_schedule = linear or auto
@@ -284,12 +294,31 @@ def _summary(run: Run) -> dict[str, str]:
         rows["validation loss"] = f"{val[0]['val_loss']:.4f} -> {val[-1]['val_loss']:.4f}"
     if ckpts:
         rows["checkpoints"] = f"{len(ckpts)}, mean save {sum(r['checkpoint_save_s'] for r in ckpts) / len(ckpts):.2f} s"
+    if train:
+        # metrics.jsonl is rank 0's: with more ranks its GPU (and node) are a share of the job's energy
+        world = math.prod((train[-1].get("parallel_degree") or {}).values() or [1])
+        label = "energy per token (median)" if world == 1 else f"energy per token (median, rank 0 of {world})"
+        rows[label] = _median_of(train, "energy_per_token_j", "{:.3g} J") or \
+            "not recorded (no energy counter readable: NVML or RAPL powercap)"
+        if bandwidth := _median_of(train, "memory_bandwidth_bytes_per_s", "{:.3g} GB/s", 1e-9):
+            rows["memory bandwidth (median)"] = bandwidth
     peak = [r for r in train if _num(r.get("mfu_peak_flops"))]
     if peak:  # the last record's: the peak may be re-probed during the run
         rows["MFU peak"] = _flops(peak[-1]["mfu_peak_flops"])
         if peak[-1].get("mfu_peak_source"):
             rows["MFU peak source"] = str(peak[-1]["mfu_peak_source"])
     return rows
+
+
+def _median_of(train: list[dict[str, Any]], key: str, fmt: str, scale: float = 1.0) -> str:
+    """``"package 0.12 J, dram 0.01 J"``: the median of each label of a ``{label: number}``
+    record key over the training records; "" when none has it."""
+    parts = []
+    for label in _groups(train, key):
+        vals = sorted(r[key][label] for r in train if isinstance(r.get(key), dict) and _num(r[key].get(label)))
+        if vals:
+            parts.append(f"{label} {fmt.format(vals[len(vals) // 2] * scale)}")
+    return ", ".join(parts)
 
 
 STYLE = ("body{font-family:sans-serif;max-width:1600px;margin:1em auto;padding:0 1em}"

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from trainforge.monitor.nvml_counters import open_nvml
+
 
 def _proc_stat_busy() -> tuple[float, float] | None:
     """(busy, total) jiffies of all CPUs."""
@@ -47,15 +49,8 @@ class SystemSampler:
         self.ncpu = os.cpu_count() or 1
         self._t, self._cpu, self._stat = time.perf_counter(), self._cpu_s(), _proc_stat_busy()
         self._nvml = None
-        if device.type == "cuda":
-            try:
-                import pynvml
-
-                pynvml.nvmlInit()
-                index = device.index if device.index is not None else torch.cuda.current_device()
-                self._nvml = (pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
-            except Exception:  # no nvidia-ml-py, or no NVML on this machine: leave those metrics out
-                self._nvml = None
+        if device.type == "cuda":  # None without nvidia-ml-py or NVML: those metrics are left out
+            self._nvml = open_nvml(device.index if device.index is not None else torch.cuda.current_device())
 
     @staticmethod
     def _cpu_s() -> float:
