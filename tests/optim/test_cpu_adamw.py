@@ -154,3 +154,23 @@ def test_an_unusable_kernel_falls_back_to_torch_fused_with_one_warning(monkeypat
 
 def _raise():
     raise RuntimeError("no such path on this CPU")
+
+
+def test_without_a_compiler_the_update_runs_on_torch_fused_and_says_so_once(tmp_path):
+    # A fresh cache and no C++ compiler: one warning naming the fix, the update still right;
+    # a second process finds the recorded failure and neither rebuilds nor repeats it.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from trainforge.optim.cpu_adamw import adamw_step_, load_adamw_kernel; "
+            "assert load_adamw_kernel() is None; p = torch.ones(100); m, v = torch.zeros(100), torch.zeros(100); "
+            "adamw_step_(p, torch.full((100,), 0.5), m, v, step=1, lr=0.1, weight_decay=0.0); "
+            "print('P', round(p[0].item(), 5))")
+    env = {**os.environ, "TRAINFORGE_KERNEL_CACHE": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+            for _ in range(2)]
+    assert all(r.returncode == 0 and "P 0.9" in r.stdout for r in runs), [r.stderr for r in runs]  # 1 - lr * sign
+    told = [line for line in runs[0].stderr.splitlines() if "CPU AdamW kernel not built" in line]
+    assert len(told) == 1 and "install a C++ compiler" in told[0] and "fused" in told[0], runs[0].stderr
+    assert "CPU AdamW" not in runs[1].stderr

@@ -49,7 +49,7 @@ def cache_dir() -> Path:
 @functools.cache
 def _build() -> str | None:
     """None when the kernel is loaded, else the reason (one attempt per process)."""
-    return native.build(_SOURCES, _NAME, cache_dir(), announce=get_logger().info, what="the CPU AdamW kernel",
+    return native.build(_SOURCES, _NAME, cache_dir(), announce=get_logger().info, what="CPU AdamW kernel",
                         fallback_cost=_FALLBACK_COST, duration="~15 s", cflags=_CFLAGS)
 
 
