@@ -6,14 +6,17 @@ machine's memory bound, in one process, interleaved.
 
 AdamW is memory-bound: per parameter an fp32 step reads the parameter, gradient and two moments
 (16 B) and writes the parameter and moments (12 B): 28 B; with bf16 moments 12 + 8 = 20 B. The
-bound is those bytes over the stream bandwidth, measured in the same rounds by an in-place
-triad (``a += s * b``: 8 B read and 4 B written per element, in place like AdamW's writes, so no
-write-allocate reads). Each round, at 1 and 2 intra-op threads, on one flat buffer of
-``--numel`` fp32 parameters (default 100M, 1.6 GB of fp32 state), times in an order alternated
-per round: the triad, ``torch._fused_adamw_`` (torch's fused CPU AdamW, fp32 moments), ours
-with fp32 moments and ours with bf16 moments. Reported per configuration: the median over
-rounds of the paired ratio torch / ours (> 1: ours faster), min-max over all rounds, and ours
-as a share of the bound (bound time / ours; 100% = at stream bandwidth).
+bound is the time of the same memory traffic without the arithmetic (``trainforge_optim.stream_``:
+the same 4 streams read and 3 written in place, the same chunks and threads), measured in the
+same rounds; its bandwidth (bytes / time) is the machine's stream bandwidth for this access
+pattern. Also shown: an in-place triad by torch (``a += s * b``, 12 B per element), a common
+stream figure, which reads lower here than what AdamW itself reaches. Each round, at 1 and 2
+intra-op threads, on one flat buffer of ``--numel`` fp32 parameters (default 100M, 1.6 GB of fp32
+state), times in an order alternated per round: the triad, the two bounds (fp32 and bf16
+moments), ``torch._fused_adamw_`` (torch's fused CPU AdamW, fp32 moments), ours with fp32
+moments and ours with bf16 moments. Reported per configuration: the median over rounds of the
+paired ratio torch / ours (> 1: ours faster), min-max over all rounds, and ours as a share of
+the bound (bound time / ours, paired per round; 100% = at stream bandwidth).
 
 The AVX2 path runs in a child process with ``TRAINFORGE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2``: both kernels then run their AVX2 code on this CPU (an emulation of an
@@ -57,8 +60,16 @@ def kernel_rounds(numel: int, rounds: int, threads: int) -> dict:
     m16, v16 = m.bfloat16(), v.bfloat16()
     step = [0]
 
+    ops = load_adamw_kernel()
+
     def triad():
         p.add_(g, alpha=1e-12)
+
+    def bound32():
+        ops.stream_(p, g, m, v)
+
+    def bound16():
+        ops.stream_(p, g, m16, v16)
 
     def fused():
         step[0] += 1
@@ -73,7 +84,8 @@ def kernel_rounds(numel: int, rounds: int, threads: int) -> dict:
         step[0] += 1
         adamw_step_(p, g, m16, v16, step=step[0], **HP)
 
-    fns = {"triad": triad, "fused": fused, "ours_fp32": ours32, "ours_bf16": ours16}
+    fns = {"triad": triad, "bound_fp32": bound32, "bound_bf16": bound16, "fused": fused, "ours_fp32": ours32,
+           "ours_bf16": ours16}
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -86,16 +98,17 @@ def kernel_rounds(numel: int, rounds: int, threads: int) -> dict:
                 times[k].append(_timed(fns[k]))
     finally:
         torch.set_num_threads(old)
-    bw = [12 * numel / t for t in times["triad"]]  # bytes per second, per round
+    triad_bw = [12 * numel / t for t in times["triad"]]  # bytes per second, per round
+    bw = [BYTES["fp32"] * numel / t for t in times["bound_fp32"]]
     out = {"threads": threads, "stream_GBps": statistics.median(bw) / 1e9,
-           "stream_GBps_range": [min(bw) / 1e9, max(bw) / 1e9]}
+           "stream_GBps_range": [min(bw) / 1e9, max(bw) / 1e9], "triad_GBps": statistics.median(triad_bw) / 1e9}
     for name, key in (("fp32", "ours_fp32"), ("bf16", "ours_bf16")):
         ratios = [f / o for f, o in zip(times["fused"], times[key])]
-        bound = [BYTES[name] * numel / b / o for b, o in zip(bw, times[key])]  # bound time / ours, paired
+        bound = [b / o for b, o in zip(times[f"bound_{name}"], times[key])]  # bound time / ours, paired
         out[name] = {"ms": statistics.median(times[key]) * 1e3, "vs_fused": statistics.median(ratios),
                      "vs_fused_range": [min(ratios), max(ratios)], "of_bound": statistics.median(bound),
                      "of_bound_range": [min(bound), max(bound)]}
-    fb = [BYTES["fp32"] * numel / b / f for b, f in zip(bw, times["fused"])]
+    fb = [b / f for b, f in zip(times["bound_fp32"], times["fused"])]
     out["fused"] = {"ms": statistics.median(times["fused"]) * 1e3, "of_bound": statistics.median(fb),
                     "of_bound_range": [min(fb), max(fb)]}
     return out
@@ -143,7 +156,8 @@ def step_share(flavor: str, rounds: int, threads: int) -> dict:
 
 def _fmt_kernel(isa: str, r: dict) -> str:
     lo, hi = r["stream_GBps_range"]
-    lines = [f"{isa:7s} {r['threads']} thread(s): stream {r['stream_GBps']:.1f} GB/s [{lo:.1f}-{hi:.1f}]  "
+    lines = [f"{isa:7s} {r['threads']} thread(s): stream {r['stream_GBps']:.1f} GB/s [{lo:.1f}-{hi:.1f}] "
+             f"(torch triad {r['triad_GBps']:.1f})  "
              f"torch fused {r['fused']['ms']:.0f} ms = {r['fused']['of_bound']:.0%} of bound"]
     for name in ("fp32", "bf16"):
         x = r[name]

@@ -266,6 +266,53 @@ void adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs
 
 std::string isa_op() { return trainforge_cpu::chosen_isa(); }
 
+// ---- the memory bound (bench/cpu_adamw.py) ------------------------------------------------------
+// The AdamW step's memory traffic without its arithmetic: per element read p, g, m, v and write p,
+// m, v in place (p += g; m, v: one bit flipped), over the same chunks and threads. Its time is the
+// fastest this access pattern can run here, the bound the kernel is measured against.
+
+template <typename M>
+inline void touch_scalar(float* p, const float* g, M* m, M* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] += g[i];
+    if constexpr (std::is_same_v<M, float>) { m[i] += g[i]; v[i] += g[i]; }
+    else { m[i] ^= 1; v[i] ^= 1; }
+  }
+}
+template <typename M>
+T512 void touch_avx512(float* p, const float* g, M* m, M* v, int64_t n, int64_t, const Hyper&) { touch_scalar(p, g, m, v, n); }
+template <typename M>
+T2 void touch_avx2(float* p, const float* g, M* m, M* v, int64_t n, int64_t, const Hyper&) { touch_scalar(p, g, m, v, n); }
+template <typename M>
+void touch_plain(float* p, const float* g, M* m, M* v, int64_t n, int64_t, const Hyper&) { touch_scalar(p, g, m, v, n); }
+
+void stream_(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v) {
+  TORCH_CHECK(p.is_contiguous() && g.is_contiguous() && m.is_contiguous() && v.is_contiguous() &&
+              p.scalar_type() == at::kFloat && g.scalar_type() == at::kFloat && m.scalar_type() == v.scalar_type() &&
+              g.numel() == p.numel() && m.numel() == p.numel() && v.numel() == p.numel(),
+              "stream_: contiguous fp32 p and g, moments of one dtype, one length");
+  std::vector<Span> spans;
+  for (int64_t b = 0, n = p.numel(); b < n; b += kChunk) spans.push_back({0, b, std::min(n, b + kChunk)});
+  const std::string isa = trainforge_cpu::chosen_isa();
+  const Hyper h{};
+  auto go = [&](auto fn, auto* mp, auto* vp) {
+    at::parallel_for(0, int64_t(spans.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t s = lo; s < hi; ++s)
+        fn(p.data_ptr<float>() + spans[s].begin, g.data_ptr<float>() + spans[s].begin, mp + spans[s].begin,
+           vp + spans[s].begin, spans[s].end - spans[s].begin, 0, h);
+    });
+  };
+  if (m.scalar_type() == at::kFloat) {
+    auto fn = isa == "avx512" ? touch_avx512<float> : isa == "avx2" ? touch_avx2<float> : touch_plain<float>;
+    go(fn, m.data_ptr<float>(), v.data_ptr<float>());
+  } else {
+    auto* mp = static_cast<uint16_t*>(m.data_ptr());
+    auto* vp = static_cast<uint16_t*>(v.data_ptr());
+    auto fn = isa == "avx512" ? touch_avx512<uint16_t> : isa == "avx2" ? touch_avx2<uint16_t> : touch_plain<uint16_t>;
+    go(fn, mp, vp);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trainforge_optim, m) {
@@ -273,6 +320,10 @@ TORCH_LIBRARY(trainforge_optim, m) {
         "float beta1, float beta2, float eps, float weight_decay, float bias_correction1, float bias_correction2, "
         "int seed, bool stochastic) -> ()");
   m.def("isa() -> str", &isa_op);
+  m.def("stream_(Tensor(a!) p, Tensor g, Tensor(b!) m, Tensor(c!) v) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(trainforge_optim, CPU, m) { m.impl("adamw_", &adamw_); }
+TORCH_LIBRARY_IMPL(trainforge_optim, CPU, m) {
+  m.impl("adamw_", &adamw_);
+  m.impl("stream_", &stream_);
+}
