@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import debug_config, train_to
 from tests.faults.conftest import cli_env
 from trainforge.infer.cpu_kernels import build as kbuild
-from trainforge.infer.cpu_kernels.build_cache import BuildCache
+from trainforge.native.build_cache import BuildCache
 
 # These build a library: they need the compiler that a machine without one lacks (the no-compiler
 # tests below run everywhere).

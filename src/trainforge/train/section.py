@@ -115,8 +115,15 @@ class OptimizerSection:
                 "sqrt = training.lr x sqrt(global / lr_reference_batch)")
     lr_reference_batch: int = _f(0, "linear, sqrt: the global batch, in sequences per optimizer step, at which "
                                     "training.lr was tuned (ignored with lr_scaling = none)")
-    implementation: Literal["auto", "fused", "foreach", "for-loop"] = _f(
-        "auto", "AdamW kernel: auto picks fused where the device supports it, else foreach")
+    implementation: Literal["auto", "fused", "foreach", "for-loop", "cpu"] = _f(
+        "auto", "AdamW kernel: auto picks fused where the device supports it, else foreach; cpu = trainforge's C++ "
+                "CPU AdamW (AVX-512 / AVX2, threads; CPU training on plain tensors: one process or DDP), torch's "
+                "fused where it cannot build")
+    moments_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "dtype of AdamW's two moments (implementation = cpu): bfloat16 moves ~30% fewer bytes per step")
+    moments_rounding: Literal["stochastic", "nearest"] = _f(
+        "stochastic", "moments_dtype = bfloat16: how each step rounds the moments (nearest loses increments below "
+                      "half a bf16 step: a second moment with beta2 near 1 stalls)")
 
     def validate(self) -> None:
         for name in ("beta1", "beta2"):
@@ -138,6 +145,9 @@ class OptimizerSection:
         _require(self.lr_scaling == "none" or self.lr_reference_batch >= 1, "optimizer.lr_reference_batch",
                  self.lr_reference_batch, f"with optimizer.lr_scaling = {self.lr_scaling}, the global batch (in "
                  "sequences: batch_size x grad_accum_steps x data-parallel ranks) training.lr was tuned at, >= 1")
+        _require(self.moments_dtype == "float32" or self.implementation == "cpu", "optimizer.moments_dtype",
+                 self.moments_dtype, "float32 unless optimizer.implementation = cpu (the kernel that keeps "
+                 "bfloat16 moments)")
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from trainforge.infer.cpu_kernels.build import build, cache_dir, toolchain
-from trainforge.infer.cpu_kernels.build_cache import BuildCache
+from trainforge.native.build_cache import BuildCache
 
 
 def main() -> int:

@@ -41,8 +41,9 @@ class BuildCache:
     lock (``.lock``), failure record (``.failed.json``) and the private build directories
     (``.tmp-<pid>``)."""
 
-    def __init__(self, entry: Path):
+    def __init__(self, entry: Path, what: str = "CPU kernels"):
         self.entry = entry
+        self.what = what
         self.lock_path = entry.with_name(entry.name + ".lock")
         self.failure_path = entry.with_name(entry.name + ".failed.json")
 
@@ -55,7 +56,7 @@ class BuildCache:
         holder after ``timeout_s`` of waiting, OSError if the lock file cannot be made (an
         unwritable cache)."""
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with wait_for_lock(self.lock_path, timeout_s, what="CPU kernels",
+        with wait_for_lock(self.lock_path, timeout_s, what=self.what,
                            fix="if that process is not building them (hung, or on a stalled network disk), end "
                                "it, or point TRAINFORGE_KERNEL_CACHE at a local directory"):
             yield
