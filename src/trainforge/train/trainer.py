@@ -138,7 +138,8 @@ class Trainer:
         # One optimizer and schedule per part (identical settings): optimizer state stays keyed by FQN.
         opt_device = optimizer_device(cfg.offload, self.device)
         self.optimizers = [build_optimizer(part, cfg.optimizer, self.peak_lr, opt_device,
-                                           distributed=self.dims.world_size > 1) for part in self.opt_parts]
+                                           distributed=self.dims.world_size > 1, seed=tcfg.seed)
+                           for part in self.opt_parts]
         # [offload]: the same groups and settings, with the state and the update on the host.
         self.optimizers = offload_optimizers(self.optimizers, cfg.offload, self.model, self.layout,
                                              tcfg.grad_accum_steps)
