@@ -185,3 +185,18 @@ def load_built(lib: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def usable_ops(built: str | None, namespace: str, warn) -> object | None:
+    """``torch.ops.<namespace>`` of a library whose build ``built`` reported (None: loaded, else
+    the reason it is not), or None where it is unusable: a failed build (reported by ``build``)
+    or an instruction path forced by TRAINFORGE_CPU_ISA that this CPU lacks (``warn(reason)``)."""
+    if built is not None:
+        return None
+    ops = getattr(torch.ops, namespace)
+    try:
+        ops.isa()  # raises if TRAINFORGE_CPU_ISA is unsupported here
+    except RuntimeError as exc:
+        warn(str(exc).splitlines()[0])
+        return None
+    return ops

@@ -63,14 +63,7 @@ def load_adamw_kernel():
     """The ``torch.ops.trainforge_optim`` namespace, or None where the kernel is unusable (a failed
     build is reported by ``native.build`` once per cache; a forced instruction path this CPU lacks
     warns once here)."""
-    if _build() is not None:
-        return None
-    try:
-        torch.ops.trainforge_optim.isa()  # raises if TRAINFORGE_CPU_ISA is unsupported here
-    except RuntimeError as exc:
-        _warn_once(str(exc).splitlines()[0])
-        return None
-    return torch.ops.trainforge_optim
+    return native.usable_ops(_build(), "trainforge_optim", _warn_once)
 
 
 def step_seed(seed: int, step: int, stream: int = 0) -> int:

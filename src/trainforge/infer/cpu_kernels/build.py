@@ -93,11 +93,4 @@ def _warn_once(reason: str) -> None:
 def load_kernels():
     """The `torch.ops.trainforge_cpu` namespace, or None if unusable (a failed build was
     reported by ``build``; a forced instruction path this CPU lacks warns once here)."""
-    if _build() is not None:
-        return None
-    try:
-        torch.ops.trainforge_cpu.isa()  # raises if TRAINFORGE_CPU_ISA is unsupported here
-    except RuntimeError as exc:
-        _warn_once(str(exc).splitlines()[0])
-        return None
-    return torch.ops.trainforge_cpu
+    return native.usable_ops(_build(), "trainforge_cpu", _warn_once)
