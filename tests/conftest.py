@@ -64,15 +64,21 @@ def debug_config(data: Path, *extra: str):
     return load_config(None, [*DEBUG_TRAIN, "--data.path", str(data), *extra])
 
 
-def train_to(cfg, run_dir: Path) -> Path:
-    """Train ``cfg`` into ``run_dir`` in this process (a Trainer, fit, close); returns ``run_dir``."""
+def fit_run(cfg, run_dir: Path, resume=False, callbacks=None):
+    """Train ``cfg`` into ``run_dir`` in this process (a Trainer, fit, close); returns
+    (what ``fit`` returned, the closed trainer)."""
     from trainforge.train.trainer import Trainer
 
-    t = Trainer(cfg, run_dir, progress=False)
+    t = Trainer(cfg, run_dir, resume=resume, callbacks=callbacks, progress=False)
     try:
-        t.fit()
+        return t.fit(), t
     finally:
         t.close()
+
+
+def train_to(cfg, run_dir: Path) -> Path:
+    """Train ``cfg`` into ``run_dir`` in this process; returns ``run_dir``."""
+    fit_run(cfg, run_dir)
     return run_dir
 
 

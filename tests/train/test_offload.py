@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import StopAt, debug_config
+from conftest import StopAt, debug_config, fit_run
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.monitor.jsonl import read_jsonl
@@ -203,14 +203,6 @@ def _losses(run_dir):
     return [(r["step"], r["loss"]) for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
 
 
-def _fit(cfg, run_dir, resume=False, callbacks=None):
-    t = Trainer(cfg, run_dir, resume=resume, callbacks=callbacks, progress=False)
-    try:
-        return t.fit()
-    finally:
-        t.close()
-
-
 @pytest.mark.parametrize("first,second", [("false", "true"), ("true", "false"), ("delay1", "delay1")])
 def test_resume_across_offload_on_and_off_is_exact(tmp_path, small_data, first, second):
     """Off -> on and on -> off continue the plain run exactly; a delay-1 run resumed from its
@@ -219,9 +211,9 @@ def test_resume_across_offload_on_and_off_is_exact(tmp_path, small_data, first, 
     extra = [*SMALL, "--training.steps", str(STEPS), "--checkpoint.interval", "10"]
     opts = {"false": [], "true": ["--offload.optimizer", "true"],
             "delay1": ["--offload.optimizer", "true", "--offload.delay", "1"]}
-    _fit(debug_config(small_data, *extra, *(opts["delay1"] if first == "delay1" else [])), tmp_path / "plain")
-    _fit(debug_config(small_data, *extra, *opts[first]), tmp_path / "b", callbacks=[StopAt(10)])
-    _fit(debug_config(small_data, *extra, *opts[second]), tmp_path / "b", resume=True)
+    fit_run(debug_config(small_data, *extra, *(opts["delay1"] if first == "delay1" else [])), tmp_path / "plain")
+    fit_run(debug_config(small_data, *extra, *opts[first]), tmp_path / "b", callbacks=[StopAt(10)])
+    fit_run(debug_config(small_data, *extra, *opts[second]), tmp_path / "b", resume=True)
     assert _losses(tmp_path / "plain") == _losses(tmp_path / "b")
     a, b = _final(tmp_path / "plain"), _final(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)

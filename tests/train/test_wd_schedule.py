@@ -11,12 +11,11 @@ import math
 
 import pytest
 
-from conftest import StopAt, debug_config
+from conftest import StopAt, debug_config, fit_run as run
 from trainforge.config import load_config
 from trainforge.errors import ConfigError
 from trainforge.monitor.jsonl import read_jsonl
 from trainforge.train.optimizer import decayed_groups
-from trainforge.train.trainer import Trainer
 from trainforge.train.wd_schedule import WeightDecaySchedule
 
 BASE = ["--training.batch_size", "2", "--training.seq_len", "32", "--training.warmup_steps", "2",
@@ -26,14 +25,6 @@ BASE = ["--training.batch_size", "2", "--training.seq_len", "32", "--training.wa
 # Ramp from step index 4 (0.5 x 8) to 8: the value of step index k is 0.1 + 0.8 x (k - 4) / 4 after 4.
 RAMP = [*BASE, "--optimizer.weight_decay_schedule", "linear", "--optimizer.weight_decay_final", "0.9",
         "--optimizer.weight_decay_ramp_start", "0.5"]
-
-
-def run(cfg, run_dir, resume=False, callbacks=None):
-    t = Trainer(cfg, run_dir, resume=resume, callbacks=callbacks, progress=False)
-    try:
-        return t.fit(), t
-    finally:
-        t.close()
 
 
 def records(run_dir):
